@@ -1,0 +1,263 @@
+"""Which devices this machine has, how much memory each has free, and what a device string means.
+
+The :class:`DeviceInventory` asks every backend probe (``core.backends``) and every
+:class:`~core.simulated.SimulatedDevice` for its devices, numbers accelerators ``gpu:0``, ``gpu:1``, ...
+(ComfyUI core's convention), and never lets a failing probe take the others down: a probe that raises is
+reported in :attr:`InventorySnapshot.backends` with its error.
+
+Device strings accepted from users: ``auto``, ``cpu``, ``gpu:N``, and the backend names ``cuda:N``,
+``xpu:N``, ``npu:N``, ``mlu:N``, ``mps``, ``directml:N``, ``sim:N`` (a simulated device).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import psutil
+
+from .backends import Backend, DeviceInfo, default_backends
+from .errors import DeviceNotFoundError, InvalidDeviceSpecError
+from .simulated import SimulatedDevice, SimulatedSpec
+from .units import parse_size
+
+__all__ = [
+    "BackendStatus",
+    "DeviceInfo",
+    "DeviceInventory",
+    "DeviceSpec",
+    "HostMemory",
+    "InventorySnapshot",
+    "Resolution",
+    "SimulatedDevice",
+    "parse_device_spec",
+    "simulated_devices_from_env",
+]
+
+SIMULATE_ENV = "DEVICE_CONTROL_SIMULATE_GPU"
+SIMULATE_FAULTS_ENV = "DEVICE_CONTROL_SIMULATE_FAULTS"
+SIMULATE_OTHERS_ENV = "DEVICE_CONTROL_SIMULATE_USED_BY_OTHERS"
+
+_SPEC_RE = re.compile(r"^(auto|cpu|gpu|cuda|xpu|npu|mlu|mps|directml|privateuseone|sim)(?::(\d+))?$")
+_ACCEPTED = "auto, cpu, gpu:N, cuda:N, xpu:N, npu:N, mlu:N, mps, directml:N or sim:N"
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """A parsed device string: ``kind`` is one of the accepted words, ``index`` defaults to 0."""
+
+    kind: str
+    index: int = 0
+
+    def __str__(self) -> str:
+        if self.kind in ("auto", "cpu", "mps"):
+            return self.kind
+        return f"{self.kind}:{self.index}"
+
+
+def parse_device_spec(text: str) -> DeviceSpec:
+    """Parse a device string such as ``"gpu:1"`` or ``"CUDA:0"`` (case and spaces do not matter).
+
+    Raises:
+        InvalidDeviceSpecError: the text is not one of the accepted forms.
+    """
+    match = _SPEC_RE.match(str(text).strip().lower())
+    if match is None:
+        raise InvalidDeviceSpecError(f"{text!r} is not a device; use one of: {_ACCEPTED}.")
+    kind = "directml" if match.group(1) == "privateuseone" else match.group(1)
+    index = int(match.group(2) or 0)
+    if kind in ("auto", "cpu", "mps") and match.group(2) is not None and index != 0:
+        raise InvalidDeviceSpecError(f"{text!r}: '{kind}' takes no index; write just '{kind}'.")
+    return DeviceSpec(kind, index)
+
+
+@dataclass(frozen=True)
+class BackendStatus:
+    """How one backend's probe went: available or not, how many devices, or the error it raised."""
+
+    name: str
+    available: bool
+    device_count: int = 0
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """System RAM and this process's resident set size, in bytes."""
+
+    total: int
+    available: int
+    process_rss: int
+
+    @property
+    def used(self) -> int:
+        """Bytes of RAM in use by anyone."""
+        return self.total - self.available
+
+
+@dataclass(frozen=True)
+class InventorySnapshot:
+    """Every device and backend at one moment."""
+
+    devices: tuple[DeviceInfo, ...]
+    backends: tuple[BackendStatus, ...]
+    host: HostMemory
+
+    def get(self, device_id: str) -> DeviceInfo | None:
+        """The device with this id (``"gpu:0"``, ``"cpu"``), or ``None``."""
+        return next((d for d in self.devices if d.id == device_id), None)
+
+    @property
+    def errors(self) -> list[str]:
+        """Every backend or device query that failed, as ``"<where>: <error>"`` lines."""
+        lines = [f"{b.name}: {b.error}" for b in self.backends if b.error]
+        lines += [f"{d.id or d.native}: {d.error}" for d in self.devices if d.error]
+        return lines
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """The device a device string resolved to, and a warning when it fell back to another one."""
+
+    device: DeviceInfo
+    requested: str
+    warning: str | None = None
+
+
+@dataclass
+class DeviceInventory:
+    """All devices: real ones found by the backend probes, then simulated ones.
+
+    Args:
+        backends: the probes to ask (default: every backend torch may have).
+        simulated: simulated devices, numbered after the real accelerators.
+    """
+
+    backends: Sequence[Backend] = field(default_factory=default_backends)
+    simulated: Sequence[SimulatedDevice] = ()
+
+    def snapshot(self) -> InventorySnapshot:
+        """Query every backend now. Never raises because a backend failed."""
+        devices: list[DeviceInfo] = []
+        statuses: list[BackendStatus] = []
+        next_gpu = 0
+        for backend in self.backends:
+            try:
+                if not backend.available():
+                    statuses.append(BackendStatus(backend.name, False))
+                    continue
+                found = backend.devices()
+            except Exception as exc:  # a broken driver is reported, never fatal
+                statuses.append(BackendStatus(backend.name, False, error=f"{type(exc).__name__}: {exc}"))
+                continue
+            for info in found:
+                if info.kind != "cpu":
+                    info = _with_id(info, f"gpu:{next_gpu}")
+                    next_gpu += 1
+                devices.append(info)
+            statuses.append(BackendStatus(backend.name, True, len(found)))
+        for sim in self.simulated:
+            devices.append(_simulated_info(sim, f"gpu:{next_gpu}"))
+            next_gpu += 1
+        if self.simulated:
+            statuses.append(BackendStatus("simulated", True, len(self.simulated)))
+        return InventorySnapshot(tuple(devices), tuple(statuses), host_memory())
+
+    def simulated_device(self, device_id: str, snapshot: InventorySnapshot | None = None) -> SimulatedDevice | None:
+        """The :class:`SimulatedDevice` behind ``device_id`` (``"gpu:N"``), or ``None`` for a real one."""
+        snapshot = snapshot or self.snapshot()
+        info = snapshot.get(device_id)
+        if info is None or info.kind != SimulatedDevice.kind:
+            return None
+        return next((sim for sim in self.simulated if sim.label == info.native), None)
+
+    def resolve(self, text: str, *, fallback: bool = False, snapshot: InventorySnapshot | None = None) -> Resolution:
+        """Resolve a device string to a device of this machine.
+
+        Args:
+            text: what the user wrote (see the module docstring for the accepted forms).
+            fallback: when the device does not exist here, use what ``auto`` picks and say so in
+                :attr:`Resolution.warning` (portable workflows) instead of raising.
+            snapshot: an inventory snapshot to resolve against (default: a fresh one).
+
+        Raises:
+            InvalidDeviceSpecError: the string is malformed (even with ``fallback``: it is a typo).
+            DeviceNotFoundError: the device does not exist here and ``fallback`` is off.
+        """
+        spec = parse_device_spec(text)
+        snapshot = snapshot or self.snapshot()
+        found = _find(spec, snapshot)
+        if found is not None:
+            return Resolution(found, str(spec))
+        here = ", ".join(f"{d.id} ({d.name})" for d in snapshot.devices if d.id) or "none"
+        problem = f"device '{spec}' does not exist on this machine (devices here: {here})"
+        if not fallback:
+            raise DeviceNotFoundError(f"{problem}; pick one of those, or 'auto'.")
+        chosen = _find(DeviceSpec("auto"), snapshot)
+        if chosen is None:
+            raise DeviceNotFoundError(f"{problem}, and no device is usable at all; check the errors above.")
+        return Resolution(chosen, str(spec), f"{problem}; using {chosen.id} instead.")
+
+
+def _find(spec: DeviceSpec, snapshot: InventorySnapshot) -> DeviceInfo | None:
+    usable = [d for d in snapshot.devices if d.id and d.error is None]
+    if spec.kind == "auto":
+        return next((d for d in usable if d.is_accelerator), None) or snapshot.get("cpu")
+    if spec.kind == "cpu":
+        return snapshot.get("cpu")
+    if spec.kind == "gpu":
+        return snapshot.get(f"gpu:{spec.index}")
+    native = {"mps": "mps", "directml": f"privateuseone:{spec.index}"}.get(spec.kind, f"{spec.kind}:{spec.index}")
+    return next((d for d in snapshot.devices if d.native == native), None)
+
+
+def _with_id(info: DeviceInfo, device_id: str) -> DeviceInfo:
+    return DeviceInfo(**{**info.__dict__, "id": device_id})
+
+
+def _simulated_info(sim: SimulatedDevice, device_id: str) -> DeviceInfo:
+    try:
+        stats = sim.stats()
+    except Exception as exc:  # an injected (or real) failure is reported like a driver failure
+        return DeviceInfo(device_id, sim.kind, sim.name, sim.label, None, None, error=f"{type(exc).__name__}: {exc}")
+    return DeviceInfo(
+        device_id,
+        sim.kind,
+        sim.name,
+        sim.label,
+        stats["total"],
+        stats["free"],
+        stats["torch_allocated"],
+        stats["torch_reserved"],
+        stats["used_by_others"],
+        ("fp32", "fp16", "bf16"),
+    )
+
+
+def host_memory() -> HostMemory:
+    """System RAM and this process's RSS, now."""
+    memory = psutil.virtual_memory()
+    return HostMemory(memory.total, memory.available, psutil.Process().memory_info().rss)
+
+
+def simulated_devices_from_env(environ: dict[str, str] | None = None) -> list[SimulatedDevice]:
+    """The simulated devices asked for by ``DEVICE_CONTROL_SIMULATE_GPU`` (none when it is unset).
+
+    ``DEVICE_CONTROL_SIMULATE_GPU=8GiB`` makes one device, ``8GiB,4GiB`` two.
+    ``DEVICE_CONTROL_SIMULATE_USED_BY_OTHERS=1GiB`` pretends another process holds that much on each;
+    ``DEVICE_CONTROL_SIMULATE_FAULTS=stats`` makes their statistics queries fail (fault tests).
+
+    Raises:
+        InvalidSizeError: a size in the variables cannot be parsed.
+        ValueError: an unknown fault is named.
+    """
+    import os
+
+    env = os.environ if environ is None else environ
+    spec = SimulatedSpec.parse(env.get(SIMULATE_ENV), env.get(SIMULATE_FAULTS_ENV))
+    others = parse_size(env.get(SIMULATE_OTHERS_ENV) or 0)
+    return [
+        SimulatedDevice(capacity, ordinal=i, used_by_others=others, faults=spec.faults)
+        for i, capacity in enumerate(spec.capacities)
+    ]

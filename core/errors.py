@@ -1,0 +1,25 @@
+"""The exception hierarchy of Device Control.
+
+Every error the pack raises on purpose derives from :class:`DeviceControlError`, and its message names
+the problem *and* the fix, so that a user who sees it in ComfyUI's error dialog knows what to do next.
+Running out of device memory is not one of these: it is an expected outcome, reported as a value or as
+the backend's own ``torch.OutOfMemoryError`` (see ``core.simulated``).
+"""
+
+from __future__ import annotations
+
+
+class DeviceControlError(Exception):
+    """Base class of every deliberate error raised by Device Control."""
+
+
+class InvalidDeviceSpecError(DeviceControlError, ValueError):
+    """A device string could not be parsed (for example ``"gpu:x"`` or ``"tpu:0"``)."""
+
+
+class DeviceNotFoundError(DeviceControlError, LookupError):
+    """A well-formed device string names a device that this machine does not have."""
+
+
+class InvalidSizeError(DeviceControlError, ValueError):
+    """A memory size or budget string could not be parsed, or is out of range."""

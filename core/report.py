@@ -1,0 +1,179 @@
+"""The memory report: devices, host RAM, resident models and the memory mode, as text and as JSON.
+
+The report is assembled from plain records so that it can describe models built by ComfyUI (the
+``nodes`` layer converts them) and plain torch models alike. Rendering never raises on missing
+figures: an unknown number prints as ``n/a``, a failed query as its error.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+import torch
+
+from .backends import DeviceInfo
+from .devices import HostMemory, InventorySnapshot
+from .units import format_bytes
+
+
+@dataclass(frozen=True)
+class ModelResidency:
+    """Where one model's weights are, right now.
+
+    Args:
+        name: what users call it (``"SD15 diffusion model"``).
+        component: ``"MODEL"``, ``"CLIP"``, ``"VAE"`` or ``"other"``.
+        model_class: the Python class of the module tree (``"BaseModel"``, ``"SD1ClipModel"``).
+        total_bytes: bytes of all its weights.
+        resident: ``(device_id, bytes)`` pairs: how much of it is on each device.
+        compute_device: the device it computes on (ComfyUI's load device).
+        partial: part of it stays off the compute device and streams in when used.
+        dtype: the storage dtype of its weights, when known.
+        managed_by: who decides its placement (``"ComfyUI"`` or ``"Device Control"``).
+        in_use: ComfyUI's ``currently_used`` flag (False means it is first in line to be unloaded).
+    """
+
+    name: str
+    component: str
+    model_class: str
+    total_bytes: int
+    resident: tuple[tuple[str, int], ...]
+    compute_device: str
+    partial: bool
+    dtype: str | None = None
+    managed_by: str = "ComfyUI"
+    in_use: bool = True
+
+
+@dataclass(frozen=True)
+class MemoryMode:
+    """How the host application manages memory (ComfyUI's VRAM state, smart memory, Dynamic VRAM)."""
+
+    vram_state: str
+    description: str
+    cpu_state: str
+    compute_device: str
+    smart_memory: bool
+    dynamic_vram: str
+    pinned_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Everything the VRAM Report node shows, at one moment."""
+
+    label: str
+    devices: tuple[DeviceInfo, ...]
+    errors: tuple[str, ...]
+    host: HostMemory
+    models: tuple[ModelResidency, ...]
+    mode: MemoryMode | None
+    subject: ModelResidency | None = None
+    notes: tuple[str, ...] = ()
+    versions: dict[str, str] = field(default_factory=dict)
+    created: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dictionary (bytes as integers, so bug reports lose no precision)."""
+        data = asdict(self)
+        data["devices"] = [{**asdict(d), "used": d.used} for d in self.devices]
+        data["host"] = {**asdict(self.host), "used": self.host.used}
+        data["models"] = [_model_dict(m) for m in self.models]
+        data["subject"] = _model_dict(self.subject) if self.subject is not None else None
+        return data
+
+    def to_json(self) -> str:
+        """The report as indented JSON."""
+        return json.dumps(self.to_dict(), indent=2)
+
+    def to_text(self) -> str:
+        """The report for people: one block per section, aligned, figures in binary units."""
+        title = f"VRAM Report - {self.label}" if self.label else "VRAM Report"
+        lines = [f"{title} ({self.created})", "", "Devices:"]
+        lines += [_device_line(d) for d in self.devices] or ["  (none)"]
+        lines += [f"  ! {error}" for error in self.errors]
+        host = self.host
+        lines += [
+            "",
+            f"RAM: {format_bytes(host.used)} used of {format_bytes(host.total)}, "
+            f"{format_bytes(host.available)} available; this process (RSS): {format_bytes(host.process_rss)}",
+        ]
+        if self.mode is not None:
+            mode = self.mode
+            lines += [
+                "",
+                f"Memory mode: {mode.vram_state} - {mode.description}",
+                f"  compute device: {mode.compute_device}; smart memory: {'on' if mode.smart_memory else 'off'}; "
+                f"dynamic VRAM: {mode.dynamic_vram}"
+                + (f"; pinned host memory: {format_bytes(mode.pinned_bytes)}" if mode.pinned_bytes else ""),
+            ]
+        if self.subject is not None:
+            lines += ["", "Input at this point:", _model_line(self.subject)]
+        lines += ["", f"Models loaded by ComfyUI ({len(self.models)}):"]
+        lines += [_model_line(m) for m in self.models] or ["  (none)"]
+        if self.notes:
+            lines += ["", "Notes:"] + [f"  - {note}" for note in self.notes]
+        return "\n".join(lines)
+
+
+def _model_dict(model: ModelResidency) -> dict[str, Any]:
+    return {**asdict(model), "resident": dict(model.resident)}
+
+
+def _device_line(device: DeviceInfo) -> str:
+    head = f"  {device.id or device.native:<6} {device.name} [{device.kind}]"
+    if device.error:
+        return f"{head}: query failed: {device.error}"
+    if device.total is None:
+        return f"{head}: memory not reported by this backend"
+    parts = [f"{format_bytes(device.used)} used of {format_bytes(device.total)}", f"{format_bytes(device.free)} free"]
+    if device.torch_allocated is not None:
+        allocated, reserved = format_bytes(device.torch_allocated), format_bytes(device.torch_reserved)
+        parts.append(f"torch allocated {allocated} / reserved {reserved}")
+    if device.used_by_others:
+        parts.append(f"other processes {format_bytes(device.used_by_others)}")
+    if device.is_accelerator:
+        parts.append(f"computes in {'/'.join(device.dtypes)}")
+    return f"{head}: " + "; ".join(parts)
+
+
+def _model_line(model: ModelResidency) -> str:
+    where = ", ".join(f"{format_bytes(size)} on {device}" for device, size in model.resident if size)
+    state = "partial" if model.partial else "full"
+    extras = [f"computes on {model.compute_device}", state]
+    if model.dtype:
+        extras.append(model.dtype)
+    extras.append(f"managed by {model.managed_by}")
+    if not model.in_use:
+        extras.append("idle")
+    head = f"  {model.component:<5} {model.name} ({model.model_class}), {format_bytes(model.total_bytes)}"
+    return f"{head}: {where or 'nothing resident'} [{', '.join(extras)}]"
+
+
+def build_report(
+    snapshot: InventorySnapshot,
+    models: list[ModelResidency],
+    mode: MemoryMode | None,
+    *,
+    subject: ModelResidency | None = None,
+    label: str = "",
+    notes: list[str] | None = None,
+    versions: dict[str, str] | None = None,
+) -> MemoryReport:
+    """Assemble a report from an inventory snapshot and the models the host application has loaded."""
+    base_versions = {"python": platform.python_version(), "torch": torch.__version__}
+    return MemoryReport(
+        label=label,
+        devices=snapshot.devices,
+        errors=tuple(snapshot.errors),
+        host=snapshot.host,
+        models=tuple(models),
+        mode=mode,
+        subject=subject,
+        notes=tuple(notes or ()),
+        versions={**base_versions, **(versions or {})},
+    )

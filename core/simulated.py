@@ -1,0 +1,303 @@
+"""A simulated GPU for machines that have none.
+
+``SimulatedDevice`` keeps tensors in host memory but behaves, where it matters for memory management,
+like a real accelerator:
+
+* it has a capacity and exact residency books: every live tensor placed on it (and every tensor an
+  operation on it produces) counts until the last Python reference to it is gone;
+* going over capacity raises ``torch.OutOfMemoryError``, the same exception a CUDA allocator raises;
+* computing with a tensor on it and a tensor that was never moved to it raises the same
+  ``RuntimeError`` ("Expected all tensors to be on the same device ...") a real device mismatch raises,
+  so a forgotten move fails in tests instead of passing silently.
+
+Tensors on the device are instances of :class:`SimTensor`, a ``torch.Tensor`` subclass that shares
+storage with the host tensor it was made from (a move costs no host memory). Moving back with
+:meth:`SimulatedDevice.to_host`, ``.cpu()`` or ``.to("cpu")`` returns a plain tensor.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .units import format_bytes, parse_size
+
+#: Faults a simulated device can be told to inject (see ``SimulatedDevice(faults=...)``).
+KNOWN_FAULTS = frozenset({"stats"})
+
+
+@dataclass(frozen=True)
+class SimulatedSpec:
+    """What ``DEVICE_CONTROL_SIMULATE_GPU`` asked for: one capacity per simulated device."""
+
+    capacities: tuple[int, ...]
+    faults: frozenset[str] = frozenset()
+
+    @classmethod
+    def parse(cls, capacities: str | None, faults: str | None = None) -> SimulatedSpec:
+        """Parse ``"8GiB"`` or ``"8GiB,4GiB"`` (one device each) and an optional fault list.
+
+        Raises:
+            InvalidSizeError: a capacity is not a size.
+            ValueError: a fault name is unknown.
+        """
+        sizes = tuple(parse_size(part) for part in (capacities or "").split(",") if part.strip())
+        names = frozenset(part.strip() for part in (faults or "").split(",") if part.strip())
+        unknown = names - KNOWN_FAULTS
+        if unknown:
+            raise ValueError(f"unknown simulated fault(s) {sorted(unknown)}; known faults: {sorted(KNOWN_FAULTS)}.")
+        return cls(sizes, names)
+
+
+class _Entry:
+    """Books for one storage on the device: its size and how many live SimTensors use it."""
+
+    __slots__ = ("nbytes", "refs")
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.refs = 0
+
+
+class SimulatedDevice:
+    """A GPU stand-in with a capacity, residency books and real out-of-memory behaviour.
+
+    Args:
+        capacity: total bytes the device holds.
+        ordinal: index among simulated devices; the device calls itself ``sim:<ordinal>`` in errors.
+        used_by_others: bytes another process is pretending to hold (lowers what is free).
+        faults: names from :data:`KNOWN_FAULTS` to inject, for fault-tolerance tests.
+    """
+
+    kind = "simulated"
+
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        ordinal: int = 0,
+        used_by_others: int = 0,
+        faults: Iterable[str] = (),
+    ) -> None:
+        if capacity <= 0:
+            raise ValueError(f"a simulated device needs a positive capacity, not {capacity}.")
+        self.capacity = int(capacity)
+        self.ordinal = ordinal
+        self.used_by_others = int(used_by_others)
+        self.faults = frozenset(faults)
+        self._books: dict[int, _Entry] = {}
+        self._allocated = 0
+        self._peak = 0
+        self._lock = threading.Lock()
+
+    @property
+    def label(self) -> str:
+        """The name used in error messages, in the style of ``cuda:0``."""
+        return f"sim:{self.ordinal}"
+
+    @property
+    def name(self) -> str:
+        """A human-readable name for reports."""
+        return f"Simulated GPU {self.ordinal} ({format_bytes(self.capacity)})"
+
+    # -- books -------------------------------------------------------------------------------------
+
+    def allocated(self) -> int:
+        """Bytes currently held by live tensors on this device."""
+        return self._allocated
+
+    def peak_allocated(self) -> int:
+        """The most bytes held at once since creation or the last :meth:`reset_peak`."""
+        return self._peak
+
+    def reset_peak(self) -> None:
+        """Start measuring the peak again from the current allocation."""
+        self._peak = self._allocated
+
+    def free(self) -> int:
+        """Bytes that a new allocation may still take."""
+        return max(0, self.capacity - self.used_by_others - self._allocated)
+
+    def stats(self) -> dict[str, int]:
+        """Memory figures in the shape the device inventory reports for real backends.
+
+        Raises:
+            RuntimeError: when the ``stats`` fault is injected (as a failing driver query would).
+        """
+        if "stats" in self.faults:
+            raise RuntimeError(f"{self.label}: injected fault: memory statistics query failed")
+        return {
+            "total": self.capacity,
+            "free": self.free(),
+            "torch_allocated": self._allocated,
+            "torch_reserved": self._allocated,
+            "used_by_others": self.used_by_others,
+        }
+
+    def _register(self, tensor: torch.Tensor) -> None:
+        """Count ``tensor``'s storage (once per storage) and tie its release to the tensor's life."""
+        storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
+        key = storage.data_ptr()
+        with self._lock:
+            entry = self._books.get(key)
+            if entry is None:
+                if nbytes > self.free():
+                    raise torch.OutOfMemoryError(self._oom_message(nbytes))
+                entry = _Entry(nbytes)
+                self._books[key] = entry
+                self._allocated += nbytes
+                self._peak = max(self._peak, self._allocated)
+            entry.refs += 1
+        weakref.finalize(tensor, self._drop, key)
+
+    def _drop(self, key: int) -> None:
+        with self._lock:
+            entry = self._books.get(key)
+            if entry is None:
+                return
+            entry.refs -= 1
+            if entry.refs <= 0:
+                del self._books[key]
+                self._allocated -= entry.nbytes
+
+    def _oom_message(self, nbytes: int) -> str:
+        return (
+            f"Simulated device {self.label} out of memory. Tried to allocate {format_bytes(nbytes)}. "
+            f"It has a total capacity of {format_bytes(self.capacity)} of which {format_bytes(self.free())} "
+            f"is free; {format_bytes(self._allocated)} is allocated by this process."
+        )
+
+    # -- moves -------------------------------------------------------------------------------------
+
+    def place(self, tensor: torch.Tensor) -> SimTensor:
+        """Move ``tensor`` onto this device (the books count it; the host data is shared, not copied).
+
+        Raises:
+            torch.OutOfMemoryError: the tensor does not fit in what is free.
+            RuntimeError: the tensor is already on another simulated device.
+        """
+        if isinstance(tensor, SimTensor):
+            if tensor.sim_device is self:
+                return tensor
+            raise RuntimeError(
+                f"tensor is on {tensor.sim_device.label}; move it to the host before placing it on {self.label}."
+            )
+        with torch._C.DisableTorchFunctionSubclass():
+            placed = tensor.detach().as_subclass(SimTensor)
+            placed._sim_device = self
+            self._register(placed)
+        return placed
+
+    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Return a plain host tensor with the data of ``tensor`` (a copy, as a device-to-host move is)."""
+        if not isinstance(tensor, SimTensor):
+            return tensor
+        with torch._C.DisableTorchFunctionSubclass():
+            return tensor.as_subclass(torch.Tensor).clone()
+
+    def empty_cache(self) -> None:
+        """Nothing is cached on a simulated device; present so callers treat every device alike."""
+
+    def __repr__(self) -> str:
+        return (
+            f"SimulatedDevice({self.label}, capacity={format_bytes(self.capacity)}, "
+            f"allocated={format_bytes(self._allocated)})"
+        )
+
+
+def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors_in(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors_in(item)
+
+
+def _is_host_scalar(tensor: torch.Tensor) -> bool:
+    # Real accelerators accept 0-dim host tensors as scalars in their kernels; so do we.
+    return tensor.dim() == 0
+
+
+#: Functions that move data between the host and a device, where mixing devices is the point.
+_TRANSFERS = {torch.Tensor.copy_, torch.Tensor.to, torch.Tensor.cpu}
+
+
+class SimTensor(torch.Tensor):
+    """A tensor resident on a :class:`SimulatedDevice` (its data lives in host memory)."""
+
+    _sim_device: SimulatedDevice
+
+    @property
+    def sim_device(self) -> SimulatedDevice:
+        """The simulated device this tensor is on."""
+        return self._sim_device
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunctionSubclass():
+            device = _common_device(func, args, kwargs)
+            if func is torch.Tensor.cpu or (func is torch.Tensor.to and _to_names_a_device(args, kwargs)):
+                source = args[0].as_subclass(torch.Tensor)
+                return func(source, *args[1:], **kwargs).clone()
+            result = func(*args, **kwargs)
+            return _wrap(result, device)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        with torch._C.DisableTorchFunctionSubclass():
+            inner = torch.Tensor.__repr__(self.as_subclass(torch.Tensor))
+        return f"{inner[:-1]}, sim_device='{self._sim_device.label}')"
+
+
+def _common_device(func: Any, args: tuple, kwargs: dict) -> SimulatedDevice | None:
+    """The one simulated device the operands are on; raise as a real device mismatch would."""
+    device: SimulatedDevice | None = None
+    host: torch.Tensor | None = None
+    for tensor in _tensors_in((args, kwargs)):
+        if isinstance(tensor, SimTensor):
+            other = tensor._sim_device
+            if device is not None and other is not device:
+                _raise_mismatch(device.label, other.label)
+            device = other
+        elif not _is_host_scalar(tensor):
+            host = tensor
+    if device is not None and host is not None and func not in _TRANSFERS:
+        _raise_mismatch(device.label, str(host.device))
+    return device
+
+
+def _raise_mismatch(first: str, second: str) -> None:
+    raise RuntimeError(
+        f"Expected all tensors to be on the same device, but found at least two devices, {first} and {second}! "
+        "(A weight was not moved to the compute device and has no cast path.)"
+    )
+
+
+def _to_names_a_device(args: tuple, kwargs: dict) -> bool:
+    device, _dtype, _non_blocking, _memory_format = torch._C._nn._parse_to(*args[1:], **kwargs)
+    return device is not None
+
+
+def _wrap(result: Any, device: SimulatedDevice | None) -> Any:
+    if device is None:
+        return result
+    if isinstance(result, torch.Tensor):
+        if isinstance(result, SimTensor) and getattr(result, "_sim_device", None) is device:
+            return result
+        wrapped = result.as_subclass(SimTensor)
+        wrapped._sim_device = device
+        device._register(wrapped)
+        return wrapped
+    if isinstance(result, (list, tuple)) and any(isinstance(item, torch.Tensor) for item in result):
+        items = [_wrap(item, device) for item in result]
+        return type(result)(items) if not hasattr(result, "_fields") else type(result)(*items)
+    return result

@@ -1,0 +1,82 @@
+"""The memory report: text for people, JSON for bug reports, and no crash on unknown figures."""
+
+from __future__ import annotations
+
+import json
+
+from core.backends import CpuBackend, DeviceInfo
+from core.devices import DeviceInventory
+from core.report import MemoryMode, ModelResidency, build_report
+from core.simulated import SimulatedDevice
+
+GiB = 1024**3
+
+
+class NoMemoryBackend:
+    """A backend that cannot report memory, as DirectML cannot."""
+
+    name = "directml"
+
+    def available(self):
+        return True
+
+    def devices(self):
+        return [DeviceInfo("", "directml", "Radeon Test", "privateuseone:0", None, None)]
+
+
+def make_snapshot():
+    inventory = DeviceInventory(
+        backends=[NoMemoryBackend(), CpuBackend()],
+        simulated=[SimulatedDevice(8 * GiB), SimulatedDevice(GiB, ordinal=1, faults={"stats"})],
+    )
+    return inventory.snapshot()
+
+
+UNET = ModelResidency(
+    name="SD15 diffusion model",
+    component="MODEL",
+    model_class="BaseModel",
+    total_bytes=3 * GiB,
+    resident=(("gpu:1", 2 * GiB), ("cpu", GiB)),
+    compute_device="gpu:1",
+    partial=True,
+    dtype="float16",
+    managed_by="Device Control",
+    in_use=False,
+)
+MODE = MemoryMode("NORMAL_VRAM", "normal", "GPU", "gpu:0", True, "not available in this ComfyUI", 512 * 1024**2)
+
+
+def test_text_report_has_every_section_and_figure():
+    report = build_report(make_snapshot(), [UNET], MODE, label="after sampling", notes=["something to know"])
+    text = report.to_text()
+    assert text.startswith("VRAM Report - after sampling (")
+    assert "gpu:0  Radeon Test [directml]: memory not reported by this backend" in text
+    assert "gpu:1  Simulated GPU 0 (8.00 GiB) [simulated]: 0 B used of 8.00 GiB; 8.00 GiB free" in text
+    assert "gpu:2  Simulated GPU 1 (1.00 GiB) [simulated]: query failed: RuntimeError: sim:1: injected fault" in text
+    assert "RAM: " in text and "this process (RSS): " in text
+    assert "Memory mode: NORMAL_VRAM - normal" in text and "pinned host memory: 512.00 MiB" in text
+    assert (
+        "MODEL SD15 diffusion model (BaseModel), 3.00 GiB: 2.00 GiB on gpu:1, 1.00 GiB on cpu "
+        "[computes on gpu:1, partial, float16, managed by Device Control, idle]" in text
+    )
+    assert "Notes:\n  - something to know" in text
+
+
+def test_json_report_keeps_exact_bytes():
+    report = build_report(make_snapshot(), [UNET], MODE, subject=UNET)
+    data = json.loads(report.to_json())
+    assert data["models"][0]["resident"] == {"gpu:1": 2 * GiB, "cpu": GiB}
+    assert data["subject"]["total_bytes"] == 3 * GiB
+    sim = next(d for d in data["devices"] if d["id"] == "gpu:1")
+    assert (sim["total"], sim["free"], sim["used"]) == (8 * GiB, 8 * GiB, 0)
+    assert data["host"]["process_rss"] > 0
+    assert {"python", "torch"} <= set(data["versions"])
+    assert any("injected fault" in e for e in data["errors"])
+
+
+def test_empty_report_still_renders():
+    report = build_report(make_snapshot(), [], None)
+    text = report.to_text()
+    assert "Models loaded by ComfyUI (0):\n  (none)" in text
+    assert "Memory mode" not in text
