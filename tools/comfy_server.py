@@ -1,0 +1,192 @@
+"""Start a real ComfyUI server with the pack, talk to its HTTP API, and stop it.
+
+Used by the demo and by the integration and browser tests. Standard library only, so the demo can drive
+the server from any Python while ComfyUI itself runs in the runtime's virtual environment.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+from tools.runtime import DEFAULT_VERSION, comfyui_dir, make_base_directory, venv_python
+
+log = logging.getLogger("device_control.tools")
+
+
+class ComfyError(RuntimeError):
+    """ComfyUI refused a prompt, or a prompt failed; the message carries ComfyUI's own explanation."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ComfyServer:
+    """One ComfyUI process on 127.0.0.1 with its own base directory (models, outputs, user data).
+
+    Args:
+        base: the base directory (created and prepared if needed).
+        env: extra environment variables (e.g. ``DEVICE_CONTROL_SIMULATE_GPU``).
+        port: the port, or ``None`` for a free one.
+        version: which provisioned ComfyUI to run.
+        extra_args: more ComfyUI command-line flags.
+        cpu: run ComfyUI with ``--cpu`` (required on machines without a GPU).
+    """
+
+    def __init__(
+        self,
+        base: Path,
+        env: dict[str, str] | None = None,
+        port: int | None = None,
+        version: str = DEFAULT_VERSION,
+        extra_args: tuple[str, ...] = (),
+        cpu: bool = True,
+    ) -> None:
+        self.base = make_base_directory(Path(base), version)
+        self.env = env or {}
+        self.port = port or free_port()
+        self.version = version
+        self.extra_args = extra_args
+        self.cpu = cpu
+        self.process: subprocess.Popen | None = None
+        self.log_path = self.base / "server.log"
+
+    @property
+    def url(self) -> str:
+        """The server's address."""
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 180) -> ComfyServer:
+        """Start ComfyUI and wait until its API answers.
+
+        Raises:
+            RuntimeError: ComfyUI exited or did not answer in time (the message ends with its log).
+        """
+        db = self.base / "user" / "comfyui.db"
+        cmd = [
+            str(venv_python()),
+            "main.py",
+            *(["--cpu"] if self.cpu else []),
+            "--listen",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--disable-auto-launch",
+            "--base-directory",
+            str(self.base),
+            "--database-url",
+            f"sqlite:///{db}",
+            *self.extra_args,
+        ]
+        env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
+        with open(self.log_path, "ab") as log_file:
+            self.process = subprocess.Popen(
+                cmd,
+                cwd=comfyui_dir(self.version),
+                env=env,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"ComfyUI exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                self.get("/system_stats")
+                return self
+            except (urllib.error.URLError, ConnectionError, OSError):
+                time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"ComfyUI did not answer within {timeout:.0f} s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        """Stop ComfyUI (SIGTERM, then SIGKILL after 20 s)."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=10)
+
+    def __enter__(self) -> ComfyServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def log_tail(self, lines: int = 60) -> str:
+        """The last lines of the server's log."""
+        if not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    # -- HTTP ----------------------------------------------------------------------------------------
+
+    def get(self, path: str, timeout: float = 30) -> Any:
+        """GET ``path`` and decode the JSON answer."""
+        with urllib.request.urlopen(self.url + path, timeout=timeout) as response:
+            return json.load(response)
+
+    def post(self, path: str, body: Any, timeout: float = 30) -> Any:
+        """POST ``body`` as JSON to ``path`` and decode the JSON answer (or ``None`` when empty).
+
+        Raises:
+            ComfyError: the server answered with an error status; the message holds its body.
+        """
+        request = urllib.request.Request(
+            self.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                data = response.read()
+        except urllib.error.HTTPError as exc:
+            raise ComfyError(f"{path} answered {exc.code}: {exc.read().decode(errors='replace')}") from exc
+        return json.loads(data) if data.strip() else None
+
+    def queue(self, prompt: dict[str, Any], client_id: str | None = None) -> str:
+        """Queue an API-format prompt; return its id."""
+        body = {"prompt": prompt, "client_id": client_id or uuid.uuid4().hex}
+        return self.post("/prompt", body)["prompt_id"]
+
+    def wait(self, prompt_id: str, timeout: float = 600) -> dict[str, Any]:
+        """Wait for a prompt to finish; return its history entry.
+
+        Raises:
+            ComfyError: the prompt failed (with ComfyUI's exception message) or timed out.
+        """
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            history = self.get(f"/history/{prompt_id}")
+            entry = history.get(prompt_id)
+            if entry and entry.get("status", {}).get("completed") is not None:
+                status = entry["status"]
+                if status.get("status_str") != "success":
+                    errors = [m[1] for m in status.get("messages", []) if m[0] == "execution_error"]
+                    detail = errors[0].get("exception_message", errors[0]) if errors else status
+                    raise ComfyError(f"prompt {prompt_id} failed: {detail}")
+                return entry
+            if self.process is not None and self.process.poll() is not None:
+                raise ComfyError(f"ComfyUI exited while running {prompt_id}:\n{self.log_tail()}")
+            time.sleep(0.25)
+        raise ComfyError(f"prompt {prompt_id} did not finish within {timeout:.0f} s")
+
+    def run(self, prompt: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
+        """Queue a prompt and wait for it; return its history entry."""
+        return self.wait(self.queue(prompt), timeout)

