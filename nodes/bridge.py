@@ -1,0 +1,151 @@
+"""The one place that reads ComfyUI's model objects (ModelPatcher, LoadedModel, CLIP, VAE).
+
+It turns them into ``core`` records (``ModelResidency``, ``MemoryMode``) so the rest of the pack never
+depends on ComfyUI's internals. Reading must survive ComfyUI changing its list while we read it: a model
+freed in the meantime, or one whose sizes cannot be read, becomes a note instead of an exception.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from ..core.devices import InventorySnapshot
+from ..core.report import MemoryMode, ModelResidency
+from . import surface
+
+_VRAM_STATES = {
+    "DISABLED": "CPU only: ComfyUI manages no GPU memory (started with --cpu, or no GPU found)",
+    "NO_VRAM": "no VRAM: every layer streams from RAM when it runs (--novram)",
+    "LOW_VRAM": "low VRAM: models are split, part stays in RAM and streams (--lowvram or a small GPU)",
+    "NORMAL_VRAM": "normal: models load fully when they fit, partially when they do not",
+    "HIGH_VRAM": "high VRAM: models stay on the GPU after use (--highvram / --gpu-only)",
+    "SHARED": "shared memory: GPU and CPU use the same RAM (Apple silicon, integrated GPUs)",
+}
+
+
+def device_id(device: Any, snapshot: InventorySnapshot) -> str:
+    """Our id (``gpu:0``, ``cpu``) for a ``torch.device`` ComfyUI uses."""
+    kind = getattr(device, "type", str(device))
+    if kind == "cpu":
+        return "cpu"
+    index = getattr(device, "index", None) or 0
+    native = "mps" if kind == "mps" else f"{kind}:{index}"
+    found = next((d for d in snapshot.devices if d.native == native), None)
+    return found.id if found is not None else native
+
+
+def component_of(model: Any) -> str:
+    """``MODEL``, ``CLIP``, ``VAE`` or ``other``, from what ComfyUI's module tree can do."""
+    base = surface.base_model_class()
+    if base is not None and isinstance(model, base):
+        return "MODEL"
+    if hasattr(model, "encode_token_weights"):
+        return "CLIP"
+    if hasattr(model, "decode") and hasattr(model, "encode"):
+        return "VAE"
+    return "other"
+
+
+def _display_name(model: Any, component: str) -> str:
+    config = getattr(model, "model_config", None)
+    family = type(config).__name__ if config is not None else None
+    names = {"MODEL": "diffusion model", "CLIP": "text encoder", "VAE": "VAE"}
+    noun = names.get(component, type(model).__name__)
+    return f"{family} {noun}" if family else noun
+
+
+def residency_of(patcher: Any, snapshot: InventorySnapshot, *, in_use: bool = True) -> ModelResidency:
+    """Describe one ModelPatcher: size, bytes on its compute device and on its offload device."""
+    model = patcher.model
+    component = component_of(model)
+    total = int(patcher.model_size())
+    loaded = int(patcher.loaded_size())
+    compute = device_id(patcher.load_device, snapshot)
+    offload = device_id(patcher.offload_device, snapshot)
+    resident = [(compute, loaded)]
+    if total > loaded:
+        if offload == compute:
+            resident = [(compute, total)]
+        else:
+            resident.append((offload, total - loaded))
+    dtype = _storage_dtype(patcher)
+    partial = bool(getattr(model, "model_lowvram", False)) or (0 < loaded < total)
+    return ModelResidency(
+        name=_display_name(model, component),
+        component=component,
+        model_class=type(model).__name__,
+        total_bytes=total,
+        resident=tuple(resident),
+        compute_device=compute,
+        partial=partial,
+        dtype=str(dtype).replace("torch.", "") if dtype is not None else None,
+        managed_by="ComfyUI",
+        in_use=in_use,
+    )
+
+
+def _storage_dtype(patcher: Any) -> Any:
+    """The dtype ComfyUI reports for the model, else that of its first weight (CLIP and VAE report none)."""
+    dtype = patcher.model_dtype() if hasattr(patcher, "model_dtype") else None
+    if dtype is None:
+        first = next(iter(patcher.model.parameters()), None)
+        dtype = first.dtype if first is not None else None
+    return dtype
+
+
+def loaded_models(
+    snapshot: InventorySnapshot, entries: Iterable[Any] | None = None
+) -> tuple[list[ModelResidency], list[str]]:
+    """Every model in ComfyUI's ``current_loaded_models``, and notes about entries that could not be read.
+
+    Args:
+        snapshot: the inventory snapshot used to name devices.
+        entries: ComfyUI ``LoadedModel`` objects (default: a copy of ``current_loaded_models``).
+    """
+    models: list[ModelResidency] = []
+    notes: list[str] = []
+    for entry in surface.loaded_models() if entries is None else list(entries):
+        patcher = getattr(entry, "model", None)
+        if patcher is None:
+            notes.append("a model in ComfyUI's list was freed while the report was being made; it is not listed")
+            continue
+        try:
+            models.append(residency_of(patcher, snapshot, in_use=bool(getattr(entry, "currently_used", True))))
+        except Exception as exc:  # one unreadable model must not hide the others
+            what = type(getattr(patcher, "model", patcher)).__name__
+            notes.append(f"could not read {what}: {type(exc).__name__}: {exc}")
+    return models, notes
+
+
+def patcher_of(value: Any) -> Any | None:
+    """The ModelPatcher behind a MODEL, CLIP or VAE value, or ``None`` for anything else."""
+    if hasattr(value, "model_size") and hasattr(value, "loaded_size"):
+        return value
+    inner = getattr(value, "patcher", None)
+    if inner is not None and hasattr(inner, "model_size"):
+        return inner
+    return None
+
+
+def memory_mode(snapshot: InventorySnapshot) -> MemoryMode:
+    """ComfyUI's memory management mode, read from ``comfy.model_management``."""
+    mm = surface.model_management()
+    vram_state = getattr(getattr(mm, "vram_state", None), "name", "unknown")
+    cpu_state = getattr(getattr(mm, "cpu_state", None), "name", "unknown")
+    dynamic = surface.dynamic_vram_enabled()
+    dynamic_text = {None: "not available in this ComfyUI", True: "on", False: "off"}[dynamic]
+    try:
+        compute = device_id(mm.get_torch_device(), snapshot)
+    except Exception as exc:  # ComfyUI raises here when its chosen device vanished
+        compute = f"unknown ({type(exc).__name__}: {exc})"
+    pinned = getattr(mm, "TOTAL_PINNED_MEMORY", None)
+    return MemoryMode(
+        vram_state=vram_state,
+        description=_VRAM_STATES.get(vram_state, "unknown mode"),
+        cpu_state=cpu_state,
+        compute_device=compute,
+        smart_memory=not bool(getattr(mm, "DISABLE_SMART_MEMORY", False)),
+        dynamic_vram=dynamic_text,
+        pinned_bytes=int(pinned) if isinstance(pinned, (int, float)) else None,
+    )

@@ -1,0 +1,74 @@
+"""Every ComfyUI symbol the pack touches, in one place.
+
+ComfyUI changes between versions, and memory-management packs are the first to break when it does. So no
+other module of the pack imports ComfyUI: they import from here. Each symbol is looked up by feature
+(does the attribute exist?), never by version number, and a missing optional feature reads as ``None``
+or ``False`` so callers can say "not available in this ComfyUI" instead of crashing.
+
+Symbols used (module: names):
+
+* ``comfy_api.latest``: ``ComfyExtension``, ``io``, ``ui``
+* ``comfy.model_management``: ``current_loaded_models``, ``vram_state``, ``cpu_state``,
+  ``DISABLE_SMART_MEMORY``, ``get_torch_device``, ``TOTAL_PINNED_MEMORY`` (optional)
+* ``comfy.model_base``: ``BaseModel``
+* ``comfy.memory_management``: ``aimdo_enabled`` (optional: Dynamic VRAM, ComfyUI >= 0.16)
+* ``comfyui_version``: ``__version__`` (optional, for reports)
+* ModelPatcher objects (duck-typed): ``model``, ``load_device``, ``offload_device``, ``model_size()``,
+  ``loaded_size()``, ``model_dtype()``, ``is_dynamic()`` (optional); ``LoadedModel.model``,
+  ``LoadedModel.device``, ``LoadedModel.currently_used``
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
+from comfy_api.latest import ComfyExtension, io, ui
+
+__all__ = [
+    "ComfyExtension",
+    "base_model_class",
+    "comfyui_version",
+    "dynamic_vram_enabled",
+    "io",
+    "loaded_models",
+    "model_management",
+    "ui",
+]
+
+
+def model_management() -> ModuleType:
+    """``comfy.model_management`` (always the package-qualified module: a bare import makes a copy)."""
+    return importlib.import_module("comfy.model_management")
+
+
+def loaded_models() -> list[Any]:
+    """A copy of ComfyUI's ``current_loaded_models``, safe to iterate while ComfyUI changes the list."""
+    return list(getattr(model_management(), "current_loaded_models", []))
+
+
+def base_model_class() -> type | None:
+    """``comfy.model_base.BaseModel``: the class of every diffusion model ComfyUI builds."""
+    try:
+        return importlib.import_module("comfy.model_base").BaseModel
+    except (ImportError, AttributeError):
+        return None
+
+
+def dynamic_vram_enabled() -> bool | None:
+    """Whether ComfyUI's Dynamic VRAM (comfy-aimdo) is on; ``None`` where this ComfyUI has no such feature."""
+    try:
+        memory_management = importlib.import_module("comfy.memory_management")
+    except ImportError:
+        return None
+    flag = getattr(memory_management, "aimdo_enabled", None)
+    return None if flag is None else bool(flag)
+
+
+def comfyui_version() -> str:
+    """The running ComfyUI's version, or ``"unknown"``."""
+    try:
+        return str(importlib.import_module("comfyui_version").__version__)
+    except (ImportError, AttributeError):
+        return "unknown"

@@ -1,0 +1,125 @@
+"""VRAM Report: memory per device, RAM, and every loaded model, at the point in the graph where it sits."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Any
+
+from ..core.errors import DeviceControlError
+from ..core.report import MemoryReport, build_report
+from . import bridge
+from .state import inventory
+from .surface import comfyui_version, io
+
+log = logging.getLogger("device_control")
+
+ALL_DEVICES = "all"
+
+
+def make_report(value: Any = None, label: str = "", devices: str = ALL_DEVICES) -> MemoryReport:
+    """Collect the report. Never raises for bad input: every problem becomes a note in the report."""
+    snapshot = inventory.snapshot()
+    notes: list[str] = []
+    models, model_notes = bridge.loaded_models(snapshot)
+    notes += model_notes
+    try:
+        mode = bridge.memory_mode(snapshot)
+    except Exception as exc:  # an unreadable mode must not cost the rest of the report
+        mode = None
+        notes.append(f"could not read ComfyUI's memory mode: {type(exc).__name__}: {exc}")
+    subject = None
+    patcher = bridge.patcher_of(value)
+    if patcher is not None:
+        try:
+            subject = bridge.residency_of(patcher, snapshot)
+        except Exception as exc:
+            notes.append(f"could not describe the input: {type(exc).__name__}: {exc}")
+    report = build_report(
+        snapshot,
+        models,
+        mode,
+        subject=subject,
+        label=label.strip(),
+        notes=notes,
+        versions={"comfyui": comfyui_version()},
+    )
+    wanted = (devices or ALL_DEVICES).strip()
+    if wanted.lower() != ALL_DEVICES:
+        try:
+            chosen = inventory.resolve(wanted, snapshot=snapshot).device
+        except DeviceControlError as exc:
+            return replace(report, notes=(*report.notes, f"{exc} Showing all devices."))
+        return replace(report, devices=tuple(d for d in report.devices if d.id == chosen.id))
+    return report
+
+
+class VRAMReport(io.ComfyNode):
+    """Thin node: everything it shows comes from ``make_report``."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        device_ids = [d.id for d in inventory.snapshot().devices if d.id]
+        return io.Schema(
+            node_id="DeviceControl_VRAMReport",
+            display_name="VRAM Report",
+            category="device_control",
+            description=(
+                "Shows memory per device (total, free, used by this process and by others), RAM, and every "
+                "model ComfyUI has loaded with how much of it is resident where. Put it on any wire: it "
+                "passes the value through and reports at that moment of the run."
+            ),
+            inputs=[
+                io.AnyType.Input(
+                    "value",
+                    optional=True,
+                    tooltip=(
+                        "Any value (MODEL, CLIP, VAE, LATENT, IMAGE...). It is passed through unchanged; connecting it "
+                        "makes the report run after the node that produced it. A MODEL, CLIP or VAE is also described."
+                    ),
+                ),
+                io.String.Input(
+                    "label",
+                    default="",
+                    tooltip=("A name for this report, such as 'after sampling', shown in its first line."),
+                ),
+                io.Combo.Input(
+                    "devices",
+                    options=[ALL_DEVICES, *device_ids],
+                    default=ALL_DEVICES,
+                    tooltip=(
+                        "Which devices to show: 'all', or one device (cpu, gpu:0, ...). A device this machine does not "
+                        "have is reported in the text, and all devices are shown."
+                    ),
+                ),
+            ],
+            outputs=[
+                io.AnyType.Output("passthrough", display_name="value", tooltip="The input value, unchanged."),
+                io.String.Output("report", display_name="report", tooltip="The report as text."),
+                io.String.Output(
+                    "report_json",
+                    display_name="report_json",
+                    tooltip="The report as JSON, for bug reports and scripts.",
+                ),
+            ],
+            hidden=[io.Hidden.unique_id],
+            is_output_node=True,
+            not_idempotent=True,
+        )
+
+    @classmethod
+    def validate_inputs(cls, devices: str) -> bool:
+        # Any device string is accepted here: one this machine lacks is reported in the text at run time,
+        # so a workflow saved on another machine still runs.
+        return True
+
+    @classmethod
+    def fingerprint_inputs(cls, **kwargs: Any) -> float:
+        return float("nan")  # never equal to itself: the report is made afresh on every run
+
+    @classmethod
+    def execute(cls, label: str = "", devices: str = ALL_DEVICES, value: Any = None) -> io.NodeOutput:
+        report = make_report(value, label, devices)
+        text, as_json = report.to_text(), report.to_json()
+        log.info("[Device Control] VRAM Report (node %s)\n%s", cls.hidden.unique_id if cls.hidden else "?", text)
+        return io.NodeOutput(value, text, as_json, ui={"text": (text,), "device_control_report": (as_json,)})
