@@ -1,0 +1,85 @@
+"""Browser tier: Debian's Chromium, headless, driven by Playwright against the real ComfyUI frontend."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tools.runtime import CHROMIUM
+
+CHROMIUM_FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+OUR_EXTENSION_PATH = "/extensions/comfyui-device-control/"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "browser" in item.path.parts:
+            item.add_marker(pytest.mark.browser)
+
+
+class FrontendPage:
+    """A page of the real frontend, with the console messages it printed."""
+
+    def __init__(self, page: Any, server: Any) -> None:
+        self.page = page
+        self.server = server
+        self.console: list[dict[str, str]] = []
+        page.on("console", lambda m: self.console.append({"type": m.type, "text": m.text, "url": m.location["url"]}))
+        page.on("pageerror", lambda e: self.console.append({"type": "pageerror", "text": f"{e}\n{e.stack}", "url": ""}))
+
+    def open(self) -> None:
+        """Load the frontend and wait until its app and our extension are ready."""
+        self.page.goto(self.server.url + "/")
+        self.page.wait_for_function(
+            "window.app && window.app.graph && window.app.extensions && window.app.extensions.length > 0",
+            timeout=90_000,
+        )
+
+    def load_workflow(self, path: Path) -> None:
+        """Open a UI-format workflow file the way the frontend's Load does."""
+        self.page.evaluate("async (wf) => { await window.app.loadGraphData(wf); }", json.loads(path.read_text()))
+
+    def our_errors(self) -> list[dict[str, str]]:
+        """Console errors that come from our extension's files."""
+        return [
+            m
+            for m in self.console
+            if m["type"] in ("error", "pageerror")
+            and (OUR_EXTENSION_PATH in m["url"] or OUR_EXTENSION_PATH in m["text"])
+        ]
+
+
+@pytest.fixture(scope="session")
+def browser(comfy_runtime, require) -> Iterator[Any]:
+    if not CHROMIUM.exists():
+        require(f"Chromium is not installed at {CHROMIUM}; run 'python3 tools/runtime.py --browser'")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        require("playwright is not installed in the runtime; run 'python3 tools/runtime.py'")
+    with sync_playwright() as playwright:
+        instance = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS)
+        yield instance
+        instance.close()
+
+
+@pytest.fixture
+def frontend(browser, comfy_server) -> Iterator[FrontendPage]:
+    # First-run dialogs (templates, tutorial) would cover the canvas; a returning user has dismissed them.
+    comfy_server.post("/settings/Comfy.TutorialCompleted", True)
+    context = browser.new_context(viewport={"width": 1800, "height": 1100})
+    page = FrontendPage(context.new_page(), comfy_server)
+    yield page
+    context.close()

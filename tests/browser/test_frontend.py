@@ -1,0 +1,72 @@
+"""The real frontend loads our extension, opens an example workflow, runs it, and shows the reports."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from tools.workflow_api import ui_to_api
+
+REPO = Path(__file__).resolve().parents[2]
+TXT2IMG = REPO / "workflows" / "txt2img_vram_report.json"
+
+
+def test_extension_loads_without_errors_of_ours(frontend):
+    frontend.open()
+    names = frontend.page.evaluate("window.app.extensions.map(e => e.name)")
+    assert "DeviceControl.VRAMReport" in names
+    frontend.page.wait_for_timeout(1000)
+    assert frontend.our_errors() == []
+
+
+def test_frontend_converts_the_workflow_as_our_converter_does(frontend):
+    frontend.open()
+    frontend.load_workflow(TXT2IMG)
+    from_browser = json.loads(
+        frontend.page.evaluate("async () => JSON.stringify((await window.app.graphToPrompt()).output)")
+    )
+    ours = ui_to_api(json.loads(TXT2IMG.read_text()), frontend.server.get("/object_info"))
+    simplify = lambda prompt: {k: (v["class_type"], v["inputs"]) for k, v in prompt.items()}  # noqa: E731
+    assert simplify(from_browser) == simplify(ours)
+
+
+def test_workflow_runs_from_the_page_and_reports_show_on_the_canvas(frontend, artifacts):
+    frontend.open()
+    frontend.load_workflow(TXT2IMG)
+    page = frontend.page
+    page.evaluate(
+        """() => {
+            window.__deviceControlTest = [];
+            for (const type of ["executed", "execution_success", "execution_error"]) {
+                window.app.api.addEventListener(type, (e) => window.__deviceControlTest.push([type, e.detail]));
+            }
+        }"""
+    )
+    page.get_by_role("button", name="Run", exact=True).click()
+    page.wait_for_function(
+        "window.__deviceControlTest.some(([type]) => type === 'execution_success' || type === 'execution_error')",
+        timeout=300_000,
+    )
+    kinds = [kind for kind, _ in page.evaluate("window.__deviceControlTest")]
+    assert "execution_error" not in kinds
+    texts = page.evaluate(
+        """() => window.app.graph.nodes
+            .filter((n) => n.type === "DeviceControl_VRAMReport")
+            .map((n) => [n.title, n.widgets.find((w) => w.name === "report_text").element.value])"""
+    )
+    assert len(texts) == 3
+    for title, text in texts:
+        label = title.split(": ", 1)[1]
+        assert text.startswith(f"VRAM Report - {label} (")
+        assert "Devices:" in text and "cpu    CPU" in text and "this process (RSS)" in text
+    assert "MODEL SD15 diffusion model (BaseModel)" in dict(texts)["VRAM Report: after decoding"]
+    visible = page.locator("textarea.device-control-report").evaluate_all("(els) => els.map((e) => e.value.length)")
+    assert len(visible) == 3 and min(visible) > 200
+    assert frontend.our_errors() == []
+    page.mouse.click(900, 900)  # focus the canvas, then fit the whole graph in view
+    page.keyboard.press(".")
+    page.wait_for_timeout(500)
+    shot = artifacts / "vram_report_canvas.png"
+    page.screenshot(path=str(shot))
+    shutil.copyfile(shot, artifacts / "latest_browser_run.png")

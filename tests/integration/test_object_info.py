@@ -1,0 +1,44 @@
+"""ComfyUI lists our nodes, with the names, category, description and tooltips users see."""
+
+from __future__ import annotations
+
+
+def test_our_nodes_are_registered_with_descriptions_and_tooltips(comfy_server, api):
+    info = comfy_server.get("/object_info")
+    for node_id, display_name in api.our_nodes.items():
+        assert node_id in info, f"{node_id} is not registered; server log:\n{comfy_server.log_tail()}"
+        node = info[node_id]
+        assert node["display_name"] == display_name
+        assert node["category"] == "device_control"
+        assert len(node["description"]) > 40
+        for section in ("required", "optional"):
+            for name, spec in node["input"].get(section, {}).items():
+                assert spec[1].get("tooltip"), f"{node_id}.{name} has no tooltip"
+        assert len(node["output_tooltips"]) == len(node["output"])
+        assert all(node["output_tooltips"]), f"{node_id} has an output without a tooltip"
+
+
+def test_vram_report_is_an_output_node_that_always_runs(comfy_server):
+    node = comfy_server.get("/object_info/DeviceControl_VRAMReport")["DeviceControl_VRAMReport"]
+    assert node["output_node"] is True
+    assert node["output"] == ["*", "STRING", "STRING"]
+    assert node["input"]["optional"]["value"][0] == "*"
+    assert node["input"]["required"]["devices"][1]["options"][:2] == ["all", "cpu"]
+
+
+def test_the_pack_loads_without_errors_and_serves_its_web_extension(comfy_server):
+    log = comfy_server.log_tail(2000)
+    timing = [line for line in log.splitlines() if line.rstrip().endswith("custom_nodes/comfyui-device-control")]
+    assert timing, "ComfyUI did not list the pack among its custom nodes"
+    assert "IMPORT FAILED" not in timing[0]
+    assert "Error while calling comfy_entrypoint" not in log
+    extensions = comfy_server.get("/extensions")
+    assert "/extensions/comfyui-device-control/device_control.js" in extensions
+
+
+def test_example_workflows_are_offered_as_templates(comfy_server, api):
+    templates = comfy_server.get("/workflow_templates")
+    assert sorted(templates["comfyui-device-control"]) == sorted(w.stem for w in api.workflows)
+    for workflow in api.workflows:
+        served = comfy_server.get(f"/api/workflow_templates/comfyui-device-control/{workflow.name}")
+        assert served["nodes"], f"{workflow.name} is not served to the frontend's template browser"

@@ -1,0 +1,61 @@
+"""A ComfyUI started with DEVICE_CONTROL_SIMULATE_GPU lists the simulated GPU; a failing device query
+(injected) is reported in the text and the prompt still succeeds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+GiB = 1024**3
+TXT2IMG = Path(__file__).resolve().parents[2] / "workflows" / "txt2img_vram_report.json"
+
+
+@pytest.fixture(scope="module")
+def simulated_server(synthetic_models, comfy_factory, tmp_path_factory):
+    server = comfy_factory(tmp_path_factory.mktemp("sim-base"), env={"DEVICE_CONTROL_SIMULATE_GPU": "8GiB"})
+    yield server
+    server.stop()
+
+
+def test_simulated_gpu_is_listed_with_its_capacity_during_the_example_workflow(simulated_server, api):
+    prompt = api.load_prompt(simulated_server, TXT2IMG)
+    entry = simulated_server.run(prompt)
+    for node_id, node in prompt.items():
+        if node["class_type"] != "DeviceControl_VRAMReport":
+            continue
+        text = api.report_text(entry, node_id)
+        assert "gpu:0  Simulated GPU 0 (8.00 GiB) [simulated]: 0 B used of 8.00 GiB; 8.00 GiB free" in text
+        device = next(d for d in api.report_json(entry, node_id)["devices"] if d["id"] == "gpu:0")
+        assert (device["kind"], device["total"], device["native"]) == ("simulated", 8 * GiB, "sim:0")
+    assert "[Device Control] simulated GPU sim:0 with 8.00 GiB" in simulated_server.log_tail(2000)
+
+
+def test_simulated_gpu_is_offered_as_a_device(simulated_server):
+    info = simulated_server.get("/object_info/DeviceControl_VRAMReport")["DeviceControl_VRAMReport"]
+    assert info["input"]["required"]["devices"][1]["options"] == ["all", "cpu", "gpu:0"]
+
+
+def test_a_device_query_that_raises_is_reported_and_the_prompt_succeeds(comfy_factory, tmp_path, api):
+    env = {"DEVICE_CONTROL_SIMULATE_GPU": "4GiB", "DEVICE_CONTROL_SIMULATE_FAULTS": "stats"}
+    server = comfy_factory(tmp_path / "fault-base", env=env)
+    try:
+        entry = server.run(api.report_prompt())
+        text = api.report_text(entry)
+        assert "query failed: RuntimeError: sim:0: injected fault: memory statistics query failed" in text
+        assert "cpu    CPU" in text  # the other devices are still reported
+        # the next prompt works too: the server keeps serving
+        assert "Devices:" in api.report_text(server.run(api.report_prompt(label="next")))
+    finally:
+        server.stop()
+
+
+def test_an_invalid_simulation_setting_is_logged_and_comfyui_still_starts(comfy_factory, tmp_path, api):
+    server = comfy_factory(tmp_path / "bad-env-base", env={"DEVICE_CONTROL_SIMULATE_GPU": "eight gigs"})
+    try:
+        log = server.log_tail(2000)
+        assert "DEVICE_CONTROL_SIMULATE_GPU is invalid" in log and "Example: DEVICE_CONTROL_SIMULATE_GPU=8GiB" in log
+        text = api.report_text(server.run(api.report_prompt()))
+        assert "simulated" not in text
+    finally:
+        server.stop()
