@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import socket
 import subprocess
 import time
@@ -100,7 +99,6 @@ class ComfyServer:
                 env=env,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,
             )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -118,11 +116,11 @@ class ComfyServer:
         """Stop ComfyUI (SIGTERM, then SIGKILL after 20 s)."""
         if self.process is None or self.process.poll() is not None:
             return
-        os.killpg(self.process.pid, signal.SIGTERM)
+        self.process.terminate()
         try:
             self.process.wait(timeout=20)
         except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.kill()
             self.process.wait(timeout=10)
 
     def __enter__(self) -> ComfyServer:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import socket
 import subprocess
 import sys
@@ -36,6 +37,10 @@ def _gpu_present() -> bool:
     return done.stdout.strip() == "True"
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def _port(wanted: int) -> int:
     """``wanted`` if nothing listens there, else a free port."""
     try:
@@ -54,6 +59,8 @@ def main() -> int:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     started = time.monotonic()
+    for stop_signal in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # every way of stopping the demo
+        signal.signal(stop_signal, _interrupt)  # stops its ComfyUI too
 
     provision()
     log.info("[Device Control] making the synthetic SD1.5 checkpoint (cached after the first run)")
