@@ -23,3 +23,15 @@ class DeviceNotFoundError(DeviceControlError, LookupError):
 
 class InvalidSizeError(DeviceControlError, ValueError):
     """A memory size or budget string could not be parsed, or is out of range."""
+
+
+class ModelFileError(DeviceControlError, ValueError):
+    """A model file is missing, damaged, or of a format we do not read."""
+
+
+class UnsafePickleError(ModelFileError):
+    """A pickle that ``torch.load(weights_only=True)`` refuses: it could run code, so it is never loaded."""
+
+
+class UnknownModelError(DeviceControlError, LookupError):
+    """No family signature matches a file; the message lists the closest candidates and why they failed."""

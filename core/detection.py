@@ -1,0 +1,257 @@
+"""What a model file is, from its header alone, and whether it fits: the API and the command line.
+
+    python -m core.detection FILE [--json] [--device ROLE=DEVICE[:DTYPE] ...]
+
+:func:`detect` reads only the header (names, shapes, dtypes; never a weight), decides the kind of file
+(checkpoint, diffusion model, VAE, text encoder, LoRA), the family and the ``comfy.supported_models`` class
+ComfyUI would build, the variant and prediction type, and weighs every component in every candidate dtype.
+When nothing matches it says so, with the closest candidates and why each failed.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from os import PathLike
+from typing import Any
+
+from .components import Component, measure, text_encoder_kind, vae_kind
+from .families import BRANCHES, DIFFUSERS_BRANCHES, DIFFUSERS_UNETS, Branch, Family, find_branch
+from .family_table import FAMILIES, match_family
+from .headers import FileHeader, TensorInfo, read_header
+from .keyview import KeyView
+from .lora_info import LoraInfo, describe_lora, is_lora
+
+DIFFUSION_PREFIXES = ("model.diffusion_model.", "model.model.", "net.")
+TEXT_ENCODER_CONTAINERS = ("text_encoders.", "conditioner.embedders.", "cond_stage_model.", "text_encoder.")
+
+
+@dataclass(frozen=True)
+class Detection:
+    """Everything :func:`detect` found out about a file.
+
+    ``kind`` is ``checkpoint``, ``diffusion_model``, ``vae``, ``text_encoder``, ``lora`` or ``unknown``;
+    ``comfy_class`` is the ``comfy.supported_models`` class name for checkpoints and diffusion models;
+    ``reason`` and ``candidates`` explain an ``unknown``.
+    """
+
+    path: str
+    file_format: str
+    kind: str
+    family: str | None = None
+    comfy_class: str | None = None
+    model_type: str | None = None
+    variants: tuple[str, ...] = ()
+    prefix: str = ""
+    components: tuple[Component, ...] = ()
+    config: Mapping[str, Any] = field(default_factory=dict)
+    lora: LoraInfo | None = None
+    reason: str | None = None
+    candidates: tuple[str, ...] = ()
+    seconds: float = 0.0
+
+    def component(self, role: str) -> list[Component]:
+        """Components whose name is ``role`` or starts with ``role:`` (``text_encoder`` gives every encoder)."""
+        return [c for c in self.components if c.name == role or c.name.startswith(role + ":")]
+
+
+def detect(path: str | PathLike[str]) -> Detection:
+    """Detect what the model file at ``path`` is, from its header.
+
+    Raises:
+        ModelFileError: the file is missing, empty, a directory, damaged, or of a format we do not read.
+        UnsafePickleError: a pickle that ``weights_only`` refuses.
+    """
+    started = time.perf_counter()
+    header = read_header(path)
+    found = detect_header(header)
+    return Detection(**{**found.__dict__, "seconds": time.perf_counter() - started})
+
+
+def detect_header(header: FileHeader) -> Detection:
+    """Detect from an already read header (see :func:`detect`)."""
+    tensors = header.tensors
+    base = {"path": header.path, "file_format": header.format}
+    if is_lora(tensors):
+        info = describe_lora(tensors)
+        family = f"LoRA for {info.target_family}" if info.target_family else "LoRA (target model unknown)"
+        return Detection(
+            **base,
+            kind="lora",
+            family=family,
+            lora=info,
+            components=(measure("lora", "LoRA", "", list(tensors.values())),),
+        )
+    model = _diffusion_model(header)
+    if model is not None:
+        return Detection(**base, **model)
+    for kind, classify in (("vae", vae_kind), ("text_encoder", text_encoder_kind)):
+        name = classify(KeyView(tensors, ""))
+        if name is not None:
+            return Detection(
+                **base, kind=kind, family=name, components=(measure(kind, name, "", list(tensors.values())),)
+            )
+    return Detection(**base, kind="unknown", **_explain_unknown(tensors))
+
+
+def diffusion_prefix(tensors: Mapping[str, TensorInfo]) -> str:
+    """The key prefix of the diffusion model: the most common known prefix, else ``model.``."""
+    counts = dict.fromkeys(DIFFUSION_PREFIXES, 0)
+    for name in tensors:
+        for prefix in DIFFUSION_PREFIXES:
+            if name.startswith(prefix):
+                counts[prefix] += 1
+                break
+    best = max(counts, key=counts.__getitem__)  # ties go to the earlier prefix
+    return best if counts[best] > 5 else "model."
+
+
+def _diffusion_model(header: FileHeader) -> dict[str, Any] | None:
+    tensors = header.tensors
+    prefix = diffusion_prefix(tensors)
+    whole = KeyView(tensors, prefix)
+    hit = _match(whole, BRANCHES)
+    if hit is None:  # as a diffusion-model-only file: the prefix stripped, every other key dropped
+        stripped = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+        if not stripped:  # a bare diffusion model: its keys carry no prefix at all
+            stripped, prefix = dict(tensors), ""
+        view = KeyView(stripped, "")
+        hit = _match(view, BRANCHES) or _match(view, DIFFUSERS_BRANCHES, diffusers=True)
+        if hit is None:
+            return None
+        whole = KeyView(tensors, prefix)
+    family, fields, diffusers = hit
+    components = _components(tensors, whole.prefix, family)
+    kind = (
+        "checkpoint"
+        if any(c.name != "diffusion_model" and c.kind != "other" for c in components)
+        else "diffusion_model"
+    )
+    return {
+        "kind": kind,
+        "family": family.name,
+        "comfy_class": family.comfy_class,
+        "model_type": family.type_of(whole),
+        "variants": _variants(family, fields, whole, header, diffusers),
+        "prefix": whole.prefix,
+        "components": components,
+        "config": fields,
+    }
+
+
+def _match(view: KeyView, branches: tuple[Branch, ...], diffusers: bool = False) -> tuple[Family, dict, bool] | None:
+    branch = find_branch(view, branches)
+    fields = branch.fields(view) if branch is not None else None
+    if fields is None:
+        return None
+    family = match_family(branch, fields, view)
+    if family is None or (
+        diffusers and branch.name == "unet" and (family.comfy_class, fields["in_channels"]) not in DIFFUSERS_UNETS
+    ):
+        return None
+    return family, fields, diffusers
+
+
+def _components(tensors: Mapping[str, TensorInfo], prefix: str, family: Family) -> tuple[Component, ...]:
+    groups: dict[str, list[TensorInfo]] = {}
+    kinds: dict[str, tuple[str, str]] = {}
+    remaining = dict(tensors)
+
+    def take(name: str, kind: str, stem: str) -> None:
+        chosen = [t for key, t in remaining.items() if key.startswith(stem)]
+        for info in chosen:
+            del remaining[info.name]
+        if chosen:
+            groups.setdefault(name, []).extend(chosen)
+            kinds.setdefault(name, (kind, stem))
+
+    take("diffusion_model", family.name, prefix)
+    vae = vae_kind(KeyView(tensors, family.vae_prefix)) if family.vae_prefix else None
+    if vae is not None:
+        take("vae", vae, family.vae_prefix)
+    for container in TEXT_ENCODER_CONTAINERS:
+        slots = sorted({key[len(container) :].split(".", 1)[0] for key in remaining if key.startswith(container)})
+        found = None
+        for stem in [f"{container}{slot}." for slot in slots] + [container]:
+            encoder = text_encoder_kind(KeyView(tensors, stem))
+            if encoder is not None and any(k.startswith(stem) for k in remaining):
+                found = f"text_encoder:{_slot_name(encoder)}"
+                take(found, encoder, stem)
+        if found is not None:  # tokenizer blobs and scalars beside the encoders belong to them
+            take(found, kinds[found][0], container)
+    leftover = [t for t in remaining.values() if t.numel > 0]
+    if leftover:
+        groups["other"] = leftover
+        kinds["other"] = ("other", "")
+    return tuple(measure(name, kinds[name][0], kinds[name][1], infos) for name, infos in groups.items())
+
+
+def _slot_name(encoder: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", encoder.lower()).strip("_")
+
+
+def _variants(family: Family, fields: Mapping[str, Any], view: KeyView, header: FileHeader, diffusers: bool) -> tuple:
+    variants = []
+    in_channels = fields.get("in_channels")
+    if (family.branch == "unet" and in_channels == 9) or family.comfy_class == "FluxInpaint":
+        variants.append("inpaint")
+    if family.branch == "unet" and in_channels == 5:
+        variants.append("depth")
+    if "instructpix2pix" in family.comfy_class:
+        variants.append("instruct-pix2pix")
+    if "Refiner" in family.comfy_class:
+        variants.append("refiner")
+    model_type = family.type_of(view)
+    if model_type.startswith("V_PREDICTION") and family.model_type != model_type:
+        variants.append("v-prediction")
+    if view.root_has("ztsnr"):
+        variants.append("zero terminal SNR")
+    scaled = view.dtype("scaled_fp8")
+    if scaled is not None:
+        variants.append(f"scaled fp8 ({'e5m2' if scaled == 'F8_E5M2' else 'e4m3fn'})")
+    if "_quantization_metadata" in header.metadata:
+        variants.append("mixed-precision quantized layers")
+    if diffusers:
+        variants.append("diffusers names")
+    return tuple(variants)
+
+
+def _explain_unknown(tensors: Mapping[str, TensorInfo]) -> dict[str, Any]:
+    """Why nothing matched: which architecture the keys resemble, and what each close family lacks."""
+    if not tensors:
+        return {"reason": "the file holds no tensors", "candidates": ()}
+    prefix = diffusion_prefix(tensors)
+    for view in (KeyView(tensors, prefix), KeyView(tensors, "")):
+        branch = find_branch(view)
+        fields = branch.fields(view) if branch is not None else None
+        if fields:
+            related = [(f.mismatches(fields, view), f) for f in FAMILIES if f.branch == branch.name]
+            related.sort(key=lambda pair: len(pair[0]))  # closest first: fewest differences
+            near = [f"{f.comfy_class}: {'; '.join(reasons)}" for reasons, f in related]
+            return {
+                "reason": f"the keys are of the {branch.name} architecture, but no known family of it matches",
+                "candidates": tuple(near[:5]),
+                "config": fields,
+            }
+    # No marker at the expected place: maybe the markers are there under a prefix we do not know.
+    stems = {}
+    for branch in BRANCHES:
+        marker = branch.markers[0]
+        found = next((name for name in tensors if name.endswith("." + marker)), None)
+        if found is not None:
+            stems[branch.name] = found[: -len(marker)]
+    if stems:
+        near = tuple(f"{name}: marker found under the unknown prefix {stem!r}" for name, stem in stems.items())
+        return {"reason": "architecture markers sit under a key prefix no loader uses", "candidates": near}
+    top = sorted({name.split(".", 1)[0] for name in tensors})[:8]
+    return {"reason": f"no known architecture marker; top-level key groups: {', '.join(top)}", "candidates": ()}
+
+
+if __name__ == "__main__":  # python -m core.detection FILE [--json]
+    import sys
+
+    from .detection_report import main
+
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""Real model layouts (names, shapes, dtypes) from ``tests/data``, and sparse safetensors files made from them.
+
+A sparse file has a real header and a hole where the weights would be: it takes no disk space, reads back
+as zeros, and lets tests and benchmarks open, detect and load a 7 GB SDXL file on any machine.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import struct
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from tools.runtime import REPO
+
+LAYOUTS = REPO / "tests" / "data" / "model_layouts.json.gz"
+ITEM_SIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "U8": 1}
+
+
+@cache
+def layouts() -> dict[str, dict[str, Any]]:
+    """Every layout, by its file name (e.g. ``sdxl_base.checkpoint.json``)."""
+    with gzip.open(LAYOUTS, "rb") as handle:
+        return json.loads(handle.read())
+
+
+def write_sparse_safetensors(layout: dict[str, Any], path: Path, metadata: dict[str, str] | None = None) -> Path:
+    """Write ``layout`` as a safetensors file whose data is a hole (all zeros, no disk used)."""
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name in sorted(layout["tensors"]):
+        shape, dtype = layout["tensors"][name]
+        size = math.prod(shape) * ITEM_SIZE[dtype]
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # keep the data 8-byte aligned, as writers do
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as handle:
+        handle.write(struct.pack("<Q", len(raw)))
+        handle.write(raw)
+        handle.truncate(8 + len(raw) + offset)
+    return path
