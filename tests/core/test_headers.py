@@ -35,7 +35,7 @@ def good(tmp_path):
 
 
 def test_a_valid_file_gives_names_shapes_dtypes_offsets_and_metadata(good):
-    path, tensors = good
+    path, _tensors = good
     header = read_header(path)
     assert header.format == "safetensors" and header.metadata == {"family": "test"}
     assert header.tensors["a.weight"].shape == (4, 3) and header.tensors["a.weight"].dtype == "F32"
@@ -136,7 +136,7 @@ def test_a_directory_a_missing_file_and_gguf_are_named(tmp_path):
         read_header(tmp_path / "nope.safetensors")
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF" + b"\0" * 20)
-    with pytest.raises(ModelFileError, match="GGUF file.*GGUF loader"):
+    with pytest.raises(ModelFileError, match=r"GGUF file.*GGUF loader"):
         read_header(gguf)
 
 
@@ -165,7 +165,7 @@ def test_an_unsafe_pickle_is_refused_and_its_code_never_runs(tmp_path):
     path = tmp_path / "evil.ckpt"
     with open(path, "wb") as handle:
         pickle.dump({"state_dict": {"x": _Payload(str(marker))}}, handle)
-    with pytest.raises(UnsafePickleError, match="evil.ckpt is an unsafe pickle.*Convert it to .safetensors"):
+    with pytest.raises(UnsafePickleError, match=r"evil.ckpt is an unsafe pickle.*Convert it to .safetensors"):
         read_header(path)
     assert not marker.exists()
 
