@@ -6,9 +6,15 @@ like a real accelerator:
 * it has a capacity and exact residency books: every live tensor placed on it (and every tensor an
   operation on it produces) counts until the last Python reference to it is gone;
 * going over capacity raises ``torch.OutOfMemoryError``, the same exception a CUDA allocator raises;
-* computing with a tensor on it and a tensor that was never moved to it raises the same
+* computing with a tensor on it and a *weight* that was never moved to it raises the same
   ``RuntimeError`` ("Expected all tensors to be on the same device ...") a real device mismatch raises,
-  so a forgotten move fails in tests instead of passing silently.
+  so a forgotten move fails in tests instead of passing silently. A weight is an ``nn.Parameter``; one that
+  is deliberately left in host memory and cast to the device for each use (a streamed layer) is marked
+  with :func:`mark_streamed` and allowed.
+
+Other host tensors met by an operation on the device (sampler noise, timesteps, a cast copy of a streamed
+weight) count as uploaded inputs: on a real GPU the host application creates them on the device, which it
+cannot do for a device torch does not know. Results of such operations are on the device.
 
 Tensors on the device are instances of :class:`SimTensor`, a ``torch.Tensor`` subclass that shares
 storage with the host tensor it was made from (a move costs no host memory). Moving back with
@@ -222,9 +228,17 @@ def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors_in(item)
 
 
-def _is_host_scalar(tensor: torch.Tensor) -> bool:
-    # Real accelerators accept 0-dim host tensors as scalars in their kernels; so do we.
-    return tensor.dim() == 0
+_STREAMED = "_device_control_streamed"
+
+
+def mark_streamed(tensor: torch.Tensor, streamed: bool = True) -> None:
+    """Mark a host weight as streamed: it stays in host memory and is cast to the device for each use."""
+    setattr(tensor, _STREAMED, streamed)
+
+
+def _is_stranded_weight(tensor: torch.Tensor) -> bool:
+    """A host parameter used in a device computation without being streamed: a forgotten move."""
+    return isinstance(tensor, torch.nn.Parameter) and tensor.dim() > 0 and not getattr(tensor, _STREAMED, False)
 
 
 #: Functions that move data between the host and a device, where mixing devices is the point.
@@ -250,6 +264,8 @@ class SimTensor(torch.Tensor):
                 source = args[0].as_subclass(torch.Tensor)
                 return func(source, *args[1:], **kwargs).clone()
             result = func(*args, **kwargs)
+            if kwargs.get("device") is not None:  # e.g. empty_like(x, device="cpu"): the caller named a torch device
+                return result
             return _wrap(result, device)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
@@ -259,19 +275,19 @@ class SimTensor(torch.Tensor):
 
 
 def _common_device(func: Any, args: tuple, kwargs: dict) -> SimulatedDevice | None:
-    """The one simulated device the operands are on; raise as a real device mismatch would."""
+    """The one simulated device the operands are on; raise as a real device mismatch would for a weight."""
     device: SimulatedDevice | None = None
-    host: torch.Tensor | None = None
+    stranded: torch.Tensor | None = None
     for tensor in _tensors_in((args, kwargs)):
         if isinstance(tensor, SimTensor):
             other = tensor._sim_device
             if device is not None and other is not device:
                 _raise_mismatch(device.label, other.label)
             device = other
-        elif not _is_host_scalar(tensor):
-            host = tensor
-    if device is not None and host is not None and func not in _TRANSFERS:
-        _raise_mismatch(device.label, str(host.device))
+        elif _is_stranded_weight(tensor):
+            stranded = tensor
+    if device is not None and stranded is not None and func not in _TRANSFERS:
+        _raise_mismatch(device.label, str(stranded.device))
     return device
 
 

@@ -66,9 +66,10 @@ def materialize(
     """Give every meta parameter of ``module`` real storage on ``device`` and fill it from its source.
 
     Each parameter keeps the dtype it was constructed with (that is the storage dtype the model asked for).
-    A parameter with no source is zero-filled and reported in ``missing`` (ComfyUI warns about the same keys
+    A parameter that was built with a value (not on ``meta``) and has no source keeps that value. A meta
+    parameter with no source is zero-filled and reported in ``missing`` (ComfyUI warns about the same keys
     and leaves them uninitialised). Buffers with a source are overwritten from it; the others keep their
-    constructed values; every buffer ends on ``device``.
+    constructed values; everything ends on ``device``.
 
     Raises:
         ModelFileError: a source tensor is absent from the file or has the wrong number of elements.
@@ -87,13 +88,16 @@ def materialize(
             setattr(owner, attr, shared[id(tensor)])
             continue
         if is_parameter:
-            target = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
-            if source is None:
+            if source is None and tensor.device.type != "meta":
+                target = tensor.detach().to(device)
+            else:
+                target = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+            if source is not None:
+                _fill(target, source, reader)
+            elif tensor.device.type == "meta":
                 target.zero_()
                 result.missing.append(name)
-            else:
-                _fill(target, source, reader)
-            shared[id(tensor)] = torch.nn.Parameter(target, requires_grad=False)
+            shared[id(tensor)] = torch.nn.Parameter(target, requires_grad=tensor.requires_grad)
             setattr(owner, attr, shared[id(tensor)])
         else:
             target = tensor.to(device)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .load_checkpoint import LoadCheckpointWithDevice
 from .surface import ComfyExtension, io
 from .vram_report import VRAMReport
 
@@ -10,4 +11,4 @@ class DeviceControlExtension(ComfyExtension):
     """Device Control's nodes."""
 
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
-        return [VRAMReport]
+        return [LoadCheckpointWithDevice, VRAMReport]

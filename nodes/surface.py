@@ -9,13 +9,24 @@ Symbols used (module: names):
 
 * ``comfy_api.latest``: ``ComfyExtension``, ``io``, ``ui``
 * ``comfy.model_management``: ``current_loaded_models``, ``vram_state``, ``cpu_state``,
-  ``DISABLE_SMART_MEMORY``, ``get_torch_device``, ``TOTAL_PINNED_MEMORY`` (optional)
+  ``DISABLE_SMART_MEMORY``, ``get_torch_device``, ``TOTAL_PINNED_MEMORY`` (optional), ``unet_dtype``,
+  ``unet_manual_cast``, ``unet_offload_device``, ``text_encoder_device``, ``text_encoder_dtype``,
+  ``vae_device``, ``vae_dtype``, ``load_models_gpu``, ``throw_exception_if_processing_interrupted``
 * ``comfy.model_base``: ``BaseModel``
+* ``comfy.model_detection``: ``unet_prefix_from_state_dict``, ``model_config_from_unet``
+* ``comfy.supported_models``: the family classes' ``supported_inference_dtypes``
+* ``comfy.model_patcher``: ``ModelPatcher`` (subclassed in ``bridge.patcher``)
+* ``comfy.sd``: ``CLIP``, ``VAE``
+* ``comfy.utils``: ``ProgressBar``, ``state_dict_prefix_replace``, ``calculate_parameters``, ``weight_dtype``
+* ``folder_paths``: ``get_filename_list``, ``get_full_path_or_raise``, ``get_folder_paths``
 * ``comfy.memory_management``: ``aimdo_enabled`` (optional: Dynamic VRAM, ComfyUI >= 0.16)
 * ``comfyui_version``: ``__version__`` (optional, for reports)
 * ModelPatcher objects (duck-typed): ``model``, ``load_device``, ``offload_device``, ``model_size()``,
   ``loaded_size()``, ``model_dtype()``, ``is_dynamic()`` (optional); ``LoadedModel.model``,
-  ``LoadedModel.device``, ``LoadedModel.currently_used``
+  ``LoadedModel.device``, ``LoadedModel.currently_used``; CLIP ``patcher``, ``cond_stage_model``,
+  ``load_sd``; VAE ``patcher``, ``first_stage_model``, ``device``, ``vae_dtype``; model configs
+  ``set_inference_dtype``, ``get_model``, ``supported_inference_dtypes``, ``vae_key_prefix``,
+  ``process_vae_state_dict``, ``clip_target``, ``process_clip_state_dict``; ``BaseModel.load_model_weights``
 """
 
 from __future__ import annotations
@@ -29,11 +40,17 @@ from comfy_api.latest import ComfyExtension, io, ui
 __all__ = [
     "ComfyExtension",
     "base_model_class",
+    "comfy_sd",
+    "comfy_utils",
     "comfyui_version",
     "dynamic_vram_enabled",
+    "folder_paths",
     "io",
     "loaded_models",
+    "model_detection",
     "model_management",
+    "model_patcher_class",
+    "supported_models",
     "ui",
 ]
 
@@ -41,6 +58,36 @@ __all__ = [
 def model_management() -> ModuleType:
     """``comfy.model_management`` (always the package-qualified module: a bare import makes a copy)."""
     return importlib.import_module("comfy.model_management")
+
+
+def model_detection() -> ModuleType:
+    """``comfy.model_detection``: ComfyUI's own model-family detection."""
+    return importlib.import_module("comfy.model_detection")
+
+
+def supported_models() -> ModuleType:
+    """``comfy.supported_models``: ComfyUI's model family classes."""
+    return importlib.import_module("comfy.supported_models")
+
+
+def comfy_sd() -> ModuleType:
+    """``comfy.sd``: the ``CLIP`` and ``VAE`` wrappers."""
+    return importlib.import_module("comfy.sd")
+
+
+def comfy_utils() -> ModuleType:
+    """``comfy.utils``."""
+    return importlib.import_module("comfy.utils")
+
+
+def model_patcher_class() -> type:
+    """``comfy.model_patcher.ModelPatcher``."""
+    return importlib.import_module("comfy.model_patcher").ModelPatcher
+
+
+def folder_paths() -> ModuleType:
+    """ComfyUI's ``folder_paths`` (model folders)."""
+    return importlib.import_module("folder_paths")
 
 
 def loaded_models() -> list[Any]:

@@ -1,8 +1,8 @@
-// Device Control: shows the VRAM Report node's text on the canvas.
+// Device Control: shows the text our nodes report (VRAM Report, Load Checkpoint With Device) on the canvas.
 // Documented extension APIs only (registerExtension, onExecuted, addDOMWidget); no ComfyUI DOM is touched.
 import { app } from "../../scripts/app.js";
 
-const REPORT_NODE = "DeviceControl_VRAMReport";
+const TEXT_NODES = new Set(["DeviceControl_VRAMReport", "DeviceControl_LoadCheckpoint"]);
 const WIDGET_NAME = "report_text";
 
 function reportWidget(node) {
@@ -12,7 +12,7 @@ function reportWidget(node) {
   area.readOnly = true;
   area.spellcheck = false;
   area.className = "device-control-report";
-  area.placeholder = "The report appears here when the node runs.";
+  area.placeholder = "The node's report appears here when it runs.";
   Object.assign(area.style, {
     fontFamily: "monospace",
     fontSize: "11px",
@@ -38,9 +38,9 @@ function reportWidget(node) {
 }
 
 app.registerExtension({
-  name: "DeviceControl.VRAMReport",
+  name: "DeviceControl.NodeText",
   async beforeRegisterNodeDef(nodeType, nodeData) {
-    if (nodeData?.name !== REPORT_NODE) return;
+    if (!TEXT_NODES.has(nodeData?.name)) return;
     const onNodeCreated = nodeType.prototype.onNodeCreated;
     nodeType.prototype.onNodeCreated = function () {
       const result = onNodeCreated?.apply(this, arguments);

@@ -15,7 +15,7 @@ TXT2IMG = REPO / "workflows" / "txt2img_vram_report.json"
 def test_extension_loads_without_errors_of_ours(frontend):
     frontend.open()
     names = frontend.page.evaluate("window.app.extensions.map(e => e.name)")
-    assert "DeviceControl.VRAMReport" in names
+    assert "DeviceControl.NodeText" in names
     frontend.page.wait_for_timeout(1000)
     assert frontend.our_errors() == []
 

@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 
-from core.simulated import SimTensor, SimulatedDevice, SimulatedSpec
+from core.simulated import SimTensor, SimulatedDevice, SimulatedSpec, mark_streamed
 
 MiB = 1024**2
 
@@ -96,9 +96,22 @@ def test_two_simulated_devices_do_not_mix():
         second.place(a)
 
 
-def test_host_scalars_mix_like_on_a_gpu(device):
+def test_host_inputs_count_as_uploaded_and_results_stay_on_the_device(device):
     x = device.place(torch.ones(4))
-    assert isinstance(x * torch.tensor(2.0), SimTensor)
+    assert isinstance(x * torch.tensor(2.0), SimTensor)  # a host scalar, as on a GPU
+    noise = torch.randn(4)  # what a sampler creates on the compute device; here it arrives from the host
+    assert isinstance(x + noise, SimTensor)
+
+
+def test_a_streamed_weight_may_be_used_from_the_host(device):
+    layer = torch.nn.Linear(16, 16)
+    for param in layer.parameters():
+        mark_streamed(param)  # left in RAM, cast to the device at each use
+    out = layer(device.place(torch.randn(2, 16)))
+    assert isinstance(out, SimTensor)
+    mark_streamed(layer.weight, False)
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        layer(device.place(torch.randn(2, 16)))
 
 
 def test_moving_back_to_the_host_returns_plain_tensors(device):

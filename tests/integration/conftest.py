@@ -53,5 +53,8 @@ def api() -> SimpleNamespace:
         report_text=report_text,
         report_json=report_json,
         workflows=sorted((REPO / "workflows").glob("*.json")),
-        our_nodes={"DeviceControl_VRAMReport": "VRAM Report"},
+        our_nodes={
+            "DeviceControl_VRAMReport": "VRAM Report",
+            "DeviceControl_LoadCheckpoint": "Load Checkpoint With Device",
+        },
     )

@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from ..core.devices import InventorySnapshot
-from ..core.report import MemoryMode, ModelResidency
-from . import surface
+from ...core.devices import InventorySnapshot
+from ...core.report import MemoryMode, ModelResidency
+from .. import surface
+from .patcher import DeviceControlPatcher, target_of
 
 _VRAM_STATES = {
     "DISABLED": "CPU only: ComfyUI manages no GPU memory (started with --cpu, or no GPU found)",
@@ -61,7 +62,10 @@ def residency_of(patcher: Any, snapshot: InventorySnapshot, *, in_use: bool = Tr
     component = component_of(model)
     total = int(patcher.model_size())
     loaded = int(patcher.loaded_size())
+    target = target_of(patcher)
     compute = device_id(patcher.load_device, snapshot)
+    if target is not None:  # on a simulated GPU: ComfyUI sees the host as its load device
+        compute = next((d.id for d in snapshot.devices if d.native == target.label), target.label)
     offload = device_id(patcher.offload_device, snapshot)
     resident = [(compute, loaded)]
     if total > loaded:
@@ -80,18 +84,23 @@ def residency_of(patcher: Any, snapshot: InventorySnapshot, *, in_use: bool = Tr
         compute_device=compute,
         partial=partial,
         dtype=str(dtype).replace("torch.", "") if dtype is not None else None,
-        managed_by="ComfyUI",
+        managed_by="Device Control" if isinstance(patcher, DeviceControlPatcher) else "ComfyUI",
         in_use=in_use,
     )
 
 
+def dominant_dtype(module: Any) -> Any:
+    """The dtype most of a module's weights are stored in (``None`` for a module without weights)."""
+    sizes: dict[Any, int] = {}
+    for param in module.parameters():
+        sizes[param.dtype] = sizes.get(param.dtype, 0) + param.numel()
+    return max(sizes, key=sizes.__getitem__) if sizes else None
+
+
 def _storage_dtype(patcher: Any) -> Any:
-    """The dtype ComfyUI reports for the model, else that of its first weight (CLIP and VAE report none)."""
+    """The dtype ComfyUI reports for the model, else the one most weights use (CLIP and VAE report none)."""
     dtype = patcher.model_dtype() if hasattr(patcher, "model_dtype") else None
-    if dtype is None:
-        first = next(iter(patcher.model.parameters()), None)
-        dtype = first.dtype if first is not None else None
-    return dtype
+    return dtype if dtype is not None else dominant_dtype(patcher.model)
 
 
 def loaded_models(

@@ -1,0 +1,141 @@
+"""Learn, without reading any weight, where each tensor of a model comes from in its file.
+
+Host applications rename keys and sometimes transform values while loading (split a fused projection into
+three, transpose a matrix). To stream weights straight into their final tensors we must know, for every
+tensor of the model, which file tensor it comes from and what is done to it on the way. We find out by
+letting the host's own loading code run on stand-ins:
+
+* :func:`source_tensors` makes a ``meta`` tensor per file tensor (shape and dtype, no data), tagged with
+  its name;
+* :class:`Tracer` records, on every tensor computed from tagged ones, the operation that produced it;
+* :func:`capture_state_dict_loads` intercepts ``Module.load_state_dict`` for the duration, recording what
+  each module would have been given instead of copying it.
+
+:func:`source_of` then turns what a module would have received into a
+:data:`~core.skeleton.Source`: a file tensor name, or a function that replays the recorded operations on
+the real tensors.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
+
+from .headers import SAFETENSORS_DTYPES, TensorInfo
+from .skeleton import Source
+
+_TAG = "_device_control_lineage"
+_lock = threading.Lock()
+
+
+def source_tensors(tensors: Mapping[str, TensorInfo], probes: Mapping[str, torch.Tensor] | None = None) -> dict:
+    """A stand-in state dict: one tagged ``meta`` tensor per file tensor.
+
+    Args:
+        tensors: the file's header entries.
+        probes: real values for the few tensors a host reads by value while building a model (for example
+            the one SD2 uses to tell eps from v-prediction); they are tagged like the others.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name, info in tensors.items():
+        dtype = SAFETENSORS_DTYPES[info.dtype][1] or torch.uint8
+        tensor = probes[name] if probes and name in probes else torch.empty(info.shape, dtype=dtype, device="meta")
+        setattr(tensor, _TAG, ("file", name))
+        out[name] = tensor
+    return out
+
+
+class Tracer(TorchFunctionMode):
+    """Records, on each result computed from tagged tensors, how it was computed."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if not _has_lineage((args, kwargs)):
+            return result
+        recipe = ("op", func, args, kwargs)
+        if isinstance(result, torch.Tensor) and not hasattr(result, _TAG):
+            setattr(result, _TAG, recipe)
+        elif isinstance(result, (tuple, list)):
+            for index, item in enumerate(result):
+                if isinstance(item, torch.Tensor) and not hasattr(item, _TAG):
+                    setattr(item, _TAG, ("item", recipe, index))
+        return result
+
+
+def _has_lineage(tree: Any) -> bool:
+    found = False
+
+    def visit(item: Any) -> Any:
+        nonlocal found
+        found = found or (isinstance(item, torch.Tensor) and hasattr(item, _TAG))
+        return item
+
+    tree_map(visit, tree)
+    return found
+
+
+@contextmanager
+def capture_state_dict_loads() -> Iterator[list[tuple[torch.nn.Module, dict[str, torch.Tensor]]]]:
+    """Within this context ``Module.load_state_dict`` records ``(module, state_dict)`` and copies nothing.
+
+    It returns what torch would (missing and unexpected keys), so callers that check it behave as usual.
+    The patch is process-wide while active, held under a lock and always undone.
+    """
+    captured: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = []
+    original = torch.nn.Module.load_state_dict
+
+    def load_state_dict(
+        module: torch.nn.Module, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        state = dict(state_dict)
+        captured.append((module, state))
+        expected = set(module.state_dict().keys())
+        return torch.nn.modules.module._IncompatibleKeys(sorted(expected - set(state)), sorted(set(state) - expected))
+
+    with _lock:
+        torch.nn.Module.load_state_dict = load_state_dict
+        try:
+            yield captured
+        finally:
+            torch.nn.Module.load_state_dict = original
+
+
+def source_of(value: torch.Tensor, read: Callable[[str], torch.Tensor]) -> Source | None:
+    """Where a captured value comes from: a file tensor name, or a replay function; ``None`` if unknown.
+
+    Args:
+        value: what the host passed to ``load_state_dict`` for one key.
+        read: reads a file tensor by name (in its stored dtype, on the host).
+    """
+    recipe = getattr(value, _TAG, None)
+    if recipe is None:
+        return None
+    if recipe[0] == "file":
+        return recipe[1]
+    return lambda: _replay(recipe, read, {})
+
+
+def _replay(recipe: tuple, read: Callable[[str], torch.Tensor], cache: dict[str, torch.Tensor]) -> Any:
+    kind = recipe[0]
+    if kind == "file":
+        name = recipe[1]
+        if name not in cache:
+            cache[name] = read(name)
+        return cache[name]
+    if kind == "item":
+        return _replay(recipe[1], read, cache)[recipe[2]]
+    _, func, args, kwargs = recipe
+
+    def real(item: Any) -> Any:
+        if isinstance(item, torch.Tensor) and hasattr(item, _TAG):
+            return _replay(getattr(item, _TAG), read, cache)
+        return item
+
+    return func(*tree_map(real, args), **tree_map(real, kwargs))
