@@ -18,8 +18,14 @@ class KeyView:
     def __init__(self, tensors: Mapping[str, TensorInfo], prefix: str = "") -> None:
         self.tensors = tensors
         self.prefix = prefix
-        self._keys = [k for k in tensors if k.startswith(prefix)]
+        self._names: list[str] | None = None  # built on first use: most rules only test single names
         self._stems: set[str] | None = None
+
+    @property
+    def _keys(self) -> list[str]:
+        if self._names is None:
+            self._names = [k for k in self.tensors if k.startswith(self.prefix)]
+        return self._names
 
     def has(self, key: str) -> bool:
         """Whether ``prefix + key`` is a tensor of the file."""

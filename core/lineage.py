@@ -69,16 +69,15 @@ class Tracer(TorchFunctionMode):
         return result
 
 
-def _has_lineage(tree: Any) -> bool:
-    found = False
-
-    def visit(item: Any) -> Any:
-        nonlocal found
-        found = found or (isinstance(item, torch.Tensor) and hasattr(item, _TAG))
-        return item
-
-    tree_map(visit, tree)
-    return found
+def _has_lineage(item: Any) -> bool:
+    # Called on every operation while tracing: a plain walk is several times faster than a pytree map.
+    if isinstance(item, torch.Tensor):
+        return hasattr(item, _TAG)
+    if isinstance(item, (list, tuple)):
+        return any(_has_lineage(x) for x in item)
+    if isinstance(item, dict):
+        return any(_has_lineage(x) for x in item.values())
+    return False
 
 
 @contextmanager

@@ -1,18 +1,20 @@
 """Stream weights from a model file straight into tensors that are already where they will stay.
 
-ComfyUI reads a whole checkpoint into memory and then copies it into a model built in its compute dtype, so
-for a while both live in RAM. Here each tensor is read from the file directly into its final tensor (already
-allocated in the target dtype, on the target device): when the stored dtype is the target dtype and the
-target is host memory, the bytes go from the file into the final tensor with no copy at all; otherwise they
-pass through one staging buffer, reused for every tensor, so the extra memory is at most the largest tensor.
+ComfyUI maps a whole checkpoint into memory and then copies it into a model built in its compute dtype; the
+mapped file's pages count in the process's memory until the load ends, so for a while both are resident.
+Here each tensor goes from the file directly into its final tensor (already allocated in the target dtype,
+on the target device):
 
-Positional reads are used rather than a memory map: pages of a mapped file count in the process's resident
-memory while mapped, which would double the peak for a full load; plain reads leave them in the kernel's page
-cache instead, where they cost nothing the process has to account for.
+* stored dtype = target dtype, target in host memory: one positional read straight into the final tensor;
+* a dtype conversion: the converting copy reads the memory-mapped file directly, then the pages it read are
+  released from the process (``madvise(DONTNEED)``; the kernel's page cache keeps them), so at most one
+  tensor's worth of the file is ever resident beside the model;
+* another device: through one staging buffer (pinned when asked), reused for every tensor.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Callable
 
@@ -39,17 +41,23 @@ class WeightReader:
         self.header = header
         self.pin_staging = pin_staging
         self._fd: int | None = None
+        self._map: mmap.mmap | None = None
         self._pickled: dict[str, torch.Tensor] | None = None
         self._staging = torch.empty(0, dtype=torch.uint8)
 
     def __enter__(self) -> WeightReader:
         if self.header.format == "safetensors":
             self._fd = os.open(self.header.path, os.O_RDONLY)
+            if self.header.file_size > 0:  # private and copy-on-write: tensors may view it, the file stays intact
+                self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY)
         else:
             self._pickled = load_pickled_state(self.header.path)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._map is not None:
+            self._map.close()
+            self._map = None
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
@@ -76,12 +84,35 @@ class WeightReader:
                 dest.copy_(self._pickled[name].reshape(dest.shape))
             return
         stored = _torch_dtype(info)
-        if dest.device.type == "cpu" and dest.dtype == stored and dest.is_contiguous() and type(dest) is torch.Tensor:
+        on_host = dest.device.type == "cpu" and type(dest) is torch.Tensor
+        if on_host and dest.dtype == stored and dest.is_contiguous():
             self._pread_into(info, dest.reshape(-1).view(torch.uint8))
+            return
+        start = self.header.data_start + info.begin
+        if on_host and self._map is not None and start % stored.itemsize == 0 and info.nbytes:
+            self._convert_from_map(info, start, stored, dest)
             return
         source = self._stage(info).view(stored).reshape(dest.shape)
         with torch.no_grad():
             dest.copy_(source)
+
+    def _convert_from_map(self, info: TensorInfo, start: int, stored: torch.dtype, dest: torch.Tensor) -> None:
+        self._check_within_file(info, start)
+        mapped = torch.frombuffer(self._map, dtype=torch.uint8, count=info.nbytes, offset=start)
+        with torch.no_grad():
+            dest.copy_(mapped.view(stored).reshape(dest.shape))
+        del mapped
+        page = mmap.PAGESIZE
+        first = start // page * page
+        self._map.madvise(mmap.MADV_DONTNEED, first, start + info.nbytes - first)
+
+    def _check_within_file(self, info: TensorInfo, start: int) -> None:
+        size = os.fstat(self._fd).st_size
+        if start + info.nbytes > size or size < self.header.file_size:
+            raise ModelFileError(
+                f"{os.path.basename(self.header.path)} ended while reading {info.name!r}: the file was truncated "
+                "or replaced while loading. Download it again."
+            )
 
     def read(self, name: str) -> torch.Tensor:
         """A new host tensor holding tensor ``name`` in its stored dtype (for the few keys that need a transform)."""

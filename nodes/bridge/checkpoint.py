@@ -111,17 +111,18 @@ def build_checkpoint(
 
         # Parameters are created on meta: through ComfyUI's own device arguments where it has them (so the few
         # it creates with a value, such as CLIP's logit_scale, keep it), and by our hook for the VAE.
-        with capture_state_dict_loads() as captured, Tracer():
+        with capture_state_dict_loads() as captured:
             model = config.get_model(sd, prefix, device=torch.device("meta"))
-            model.load_model_weights(sd, prefix)
-            vae_sd = config.process_vae_state_dict(
-                utils.state_dict_prefix_replace(sd, dict.fromkeys(config.vae_key_prefix, ""), filter_keys=True)
-            )
-            with parameters_on_meta():
-                vae = surface.comfy_sd().VAE(
-                    sd=vae_sd, device=vae_place.device, dtype=vae_place.dtype, metadata=metadata
+            with Tracer():  # only the steps that rename and transform weights need tracing
+                model.load_model_weights(sd, prefix)
+                vae_sd = config.process_vae_state_dict(
+                    utils.state_dict_prefix_replace(sd, dict.fromkeys(config.vae_key_prefix, ""), filter_keys=True)
                 )
-            clip = _build_clip(config, sd, clip_place)
+                with parameters_on_meta():
+                    vae = surface.comfy_sd().VAE(
+                        sd=vae_sd, device=vae_place.device, dtype=vae_place.dtype, metadata=metadata
+                    )
+                clip = _build_clip(config, sd, clip_place)
 
         roots = {"model": model, "vae": vae.first_stage_model}
         if clip is not None:

@@ -75,11 +75,19 @@ def browser(comfy_runtime, require) -> Iterator[Any]:
         instance.close()
 
 
-@pytest.fixture
-def frontend(browser, comfy_server) -> Iterator[FrontendPage]:
+@pytest.fixture(scope="session")
+def browser_server(synthetic_models, comfy_factory, tmp_path_factory) -> Iterator[Any]:
+    """A ComfyUI with a simulated 8 GiB GPU, so the page shows a GPU placement on any machine."""
+    server = comfy_factory(tmp_path_factory.mktemp("browser-base"), env={"DEVICE_CONTROL_SIMULATE_GPU": "8GiB"})
     # First-run dialogs (templates, tutorial) would cover the canvas; a returning user has dismissed them.
-    comfy_server.post("/settings/Comfy.TutorialCompleted", True)
+    server.post("/settings/Comfy.TutorialCompleted", True)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def frontend(browser, browser_server) -> Iterator[FrontendPage]:
     context = browser.new_context(viewport={"width": 1800, "height": 1100})
-    page = FrontendPage(context.new_page(), comfy_server)
+    page = FrontendPage(context.new_page(), browser_server)
     yield page
     context.close()

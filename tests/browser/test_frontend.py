@@ -6,10 +6,13 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
+
 from tools.workflow_api import ui_to_api
 
 REPO = Path(__file__).resolve().parents[2]
-TXT2IMG = REPO / "workflows" / "txt2img_vram_report.json"
+WORKFLOWS = sorted((REPO / "workflows").glob("*.json"))
+PLACED = REPO / "workflows" / "sd15_unet_on_gpu_text_encoder_on_cpu.json"
 
 
 def test_extension_loads_without_errors_of_ours(frontend):
@@ -20,20 +23,21 @@ def test_extension_loads_without_errors_of_ours(frontend):
     assert frontend.our_errors() == []
 
 
-def test_frontend_converts_the_workflow_as_our_converter_does(frontend):
+@pytest.mark.parametrize("workflow", WORKFLOWS, ids=[w.stem for w in WORKFLOWS])
+def test_frontend_converts_each_workflow_as_our_converter_does(frontend, workflow):
     frontend.open()
-    frontend.load_workflow(TXT2IMG)
+    frontend.load_workflow(workflow)
     from_browser = json.loads(
         frontend.page.evaluate("async () => JSON.stringify((await window.app.graphToPrompt()).output)")
     )
-    ours = ui_to_api(json.loads(TXT2IMG.read_text()), frontend.server.get("/object_info"))
+    ours = ui_to_api(json.loads(workflow.read_text()), frontend.server.get("/object_info"))
     simplify = lambda prompt: {k: (v["class_type"], v["inputs"]) for k, v in prompt.items()}  # noqa: E731
     assert simplify(from_browser) == simplify(ours)
 
 
 def test_workflow_runs_from_the_page_and_reports_show_on_the_canvas(frontend, artifacts):
     frontend.open()
-    frontend.load_workflow(TXT2IMG)
+    frontend.load_workflow(PLACED)
     page = frontend.page
     page.evaluate(
         """() => {
@@ -60,9 +64,16 @@ def test_workflow_runs_from_the_page_and_reports_show_on_the_canvas(frontend, ar
         label = title.split(": ", 1)[1]
         assert text.startswith(f"VRAM Report - {label} (")
         assert "Devices:" in text and "cpu    CPU" in text and "this process (RSS)" in text
-    assert "MODEL SD15 diffusion model (BaseModel)" in dict(texts)["VRAM Report: after decoding"]
+    after_decoding = dict(texts)["VRAM Report: after decoding"]
+    assert "gpu:0  Simulated GPU 0 (8.00 GiB) [simulated]: 3.20 GiB used" in after_decoding
+    assert "MODEL SD15 diffusion model (BaseModel), 3.20 GiB: 3.20 GiB on gpu:0" in after_decoding
+    summary = page.evaluate(
+        """() => window.app.graph.nodes.find((n) => n.type === "DeviceControl_LoadCheckpoint")
+            .widgets.find((w) => w.name === "report_text").element.value"""
+    )
+    assert summary.startswith("Stable Diffusion 1.5 (SD15, EPS)") and "gpu:0 (Simulated GPU 0" in summary
     visible = page.locator("textarea.device-control-report").evaluate_all("(els) => els.map((e) => e.value.length)")
-    assert len(visible) == 3 and min(visible) > 200
+    assert len(visible) == 4 and min(visible) > 200
     assert frontend.our_errors() == []
     page.mouse.click(900, 900)  # focus the canvas, then fit the whole graph in view
     page.keyboard.press(".")

