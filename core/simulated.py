@@ -299,7 +299,8 @@ def _raise_mismatch(first: str, second: str) -> None:
 
 
 def _to_names_a_device(args: tuple, kwargs: dict) -> bool:
-    device, _dtype, _non_blocking, _memory_format = torch._C._nn._parse_to(*args[1:], **kwargs)
+    parsed = {k: v for k, v in kwargs.items() if k != "copy"}  # the parser knows every argument of .to() but copy
+    device, _dtype, _non_blocking, _memory_format = torch._C._nn._parse_to(*args[1:], **parsed)
     return device is not None
 
 

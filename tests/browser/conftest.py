@@ -75,7 +75,7 @@ def browser(comfy_runtime, require) -> Iterator[Any]:
         instance.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser_server(synthetic_models, comfy_factory, tmp_path_factory) -> Iterator[Any]:
     """A ComfyUI with a simulated 8 GiB GPU, so the page shows a GPU placement on any machine."""
     server = comfy_factory(tmp_path_factory.mktemp("browser-base"), env={"DEVICE_CONTROL_SIMULATE_GPU": "8GiB"})

@@ -160,6 +160,7 @@ class _Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # torch's note about the protocol of our evil file
 def test_an_unsafe_pickle_is_refused_and_its_code_never_runs(tmp_path):
     marker = tmp_path / "pwned"
     path = tmp_path / "evil.ckpt"

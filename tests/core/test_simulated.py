@@ -121,6 +121,7 @@ def test_moving_back_to_the_host_returns_plain_tensors(device):
         assert type(back) is torch.Tensor
         assert torch.equal(back.float(), data)
     assert isinstance(x.to(torch.float16), SimTensor)  # a dtype change stays on the device
+    assert isinstance(x.to(dtype=torch.float16, copy=True), SimTensor)
     host = torch.zeros(8)
     host.copy_(x)  # device-to-host copy is a transfer, not a mismatch
     assert torch.equal(host, data)

@@ -84,6 +84,17 @@ def test_fp16_storage_on_cpu_computes_in_fp32_within_tolerance(sim_server, api, 
     assert difference.mean() < 1.0 and difference.max() <= 16, (difference.mean(), difference.max())
 
 
+@pytest.mark.parametrize(("dtype", "stored"), [("fp8_e4m3fn", "float8_e4m3fn"), ("bf16", "bfloat16")])
+def test_other_storage_dtypes_stay_as_chosen_through_sampling(sim_server, api, dtype, stored):
+    entry = sim_server.run(prompt_of(sim_server, OURS, model_dtype=dtype, clip_dtype=dtype))
+    assert f"{stored} (computes in float32)" in loader(entry)
+    models = {m["component"]: m for m in api.report_json(entry, "7")["models"]}
+    assert models["MODEL"]["dtype"] == stored and models["MODEL"]["resident"] == {
+        "gpu:0": models["MODEL"]["total_bytes"]
+    }
+    assert models["CLIP"]["dtype"] == stored
+
+
 def test_a_device_this_machine_lacks_falls_back_with_a_warning(sim_server):
     entry = sim_server.run(prompt_of(sim_server, OURS, model_device="gpu:7", clip_device="cuda:3"))
     summary = loader(entry)
