@@ -35,3 +35,7 @@ class UnsafePickleError(ModelFileError):
 
 class UnknownModelError(DeviceControlError, LookupError):
     """No family signature matches a file; the message lists the closest candidates and why they failed."""
+
+
+class PatchError(DeviceControlError, ValueError):
+    """A weight patch of a kind we do not apply, or one that cannot apply to its weight."""

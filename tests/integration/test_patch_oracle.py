@@ -1,0 +1,244 @@
+"""Patch math against ComfyUI's own: for every patch type, our result equals ``comfy.lora.calculate_weight``'s.
+
+ComfyUI's adapter classes hold the patch tensors (our code reads them the way ComfyUI's patcher hands them
+over); both sides get identical copies of the same weight. fp32, fp16 and bf16 weights are all compared bit
+for bit: the same operations run in the same order and dtypes, so nothing is left to chance.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import pytest
+import torch
+
+from core.patch_math import calculate_weight
+from core.patching import OnTheFlyPatch, PatchSet, key_seed, round_to
+
+
+@pytest.fixture(scope="module")
+def comfy(comfy_runtime):
+    from tools.comfy_inprocess import import_comfy
+
+    import_comfy()
+    return (
+        importlib.import_module("comfy.lora"),
+        importlib.import_module("comfy.weight_adapter"),
+        importlib.import_module("comfy.model_patcher"),
+        importlib.import_module("comfy.float"),
+    )
+
+
+def randn(*shape: int, scale: float = 0.1) -> torch.Tensor:
+    return torch.randn(*shape) * scale
+
+
+def cases(adapters) -> dict[str, tuple[torch.Tensor, list]]:
+    """name -> (weight, patches), built with ComfyUI's own adapter classes."""
+    torch.manual_seed(1234)
+    out, inp, rank = 24, 16, 4
+    linear, conv = randn(out, inp, scale=1.0), randn(out, inp, 3, 3, scale=1.0)
+    a = adapters
+
+    def p(value, strength=1.0, strength_model=1.0, offset=None, function=None):
+        return [(strength, value, strength_model, offset, function)]
+
+    return {
+        "lora": (linear, p(a.LoRAAdapter(set(), (randn(out, rank), randn(rank, inp), 8.0, None, None, None)), 0.7)),
+        "lora-no-alpha": (
+            linear,
+            p(a.LoRAAdapter(set(), (randn(out, rank), randn(rank, inp), None, None, None, None))),
+        ),
+        "lora-conv-mid": (
+            conv,
+            p(
+                a.LoRAAdapter(
+                    set(), (randn(out, rank, 1, 1), randn(rank, inp, 1, 1), 2.0, randn(rank, rank, 3, 3), None, None)
+                )
+            ),
+        ),
+        "lora-dora": (
+            linear,
+            p(
+                a.LoRAAdapter(
+                    set(), (randn(out, rank), randn(rank, inp), 4.0, None, randn(out, 1, scale=1.0).abs() + 1, None)
+                ),
+                0.6,
+            ),
+        ),
+        "lora-dora-full": (
+            linear,
+            p(
+                a.LoRAAdapter(
+                    set(), (randn(out, rank), randn(rank, inp), 4.0, None, randn(1, inp, scale=1.0).abs() + 1, None)
+                )
+            ),
+        ),
+        "loha": (
+            linear,
+            p(
+                a.LoHaAdapter(
+                    set(),
+                    (randn(out, rank), randn(rank, inp), 4.0, randn(out, rank), randn(rank, inp), None, None, None),
+                )
+            ),
+        ),
+        "loha-cp": (
+            conv,
+            p(
+                a.LoHaAdapter(
+                    set(),
+                    (
+                        randn(rank, out),
+                        randn(rank, inp),
+                        4.0,
+                        randn(rank, out),
+                        randn(rank, inp),
+                        randn(rank, rank, 3, 3),
+                        randn(rank, rank, 3, 3),
+                        None,
+                    ),
+                )
+            ),
+        ),
+        "lokr-full": (
+            linear,
+            p(a.LoKrAdapter(set(), (randn(4, 2), randn(6, 8), None, None, None, None, None, None, None))),
+        ),
+        "lokr-factored": (
+            linear,
+            p(a.LoKrAdapter(set(), (randn(4, 2), None, 2.0, None, None, randn(6, 2), randn(2, 8), None, None))),
+        ),
+        "lokr-tucker": (
+            conv,
+            p(
+                a.LoKrAdapter(
+                    set(), (randn(4, 2), None, 2.0, None, None, randn(2, 6), randn(2, 8), randn(2, 2, 3, 3), None)
+                )
+            ),
+        ),
+        "glora": (
+            linear,
+            p(
+                a.GLoRAAdapter(
+                    set(), (randn(inp, rank), randn(rank, inp), randn(out, rank), randn(rank, inp), 4.0, None)
+                )
+            ),
+        ),
+        "glora-old": (
+            torch.randn(inp, inp),
+            p(
+                a.GLoRAAdapter(
+                    set(), (randn(rank, inp), randn(inp, rank), randn(rank, inp), randn(inp, rank), 4.0, None)
+                )
+            ),
+        ),
+        "oft": (linear, p(a.OFTAdapter(set(), (randn(4, 6, 6), None, 0.5, None)), 0.8)),
+        "boft": (torch.randn(16, 8), p(a.BOFTAdapter(set(), (randn(2, 2, 8, 8), None, 1.0, None)))),
+        "diff": (linear, p((randn(out, inp),), 0.5)),
+        "set": (linear, p(("set", (randn(out, inp),)))),
+        "strength-model-offset-function": (linear, p((randn(8, inp),), 0.5, 0.9, (0, 4, 8), lambda t: t * 3)),
+        "shape-mismatch": (linear, p((randn(3, 3),))),
+        "chain": (
+            linear,
+            p((randn(out, inp),))
+            + p(a.LoRAAdapter(set(), (randn(out, rank), randn(rank, inp), 4.0, None, None, None)), 0.3),
+        ),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_every_patch_type_equals_comfyui(comfy, dtype, caplog):
+    lora, adapters, _patcher, _float = comfy
+    for name, (weight, patches) in cases(adapters).items():
+        theirs = lora.calculate_weight(patches, weight.to(dtype).clone(), name, intermediate_dtype=dtype)
+        with caplog.at_level(logging.WARNING):
+            ours = calculate_weight(patches, weight.to(dtype).clone(), name, intermediate_dtype=dtype)
+        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs), name
+        # Equal because both did the work, not because both skipped it. Some are skipped by both (a warning
+        # names the key): a diff of the wrong shape; a Tucker-factored LoKr, which torch.kron cannot expand; and
+        # OFT/BOFT in half-precision intermediates (their fp32 matrix inverse meets a half matrix). Our on-the-fly
+        # patches therefore compute in fp32 (see test_streamed_and_resident_patches_agree_bit_for_bit).
+        skipped = {"shape-mismatch", "lokr-tucker"} | ({"oft", "boft"} if dtype != torch.float32 else set())
+        if name not in skipped:
+            assert not torch.equal(ours, weight.to(dtype)), name
+    assert "diff patch for shape-mismatch not applied" in caplog.text  # skipped with a warning naming the key
+
+
+def test_model_as_lora_and_nested_patches_equal_comfyui(comfy):
+    lora, _adapters, _patcher, _float = comfy
+    torch.manual_seed(7)
+    weight, base, target = torch.randn(6, 5), torch.randn(6, 5), torch.randn(6, 5)
+    as_lora = [(0.5, ("model_as_lora", (target,)), 1.0, None, None)]
+    originals = {"k": [(base,)]}
+    assert torch.equal(
+        calculate_weight(as_lora, weight.clone(), "k", original_weights=originals),
+        lora.calculate_weight(as_lora, weight.clone(), "k", original_weights=originals),
+    )
+    nested = [
+        (
+            0.7,
+            [(torch.randn(6, 5), lambda t, inplace: t * 2), (1.0, (torch.randn(6, 5),), 1.0, None, None)],
+            1.0,
+            None,
+            None,
+        )
+    ]
+    assert torch.equal(
+        calculate_weight(nested, weight.clone(), "k"), lora.calculate_weight(nested, weight.clone(), "k")
+    )
+
+
+def test_seeds_and_stochastic_fp8_rounding_equal_comfyui(comfy):
+    _lora, _adapters, patcher, comfy_float = comfy
+    for key in ("diffusion_model.input_blocks.1.1.proj_in.weight", "x", ""):
+        assert key_seed(key) == patcher.string_to_seed(key)
+    torch.manual_seed(3)
+    value = torch.randn(300, 70) * 3
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float16, torch.bfloat16):
+        ours = round_to(value, dtype, seed=1234)
+        theirs = comfy_float.stochastic_rounding(value, dtype, seed=1234)
+        assert ours.dtype == dtype and torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8)), dtype
+
+
+def test_the_on_the_fly_patch_equals_comfyui_lowvram_patch(comfy):
+    _lora, adapters, patcher, _float = comfy
+    weight, patches = cases(adapters)["lora"]
+    table = {"w": patches}
+    for dtype in (torch.float32, torch.float16, torch.float8_e4m3fn):
+        stored = weight.to(dtype)
+        ours = OnTheFlyPatch("w", table)(stored.clone())
+        theirs = patcher.LowVramPatch("w", table)(stored.clone())
+        assert ours.dtype == theirs.dtype and torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8)), dtype
+
+
+@pytest.mark.parametrize("storage", [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn])
+def test_streamed_and_resident_patches_agree_bit_for_bit(comfy, storage):
+    _lora, adapters, _patcher, _float = comfy
+    for name in ("lora", "oft", "loha"):
+        weight, patches = cases(adapters)[name]
+        layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        layer.weight = torch.nn.Parameter(weight.to(storage), requires_grad=False)
+        stored = layer.weight.detach().clone()
+        patch_set = PatchSet()
+        patch_set.add({"weight": patches[0][1]}, strength_patch=patches[0][0])
+        backup = patch_set.apply(layer)
+        resident = layer.weight.detach().to(torch.float32)  # what a resident layer computes with
+        PatchSet.restore(layer, backup)
+        assert torch.equal(layer.weight.view(torch.uint8), stored.view(torch.uint8))
+        streamed = OnTheFlyPatch("weight", patch_set.patches, storage_dtype=storage)(stored.to(torch.float32))
+        assert torch.equal(streamed, resident), (name, storage)
+
+
+def test_unknown_patch_types_are_refused_up_front():
+    from core.errors import PatchError
+
+    with pytest.raises(PatchError, match=r"unknown patch type .mystery.*update that node pack"):
+        PatchSet().add({"w": ("mystery", (torch.zeros(1),))})
+
+
+def test_nan_in_a_patch_is_reported(caplog):
+    with caplog.at_level(logging.WARNING):
+        PatchSet().add({"w": (torch.tensor([1.0, float("nan")]),)})
+    assert "NaN or infinite values" in caplog.text and "e.g. w" in caplog.text
