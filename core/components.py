@@ -13,7 +13,7 @@ from .headers import TensorInfo
 from .keyview import KeyView
 
 #: Bytes per element of a floating-point weight stored in each candidate dtype.
-CANDIDATE_DTYPES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
+CANDIDATE_DTYPES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "fp64": 8}
 
 Rule = tuple[Callable[[KeyView], bool], Callable[[KeyView], str]]
 

@@ -18,7 +18,7 @@ import math
 import os
 import pickle
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -48,6 +48,8 @@ FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8
 SAFETENSORS_SUFFIXES = (".safetensors", ".sft")
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit
+MAX_DIMS = 64  # torch's limit on a tensor's dimensions
+MAX_DIM = 2**48  # no real tensor is larger in any dimension; bigger values are crafted (and overflow int64 math)
 
 _TORCH_TO_NAME = {dtype: name for name, (_, dtype) in SAFETENSORS_DTYPES.items() if dtype is not None}
 
@@ -92,6 +94,7 @@ class FileHeader:
     metadata: dict[str, str] = field(default_factory=dict)
     data_start: int = 0
     file_size: int = 0
+    identity: tuple[int, ...] = ()  # device, inode, size, mtime: the reader checks the file is still this one
 
 
 def read_header(path: str | os.PathLike[str]) -> FileHeader:
@@ -107,7 +110,8 @@ def read_header(path: str | os.PathLike[str]) -> FileHeader:
         raise ModelFileError(f"{file} is a directory, not a model file; pick a .safetensors file inside it.")
     if not file.exists():
         raise ModelFileError(f"{file} does not exist; check the name, or refresh ComfyUI's model list (press R).")
-    size = file.stat().st_size
+    stat = file.stat()
+    size = stat.st_size
     if size == 0:
         raise ModelFileError(f"{file.name} is empty (0 bytes); the download or copy failed: fetch it again.")
     with open(file, "rb") as handle:
@@ -117,9 +121,11 @@ def read_header(path: str | os.PathLike[str]) -> FileHeader:
             f"{file.name} is a GGUF file; Device Control reads safetensors and PyTorch checkpoints. "
             "Load GGUF files with a GGUF loader pack (e.g. ComfyUI-GGUF)."
         )
-    if magic[:2] == b"PK" or file.suffix.lower() in PICKLE_SUFFIXES:
-        return _read_pickle(file, size)
-    return _read_safetensors(file, size)
+    identity = (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    zipped = magic[:4] == b"PK\x03\x04" and file.suffix.lower() not in SAFETENSORS_SUFFIXES
+    if zipped or file.suffix.lower() in PICKLE_SUFFIXES:
+        return replace(_read_pickle(file, size), identity=identity)
+    return replace(_read_safetensors(file, size), identity=identity)
 
 
 def _broken(file: Path, problem: str) -> ModelFileError:
@@ -141,8 +147,8 @@ def _read_safetensors(file: Path, size: int) -> FileHeader:
         raw = handle.read(header_len)
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _broken(file, f"its JSON header cannot be parsed ({exc})") from exc
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise _broken(file, f"its JSON header cannot be parsed ({type(exc).__name__}: {exc})") from exc
     if not isinstance(header, dict):
         raise _broken(file, "its JSON header is not an object")
     metadata = header.pop("__metadata__", None) or {}
@@ -160,11 +166,11 @@ def _tensor_info(file: Path, name: str, entry: object, data_size: int) -> Tensor
     if not isinstance(entry, dict):
         raise _broken(file, f"the entry for tensor {name!r} is not an object")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in SAFETENSORS_DTYPES:
+    if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPES:
         raise _broken(file, f"tensor {name!r} has unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_count(d, MAX_DIM) for d in shape):
         raise _broken(file, f"tensor {name!r} has an invalid shape {shape!r}")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) and o >= 0 for o in offsets)):
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o, 2**63) for o in offsets)):
         raise _broken(file, f"tensor {name!r} has invalid data offsets {offsets!r}")
     begin, end = offsets
     info = TensorInfo(name, dtype, tuple(shape), begin, end)
@@ -173,6 +179,10 @@ def _tensor_info(file: Path, name: str, entry: object, data_size: int) -> Tensor
     if end - begin != info.nbytes:
         raise _broken(file, f"tensor {name!r} spans {end - begin} bytes but its shape and dtype need {info.nbytes}")
     return info
+
+
+def _is_count(value: object, limit: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < limit
 
 
 def _check_overlaps(file: Path, tensors: dict[str, TensorInfo]) -> None:

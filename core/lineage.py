@@ -80,30 +80,42 @@ def _has_lineage(item: Any) -> bool:
     return False
 
 
+_capturing = threading.local()
+_installed = False
+_original_load_state_dict = torch.nn.Module.load_state_dict
+
+
+def _load_state_dict(
+    module: torch.nn.Module, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+) -> Any:
+    captured = getattr(_capturing, "loads", None)
+    if captured is None:  # not capturing in this thread: torch's own behaviour
+        return _original_load_state_dict(module, state_dict, strict=strict, assign=assign)
+    state = dict(state_dict)
+    captured.append((module, state))
+    expected = set(module.state_dict().keys())
+    return torch.nn.modules.module._IncompatibleKeys(sorted(expected - set(state)), sorted(set(state) - expected))
+
+
 @contextmanager
 def capture_state_dict_loads() -> Iterator[list[tuple[torch.nn.Module, dict[str, torch.Tensor]]]]:
-    """Within this context ``Module.load_state_dict`` records ``(module, state_dict)`` and copies nothing.
+    """Within this context, in this thread, ``Module.load_state_dict`` records ``(module, state_dict)`` and
+    copies nothing; it returns what torch would (missing and unexpected keys), so callers behave as usual.
 
-    It returns what torch would (missing and unexpected keys), so callers that check it behave as usual.
-    The patch is process-wide while active, held under a lock and always undone.
+    The hook is installed on first use and stays: in every other thread, and outside the context, it calls
+    torch's own method, so other threads (ComfyUI's server, other packs) are never affected.
     """
-    captured: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = []
-    original = torch.nn.Module.load_state_dict
-
-    def load_state_dict(
-        module: torch.nn.Module, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
-    ) -> Any:
-        state = dict(state_dict)
-        captured.append((module, state))
-        expected = set(module.state_dict().keys())
-        return torch.nn.modules.module._IncompatibleKeys(sorted(expected - set(state)), sorted(set(state) - expected))
-
+    global _installed
     with _lock:
-        torch.nn.Module.load_state_dict = load_state_dict
-        try:
-            yield captured
-        finally:
-            torch.nn.Module.load_state_dict = original
+        if not _installed:  # once: a later wrapper by another library stays in place
+            torch.nn.Module.load_state_dict = _load_state_dict
+            _installed = True
+    previous = getattr(_capturing, "loads", None)
+    _capturing.loads = []
+    try:
+        yield _capturing.loads
+    finally:
+        _capturing.loads = previous
 
 
 def source_of(value: torch.Tensor, read: Callable[[str], torch.Tensor]) -> Source | None:

@@ -23,6 +23,7 @@ storage with the host tensor it was made from (a move costs no host memory). Mov
 
 from __future__ import annotations
 
+import queue
 import threading
 import weakref
 from collections.abc import Iterable, Iterator
@@ -97,6 +98,7 @@ class SimulatedDevice:
         self.used_by_others = int(used_by_others)
         self.faults = frozenset(faults)
         self._books: dict[int, _Entry] = {}
+        self._released: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._allocated = 0
         self._peak = 0
         self._lock = threading.Lock()
@@ -115,7 +117,9 @@ class SimulatedDevice:
 
     def allocated(self) -> int:
         """Bytes currently held by live tensors on this device."""
-        return self._allocated
+        with self._lock:
+            self._settle()
+            return self._allocated
 
     def peak_allocated(self) -> int:
         """The most bytes held at once since creation or the last :meth:`reset_peak`."""
@@ -123,10 +127,15 @@ class SimulatedDevice:
 
     def reset_peak(self) -> None:
         """Start measuring the peak again from the current allocation."""
-        self._peak = self._allocated
+        self._peak = self.allocated()
 
     def free(self) -> int:
         """Bytes that a new allocation may still take."""
+        with self._lock:
+            self._settle()
+            return self._free()
+
+    def _free(self) -> int:  # with the lock held
         return max(0, self.capacity - self.used_by_others - self._allocated)
 
     def stats(self) -> dict[str, int]:
@@ -137,13 +146,15 @@ class SimulatedDevice:
         """
         if "stats" in self.faults:
             raise RuntimeError(f"{self.label}: injected fault: memory statistics query failed")
-        return {
-            "total": self.capacity,
-            "free": self.free(),
-            "torch_allocated": self._allocated,
-            "torch_reserved": self._allocated,
-            "used_by_others": self.used_by_others,
-        }
+        with self._lock:
+            self._settle()
+            return {
+                "total": self.capacity,
+                "free": self._free(),
+                "torch_allocated": self._allocated,
+                "torch_reserved": self._allocated,
+                "used_by_others": self.used_by_others,
+            }
 
     def _register(self, tensor: torch.Tensor) -> None:
         """Count ``tensor``'s storage (once per storage) and tie its release to the tensor's life."""
@@ -151,31 +162,41 @@ class SimulatedDevice:
         nbytes = storage.nbytes()
         key = storage.data_ptr()
         with self._lock:
+            self._settle()
             entry = self._books.get(key)
             if entry is None:
-                if nbytes > self.free():
+                if nbytes > self._free():
                     raise torch.OutOfMemoryError(self._oom_message(nbytes))
                 entry = _Entry(nbytes)
                 self._books[key] = entry
                 self._allocated += nbytes
                 self._peak = max(self._peak, self._allocated)
             entry.refs += 1
-        weakref.finalize(tensor, self._drop, key)
+        tensor._sim_release = weakref.finalize(tensor, self._drop, key)
 
     def _drop(self, key: int) -> None:
-        with self._lock:
-            entry = self._books.get(key)
-            if entry is None:
+        # A finalizer: it may run in any thread, and inside _register when the garbage collector strikes there,
+        # so it takes no lock; the release is queued and settled under the lock by the next reader of the books.
+        self._released.put(key)
+
+    def _settle(self) -> None:
+        """Apply queued releases (called with the lock held)."""
+        while True:
+            try:
+                key = self._released.get_nowait()
+            except queue.Empty:
                 return
-            entry.refs -= 1
-            if entry.refs <= 0:
-                del self._books[key]
-                self._allocated -= entry.nbytes
+            entry = self._books.get(key)
+            if entry is not None:
+                entry.refs -= 1
+                if entry.refs <= 0:
+                    del self._books[key]
+                    self._allocated -= entry.nbytes
 
     def _oom_message(self, nbytes: int) -> str:
         return (
             f"Simulated device {self.label} out of memory. Tried to allocate {format_bytes(nbytes)}. "
-            f"It has a total capacity of {format_bytes(self.capacity)} of which {format_bytes(self.free())} "
+            f"It has a total capacity of {format_bytes(self.capacity)} of which {format_bytes(self._free())} "
             f"is free; {format_bytes(self._allocated)} is allocated by this process."
         )
 
@@ -258,6 +279,8 @@ class SimTensor(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if getattr(func, "__self__", None) is _DATA and func.__name__ == "__set__":
+            return _set_data(*args)
         with torch._C.DisableTorchFunctionSubclass():
             device = _common_device(func, args, kwargs)
             if func is torch.Tensor.cpu or (func is torch.Tensor.to and _to_names_a_device(args, kwargs)):
@@ -272,6 +295,26 @@ class SimTensor(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             inner = torch.Tensor.__repr__(self.as_subclass(torch.Tensor))
         return f"{inner[:-1]}, sim_device='{self._sim_device.label}')"
+
+
+_DATA = torch._C.TensorBase.__dict__["data"]  # the descriptor (each ``.__set__`` lookup is a new wrapper)
+
+
+def _set_data(tensor: SimTensor, data: torch.Tensor) -> None:
+    """``tensor.data = data`` (how ``Module.to`` moves parameters): the books follow the data.
+
+    Data from another place ends this tensor's stay on its device: the old storage is released now and the
+    object becomes the plain tensor (or parameter) it would be on that device.
+    """
+    device = tensor._sim_device
+    with torch._C.DisableTorchFunctionSubclass():
+        _DATA.__set__(tensor, data)
+        tensor._sim_release()  # the old storage is no longer this tensor's
+        if isinstance(data, SimTensor) and data.sim_device is device:
+            device._register(tensor)
+        else:
+            tensor.__class__ = torch.nn.Parameter if getattr(tensor, "_is_param", False) else torch.Tensor
+            del tensor._sim_device
 
 
 def _common_device(func: Any, args: tuple, kwargs: dict) -> SimulatedDevice | None:

@@ -1,50 +1,74 @@
 """Build a module tree without memory for its weights, then allocate each weight once, where it will live.
 
-:func:`parameters_on_meta` lets any constructor run (ComfyUI's included) while every parameter it registers
-lands on torch's ``meta`` device: no memory, but shape and dtype kept. Buffers stay real, because many are
-computed at construction (noise schedules, position ids) and are not in the file. :func:`materialize` then
-gives every parameter real storage in its constructed dtype on the target device and fills it from a
+:func:`weights_on_meta` lets any constructor run (ComfyUI's included) while every large uninitialised tensor
+it asks for (``torch.empty``: how layers allocate weights they will load) is created on torch's ``meta``
+device: no memory, but shape and dtype kept. Small tensors stay real, and so do tensors created with a value
+(``ones``, ``zeros``, ``arange``... noise schedules, position ids, a per-layer fp8 scale of 1), even when the
+constructor asked for them on ``meta``: their values are not in the file. :func:`materialize` then gives every
+meta tensor real storage in its constructed dtype on the target device and fills it from a
 :class:`~core.weights.WeightReader`, one tensor at a time.
+
+The mode is a torch function mode: it only affects the thread that entered it.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from math import prod
 
 import torch
+from torch.overrides import TorchFunctionMode
 
+from .errors import ModelFileError
 from .weights import ProgressCallback, WeightReader
-
-_patch_lock = threading.Lock()
 
 #: Where a module's tensor comes from: a tensor name in the file, or a function computing it (for the few
 #: tensors the host application transforms while loading, e.g. a transpose).
 Source = str | Callable[[], torch.Tensor]
 
+#: Tensors up to this many elements are always real: scales, scalars, tiny buffers.
+SMALL = 64
+_META = torch.device("meta")
+_VALUED_FACTORIES = frozenset(
+    {
+        torch.ones,
+        torch.zeros,
+        torch.full,
+        torch.eye,
+        torch.arange,
+        torch.linspace,
+        torch.tensor,
+        torch.ones_like,
+        torch.zeros_like,
+        torch.full_like,
+    }
+)
+
+
+def _numel(args: tuple, kwargs: dict) -> int:
+    size = kwargs.get("size", args[0] if args else ())
+    if isinstance(size, int):
+        return prod((size, *args[1:])) if all(isinstance(a, int) for a in args[1:]) else size
+    return prod(size) if isinstance(size, (tuple, list, torch.Size)) else SMALL + 1
+
+
+class _WeightsOnMeta(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.empty and _numel(args, kwargs) > SMALL:
+            kwargs["device"] = _META  # a weight the file will fill: no memory now
+        elif func in _VALUED_FACTORIES and torch.device(kwargs.get("device") or "cpu") == _META:
+            kwargs["device"] = "cpu"  # a value the constructor means (1.0, a schedule): keep it real
+        return func(*args, **kwargs)
+
 
 @contextmanager
-def parameters_on_meta() -> Iterator[None]:
-    """Within this context, every parameter registered on any module is created on the ``meta`` device.
-
-    Only parameters move; buffers and plain tensors are untouched. The patch is process-wide while active (as
-    in accelerate's ``init_empty_weights``), so it is held under a lock and always undone.
-    """
-    original = torch.nn.Module.register_parameter
-
-    def register_parameter(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
-        if param is not None and param.device.type != "meta":
-            param = torch.nn.Parameter(param.data.to("meta"), requires_grad=param.requires_grad)
-        original(module, name, param)
-
-    with _patch_lock:
-        torch.nn.Module.register_parameter = register_parameter
-        try:
-            yield
-        finally:
-            torch.nn.Module.register_parameter = original
+def weights_on_meta() -> Iterator[None]:
+    """Within this context (this thread only), large ``torch.empty`` tensors are created on ``meta``."""
+    with _WeightsOnMeta():
+        yield
 
 
 @dataclass
@@ -63,51 +87,65 @@ def materialize(
     *,
     progress: ProgressCallback | None = None,
 ) -> MaterializeResult:
-    """Give every meta parameter of ``module`` real storage on ``device`` and fill it from its source.
+    """Give every meta tensor of ``module`` real storage on ``device`` and fill it from its source.
 
-    Each parameter keeps the dtype it was constructed with (that is the storage dtype the model asked for).
-    A parameter that was built with a value (not on ``meta``) and has no source keeps that value. A meta
-    parameter with no source is zero-filled and reported in ``missing`` (ComfyUI warns about the same keys
-    and leaves them uninitialised). Buffers with a source are overwritten from it; the others keep their
-    constructed values; everything ends on ``device``.
+    Each tensor keeps the dtype it was constructed with (the storage dtype the model asked for). A tensor
+    built with a value and without a source keeps that value. A meta parameter without a source is
+    zero-filled and reported in ``missing`` (ComfyUI warns about the same keys and leaves them uninitialised);
+    a meta buffer without a source cannot be guessed and is an error. A tensor known under several names
+    (tied weights) stays one tensor, filled from the last name that has a source, as ``load_state_dict`` does.
+    Everything ends on ``device``.
 
     Raises:
-        ModelFileError: a source tensor is absent from the file or has the wrong number of elements.
+        ModelFileError: a source tensor is absent or misshapen, or a buffer has no source.
         Exception: whatever ``progress`` raises (an interruption); tensors filled so far stay filled.
     """
     device = torch.device(device)
     result = MaterializeResult()
-    tensors = [(name, tensor, True) for name, tensor in module.named_parameters(remove_duplicate=False)]
-    tensors += [(name, tensor, False) for name, tensor in module.named_buffers(remove_duplicate=False)]
-    total = sum(t.numel() * t.element_size() for _, t, _ in tensors)
-    shared: dict[int, torch.nn.Parameter] = {}  # a parameter registered under two names stays one parameter
-    for name, tensor, is_parameter in tensors:
-        owner, attr = _owner(module, name)
-        source = sources.get(name)
-        if is_parameter and id(tensor) in shared:
-            setattr(owner, attr, shared[id(tensor)])
-            continue
-        if is_parameter:
-            if source is None and tensor.device.type != "meta":
-                target = tensor.detach().to(device)
-            else:
-                target = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
-            if source is not None:
-                _fill(target, source, reader)
-            elif tensor.device.type == "meta":
-                target.zero_()
-                result.missing.append(name)
-            shared[id(tensor)] = torch.nn.Parameter(target, requires_grad=tensor.requires_grad)
-            setattr(owner, attr, shared[id(tensor)])
-        else:
-            target = tensor.to(device)
-            if source is not None:
-                _fill(target, source, reader)
-            owner._buffers[attr] = target
+    names: dict[int, list[str]] = {}
+    tensors: dict[int, tuple[torch.Tensor, bool]] = {}
+    for is_parameter, named in ((True, module.named_parameters), (False, module.named_buffers)):
+        for name, tensor in named(remove_duplicate=False):
+            if tensor is None:
+                continue
+            names.setdefault(id(tensor), []).append(name)
+            tensors[id(tensor)] = (tensor, is_parameter)
+    total = sum(t.numel() * t.element_size() for t, _ in tensors.values())
+    for key, (tensor, is_parameter) in tensors.items():
+        aliases = names[key]
+        source = next((sources[n] for n in reversed(aliases) if n in sources), None)
+        target = _allocate(tensor, source, device, aliases[0], is_parameter, result)
+        if source is not None:
+            _fill(target, source, reader)
+        value = torch.nn.Parameter(target, requires_grad=tensor.requires_grad) if is_parameter else target
+        for name in aliases:
+            owner, attr = _owner(module, name)
+            (owner._parameters if is_parameter else owner._buffers)[attr] = value
         result.loaded_bytes += target.numel() * target.element_size()
         if progress is not None:
             progress(result.loaded_bytes, total)
     return result
+
+
+def _allocate(
+    tensor: torch.Tensor,
+    source: Source | None,
+    device: torch.device,
+    name: str,
+    is_parameter: bool,
+    result: MaterializeResult,
+) -> torch.Tensor:
+    if tensor.device.type != "meta":
+        return tensor.detach().to(device) if source is None else torch.empty_like(tensor, device=device)
+    if source is not None:
+        return torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+    if not is_parameter:
+        raise ModelFileError(
+            f"the model's buffer {name!r} is not in the file and cannot be computed; the file does "
+            "not match the model ComfyUI builds for it."
+        )
+    result.missing.append(name)
+    return torch.zeros(tensor.shape, dtype=tensor.dtype, device=device)
 
 
 def _fill(target: torch.Tensor, source: Source, reader: WeightReader) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -46,12 +47,22 @@ class WeightReader:
         self._staging = torch.empty(0, dtype=torch.uint8)
 
     def __enter__(self) -> WeightReader:
-        if self.header.format == "safetensors":
-            self._fd = os.open(self.header.path, os.O_RDONLY)
-            if self.header.file_size > 0:  # private and copy-on-write: tensors may view it, the file stays intact
-                self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY)
-        else:
+        if self.header.format != "safetensors":
             self._pickled = load_pickled_state(self.header.path)
+            return self
+        self._fd = os.open(self.header.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        if _identity(os.fstat(self._fd)) != self.header.identity:
+            os.close(self._fd)
+            self._fd = None
+            raise ModelFileError(
+                f"{os.path.basename(self.header.path)} changed after its header was read (replaced or rewritten "
+                "while the prompt ran); queue the prompt again."
+            )
+        if _CAN_RELEASE_PAGES and self.header.file_size > 0:
+            try:  # read-only: a private writable mapping would be charged against the commit limit in full
+                self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError):  # no address space or no mmap: the staging path serves every read
+                self._map = None
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -98,10 +109,14 @@ class WeightReader:
 
     def _convert_from_map(self, info: TensorInfo, start: int, stored: torch.dtype, dest: torch.Tensor) -> None:
         self._check_within_file(info, start)
-        mapped = torch.frombuffer(self._map, dtype=torch.uint8, count=info.nbytes, offset=start)
-        with torch.no_grad():
-            dest.copy_(mapped.view(stored).reshape(dest.shape))
-        del mapped
+        with warnings.catch_warnings():  # the mapping is read-only and only ever read: torch's warning is moot
+            warnings.simplefilter("ignore", UserWarning)
+            mapped = torch.frombuffer(self._map, dtype=torch.uint8, count=info.nbytes, offset=start)
+        try:
+            with torch.no_grad():
+                dest.copy_(mapped.view(stored).reshape(dest.shape))
+        finally:
+            del mapped  # never leave a tensor pointing into the mapping once it may be closed
         page = mmap.PAGESIZE
         first = start // page * page
         self._map.madvise(mmap.MADV_DONTNEED, first, start + info.nbytes - first)
@@ -135,13 +150,31 @@ class WeightReader:
         position = self.header.data_start + info.begin
         done = 0
         while done < len(view):
-            count = os.preadv(self._fd, [view[done:]], position + done)
+            count = _read_at(self._fd, view[done:], position + done)
             if count == 0:
                 raise ModelFileError(
                     f"{os.path.basename(self.header.path)} ended while reading {info.name!r}: the file was truncated "
                     "or replaced while loading. Download it again."
                 )
             done += count
+
+
+#: Releasing a mapping's pages needs madvise (not on Windows); without it, conversions use the staging buffer.
+_CAN_RELEASE_PAGES = hasattr(mmap.mmap, "madvise") and hasattr(mmap, "MADV_DONTNEED")
+
+
+def _read_at(fd: int, view: memoryview, position: int) -> int:
+    """Read into ``view`` from byte ``position`` of ``fd`` (positional where the platform allows)."""
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, [view], position)
+    os.lseek(fd, position, os.SEEK_SET)  # Windows: one reader per file, so seeking is safe
+    data = os.read(fd, len(view))
+    view[: len(data)] = data
+    return len(data)
+
+
+def _identity(stat: os.stat_result) -> tuple[int, int, int, int]:
+    return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
 
 
 def _torch_dtype(info: TensorInfo) -> torch.dtype:

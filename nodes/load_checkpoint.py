@@ -178,6 +178,11 @@ class LoadCheckpointWithDevice(surface.io.ComfyNode):
             ROLES, (model_device, clip_device, vae_device), (model_dtype, clip_dtype, vae_dtype), strict=True
         ):
             placements[role], choices[role] = resolve_placement(role, device, dtype, detection, snapshot, notes)
+            if choices[role].dtype == "fp8" and "fp8" not in choices[role].device.dtypes:
+                notes.append(
+                    f"{role.replace('_', ' ')}: {choices[role].device.id} does not compute in fp8; the "
+                    "weights stay fp8 in memory and are cast to a dtype it computes in, layer by layer"
+                )
         plan = plan_fit(detection.components, choices)
         _require_ram(ckpt_name, plan)
         fits = {d.device: d.fits for d in plan.devices}
@@ -201,6 +206,12 @@ def _require_checkpoint(name: str, detection: Detection) -> None:
             f"{name} is not a model family ComfyUI can build: {detection.reason}."
             + (f" Closest: {closest}." if closest else "")
             + " Check that the file is a complete checkpoint."
+        )
+    if "mixed-precision quantized layers" in detection.variants:
+        raise DeviceControlError(
+            f"{name} stores some layers in ComfyUI's mixed-precision quantized format, whose weights ComfyUI "
+            "builds while reading them; Device Control cannot stream those yet. Load it with ComfyUI's Load "
+            "Checkpoint."
         )
     if detection.kind != "checkpoint":
         raise DeviceControlError(

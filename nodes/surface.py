@@ -15,7 +15,8 @@ Symbols used (module: names):
 * ``comfy.model_base``: ``BaseModel``
 * ``comfy.model_detection``: ``unet_prefix_from_state_dict``, ``model_config_from_unet``
 * ``comfy.supported_models``: the family classes' ``supported_inference_dtypes``
-* ``comfy.model_patcher``: ``ModelPatcher`` (subclassed in ``bridge.patcher``)
+* ``comfy.model_patcher``: ``ModelPatcher`` (subclassed in ``bridge.patcher``), ``get_key_weight``,
+  ``LowVramPatch``; patcher attributes ``patches``, ``backup``, ``weight_inplace_update``
 * ``comfy.sd``: ``CLIP``, ``VAE``
 * ``comfy.utils``: ``ProgressBar``, ``state_dict_prefix_replace``, ``calculate_parameters``, ``weight_dtype``
 * ``folder_paths``: ``get_filename_list``, ``get_full_path_or_raise``, ``get_folder_paths``
@@ -46,7 +47,9 @@ __all__ = [
     "dynamic_vram_enabled",
     "folder_paths",
     "io",
+    "key_weight",
     "loaded_models",
+    "lowvram_patch_class",
     "model_detection",
     "model_management",
     "model_patcher_class",
@@ -83,6 +86,16 @@ def comfy_utils() -> ModuleType:
 def model_patcher_class() -> type:
     """``comfy.model_patcher.ModelPatcher``."""
     return importlib.import_module("comfy.model_patcher").ModelPatcher
+
+
+def key_weight(model: Any, key: str) -> tuple[Any, Any, Any]:
+    """``comfy.model_patcher.get_key_weight``: a weight and its layer's ``set_``/``convert_`` hooks."""
+    return importlib.import_module("comfy.model_patcher").get_key_weight(model, key)
+
+
+def lowvram_patch_class() -> type:
+    """``comfy.model_patcher.LowVramPatch``: the patch ComfyUI attaches to streamed layers."""
+    return importlib.import_module("comfy.model_patcher").LowVramPatch
 
 
 def folder_paths() -> ModuleType:

@@ -1,7 +1,7 @@
 """Benchmarks, side by side with ComfyUI 0.3.75 in one run; prints Markdown tables (README carries the latest).
 
     python3 tools/bench.py                # every benchmark
-    python3 tools/bench.py --only loader  # one section: loader, detection
+    python3 tools/bench.py --only ops     # one section: loader, detection, ops, patching
 
 Every measurement runs in a fresh process (``tools/bench_workers.py``). Figures are ratios to ComfyUI's, taken
 on the same machine in the same run; absolute seconds drift 3-4x between runs on shared machines.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import platform
 import subprocess
 import sys
@@ -23,10 +24,16 @@ from tools.runtime import REPO, fixtures_dir, provision, venv_python
 
 log = logging.getLogger("device_control.tools")
 GiB = 1024**3
-SPARSE = {  # name in the layouts -> file name: real layouts, weights left as a hole (no disk, reads as zeros)
-    "sdxl_base.checkpoint.json": "bench_sdxl_base_sparse.safetensors",
-    "flux1_dev.checkpoint.json": "bench_flux1_dev_sparse.safetensors",
-    "wan21_t2v_14b.diffusion_model.json": "bench_wan21_14b_sparse.safetensors",
+SD15 = "SD1.5 (synthetic, 2.0 GiB fp16)"
+SDXL = "SDXL base checkpoint (sparse)"
+# label -> (name in the layouts, file name): real layouts, weights left as a hole (no disk, reads as zeros)
+SPARSE = {
+    SDXL: ("sdxl_base.checkpoint.json", "bench_sdxl_base_sparse.safetensors"),
+    "Flux.1 dev checkpoint (sparse)": ("flux1_dev.checkpoint.json", "bench_flux1_dev_sparse.safetensors"),
+    "Wan 2.1 T2V 14B diffusion model (sparse)": (
+        "wan21_t2v_14b.diffusion_model.json",
+        "bench_wan21_14b_sparse.safetensors",
+    ),
 }
 
 
@@ -49,12 +56,10 @@ def _files() -> dict[str, Path]:
     )
     bench = fixtures_dir() / "bench"
     bench.mkdir(parents=True, exist_ok=True)
-    args = [item for name, out in SPARSE.items() for item in (name, str(bench / out))]
+    args = [item for name, out in SPARSE.values() for item in (name, str(bench / out))]
     subprocess.run([str(venv_python()), "-c", code, *args], cwd=REPO, check=True)
-    files = {
-        "SD1.5 (synthetic, 2.0 GiB fp16)": fixtures_dir() / "checkpoints" / "device_control_sd15_synthetic.safetensors"
-    }
-    files |= {name: bench / out for name, out in SPARSE.items()}
+    files = {SD15: fixtures_dir() / "checkpoints" / "device_control_sd15_synthetic.safetensors"}
+    files |= {label: bench / out for label, (_name, out) in SPARSE.items()}
     return files
 
 
@@ -69,8 +74,8 @@ def bench_loader(files: dict[str, Path]) -> str:
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     cases = [
-        ("SD1.5 (synthetic, 2.0 GiB fp16)", files["SD1.5 (synthetic, 2.0 GiB fp16)"]),
-        ("SDXL (sparse, 6.5 GiB fp16)", files["sdxl_base.checkpoint.json"]),
+        (SD15, files[SD15]),
+        ("SDXL (sparse, 6.5 GiB fp16)", files[SDXL]),
     ]
     for label, path in cases:
         results = {who: _worker("load", who, str(path)) for who in ("comfyui", "ours")}
@@ -96,22 +101,57 @@ def bench_detection(files: dict[str, Path]) -> str:
         size = path.stat().st_size
         theirs = _worker("detect", "comfyui", str(path), "3") if size < 8 * GiB else None
         comfy = f"{theirs['median'] * 1000:.0f} ms" if theirs else "not run (larger than this machine's RAM allows)"
-        name = label.replace(".json", "").replace("_", " ")
-        rows.append(f"| {name} | {_gib(size)} | {ours['median'] * 1000:.1f} ms | {comfy} | {ours['found']} |")
+        rows.append(f"| {label} | {_gib(size)} | {ours['median'] * 1000:.1f} ms | {comfy} | {ours['found']} |")
     return "\n".join(rows)
 
 
-SECTIONS = {"loader": bench_loader, "detection": bench_detection}
+def bench_ops(_files: dict[str, Path]) -> str:
+    results = _worker("ops")
+    columns = ["plain fp32", "ours, no cast", "ComfyUI float16", "ours float16", "ComfyUI bfloat16", "ours bfloat16"]
+    rows = [
+        "| layer (CPU, fp32 input) | " + " | ".join(columns) + " | ours / ComfyUI fp16 | ours / ComfyUI bf16 "
+        "| no cast / plain |",
+        "| --- |" + " --- |" * (len(columns) + 3),
+    ]
+    for label, r in results.items():
+        cells = " | ".join(f"{r[c]:.2f} ms" for c in columns)
+        rows.append(
+            f"| {label} | {cells} | {r['ours float16'] / r['ComfyUI float16']:.2f}x "
+            f"| {r['ours bfloat16'] / r['ComfyUI bfloat16']:.2f}x | {r['ours, no cast'] / r['plain fp32']:.2f}x |"
+        )
+    return "\n".join(rows)
+
+
+def bench_patching(files: dict[str, Path]) -> str:
+    checkpoint = files[SD15]
+    lora = fixtures_dir() / "bench" / "bench_sd15_lora_r32.safetensors"
+    code = (
+        "import sys, tools.make_fixtures as m, tools.comfy_inprocess as c; from pathlib import Path\n"
+        "c.import_comfy(); m.make_sd15_lora(Path(sys.argv[1]), rank=32)"
+    )
+    subprocess.run([str(venv_python()), "-c", code, str(lora)], cwd=REPO, check=True, capture_output=True)
+    results = _worker("patch", str(checkpoint), str(lora))
+    base = results["ComfyUI 0.3.75"]["ms"]
+    rows = [
+        "| rank-32 LoRA on the SD1.5 UNet (fp16, CPU) | patch + restore | ratio | layers | restore bit-exact |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for label, r in results.items():
+        rows.append(f"| {label} | {r['ms']:.0f} ms | {r['ms'] / base:.2f}x | {r['layers']} | {r['exact']} |")
+    return "\n".join(rows)
+
+
+SECTIONS = {"loader": bench_loader, "detection": bench_detection, "ops": bench_ops, "patching": bench_patching}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=sorted(SECTIONS), action="append", help="run only these sections")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     provision()
     files = _files()
-    machine = f"{platform.machine()}, {__import__('os').cpu_count()} CPUs, Python {platform.python_version()}"
+    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
     log.info("Machine: %s", machine)
     for name in args.only or list(SECTIONS):
         log.info("\n### %s\n\n%s", name, SECTIONS[name](files))

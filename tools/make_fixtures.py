@@ -122,8 +122,8 @@ def make_sd15_checkpoint(target: Path, seed: int = 0) -> Path:
     return target
 
 
-def make_sd15_lora(target: Path, seed: int = 1) -> Path:
-    """Write a rank-4 kohya-style LoRA for the synthetic SD1.5 (attention and projection layers)."""
+def make_sd15_lora(target: Path, seed: int = 1, rank: int = LORA_RANK) -> Path:
+    """Write a kohya-style LoRA of ``rank`` for the synthetic SD1.5 (attention and projection layers)."""
     import comfy.lora
 
     if _up_to_date(target):
@@ -150,14 +150,14 @@ def make_sd15_lora(target: Path, seed: int = 1) -> Path:
         if len(shape) != 2:
             continue
         out_features, in_features = shape
-        tensors[f"{name}.lora_down.weight"] = (torch.randn(LORA_RANK, in_features, generator=generator) * 0.1).half()
-        tensors[f"{name}.lora_up.weight"] = (torch.randn(out_features, LORA_RANK, generator=generator) * 0.1).half()
-        tensors[f"{name}.alpha"] = torch.tensor(float(LORA_RANK), dtype=torch.float16)
+        tensors[f"{name}.lora_down.weight"] = (torch.randn(rank, in_features, generator=generator) * 0.1).half()
+        tensors[f"{name}.lora_up.weight"] = (torch.randn(out_features, rank, generator=generator) * 0.1).half()
+        tensors[f"{name}.alpha"] = torch.tensor(float(rank), dtype=torch.float16)
     loaded = comfy.lora.load_lora(tensors, key_map, log_missing=False)
     if len(loaded) * 3 != len(tensors):
         raise RuntimeError(f"ComfyUI maps only {len(loaded)} of {len(tensors) // 3} LoRA layers of the synthetic LoRA")
     target.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(target), metadata={"device_control_fixture": FIXTURE_VERSION, "rank": str(LORA_RANK)})
+    save_file(tensors, str(target), metadata={"device_control_fixture": FIXTURE_VERSION, "rank": str(rank)})
     log.info("[Device Control] wrote %s (%d layers)", target, len(loaded))
     return target
 

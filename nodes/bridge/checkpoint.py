@@ -22,8 +22,9 @@ from ...core.detection import Detection
 from ...core.errors import ModelFileError, UnknownModelError
 from ...core.headers import FileHeader
 from ...core.lineage import Tracer, capture_state_dict_loads, source_of, source_tensors
+from ...core.ops import convert
 from ...core.simulated import SimulatedDevice
-from ...core.skeleton import Source, materialize, parameters_on_meta
+from ...core.skeleton import Source, materialize, weights_on_meta
 from ...core.weights import ProgressCallback, WeightReader
 from .. import surface
 from .patcher import DeviceControlPatcher, adopt, set_target
@@ -101,27 +102,27 @@ def build_checkpoint(
                 "load it with ComfyUI's Load Checkpoint instead, and report the file's layout."
             )
         compute = unet.device or mm.get_torch_device()
-        dtype = unet.dtype or mm.unet_dtype(
+        cast_device = torch.device("cpu") if unet.simulated is not None else compute
+        dtype = unet.dtype or mm.unet_dtype(  # the same choice default_dtype() made for the fit plan
+            device=cast_device,
             model_params=utils.calculate_parameters(sd, prefix),
             supported_dtypes=config.supported_inference_dtypes,
             weight_dtype=utils.weight_dtype(sd, prefix),
         )
-        cast_device = torch.device("cpu") if unet.simulated is not None else compute
         config.set_inference_dtype(dtype, mm.unet_manual_cast(dtype, cast_device, config.supported_inference_dtypes))
 
-        # Parameters are created on meta: through ComfyUI's own device arguments where it has them (so the few
-        # it creates with a value, such as CLIP's logit_scale, keep it), and by our hook for the VAE.
-        with capture_state_dict_loads() as captured:
-            model = config.get_model(sd, prefix, device=torch.device("meta"))
+        # Weights are created on meta while ComfyUI builds the models (values it constructs stay real), and
+        # ComfyUI's own renames and transforms run on the stand-ins, traced.
+        with capture_state_dict_loads() as captured, weights_on_meta():
+            model = config.get_model(sd, prefix, device=torch.device("cpu"))
             with Tracer():  # only the steps that rename and transform weights need tracing
                 model.load_model_weights(sd, prefix)
                 vae_sd = config.process_vae_state_dict(
                     utils.state_dict_prefix_replace(sd, dict.fromkeys(config.vae_key_prefix, ""), filter_keys=True)
                 )
-                with parameters_on_meta():
-                    vae = surface.comfy_sd().VAE(
-                        sd=vae_sd, device=vae_place.device, dtype=vae_place.dtype, metadata=metadata
-                    )
+                vae = surface.comfy_sd().VAE(
+                    sd=vae_sd, device=vae_place.device, dtype=vae_place.dtype, metadata=metadata
+                )
                 clip = _build_clip(config, sd, clip_place)
 
         roots = {"model": model, "vae": vae.first_stage_model}
@@ -137,8 +138,20 @@ def build_checkpoint(
 
         fill = {"model": _fill_device(unet), "clip": _fill_device(clip_place), "vae": torch.device("cpu")}
         for name, root in roots.items():
-            device = fill[name]
-            result = materialize(root, _with_exact_names(root, sources[name], header), reader, device, progress=step)
+            plan = _with_exact_names(root, sources[name], header)
+            try:
+                result = materialize(root, plan, reader, fill[name], progress=step)
+            except torch.OutOfMemoryError:  # the device filled up meanwhile (another process, fragmentation)
+                log.warning(
+                    "[Device Control] %s did not fit on %s after all; loading it to RAM instead, ComfyUI "
+                    "will load what fits when it is used",
+                    name,
+                    fill[name],
+                )
+                notes.append(f"{name}: did not fit on {fill[name]}; loaded to RAM, ComfyUI loads what fits when used")
+                mm.soft_empty_cache()
+                fill[name] = torch.device("cpu")
+                result = materialize(root, plan, reader, fill[name], progress=step)
             done += result.loaded_bytes
             real_missing = [k for k in result.missing if not k.endswith("text_projection.weight")]
             if real_missing:
@@ -147,6 +160,8 @@ def build_checkpoint(
                     f"(e.g. {real_missing[0]})"
                 )
     model.device = fill["model"]
+    for root in roots.values():  # ComfyUI's standard layers become ours: casts and patches run our code
+        convert(root, accept=_is_comfy_layer)
     patcher = DeviceControlPatcher(
         model, load_device=cast_device if unet.simulated else compute, offload_device=mm.unet_offload_device()
     )
@@ -154,9 +169,9 @@ def build_checkpoint(
     if clip is not None:
         adopt(clip.patcher, clip_place.simulated)
     adopt(vae.patcher, vae_place.simulated)
-    _first_load(mm, patcher, unet)
+    _first_load(mm, patcher, unet, fill["model"])
     if clip is not None:
-        _first_load(mm, clip.patcher, clip_place)
+        _first_load(mm, clip.patcher, clip_place, fill["clip"])
     return BuiltCheckpoint(patcher, clip, vae, notes)
 
 
@@ -198,6 +213,11 @@ def _name(dtype: torch.dtype | None) -> str:
     return str(dtype).replace("torch.", "") if dtype is not None else "-"
 
 
+def _is_comfy_layer(cls: type) -> bool:
+    """ComfyUI's standard layer classes (its special ones, such as scaled-fp8 layers, keep their own code)."""
+    return cls.__module__ == "comfy.ops" and cls.__qualname__.split(".")[0] in ("disable_weight_init", "manual_cast")
+
+
 def _probes(header: FileHeader, reader: WeightReader) -> dict[str, torch.Tensor]:
     wanted = [name for name in header.tensors if any(name.endswith(probe) for probe in VALUE_PROBES)]
     return {name: reader.read(name) for name in wanted if header.tensors[name].nbytes < 64 * 1024**2}
@@ -210,7 +230,9 @@ def _build_clip(config: Any, sd: dict, place: Placement) -> Any:
     clip_sd = config.process_clip_state_dict(sd)
     if not clip_sd:
         return None
-    options: dict[str, Any] = {"initial_device": torch.device("meta")}  # ComfyUI then skips its own first load
+    # Built on the host (its weights on meta, see weights_on_meta). "cpu:0" is the host, but not equal to "cpu":
+    # so ComfyUI skips the first load it makes when the build device is the load device; we make it later.
+    options: dict[str, Any] = {"initial_device": torch.device("cpu", 0)}
     if place.device is not None:
         options |= {"load_device": place.device, "offload_device": torch.device("cpu")}
     if place.dtype is not None:
@@ -263,11 +285,17 @@ def _fill_device(place: Placement) -> torch.device:
     return torch.device("cpu")
 
 
-def _first_load(mm: Any, patcher: Any, place: Placement) -> None:
+def _first_load(mm: Any, patcher: Any, place: Placement, filled_on: torch.device) -> None:
     """Register the model with ComfyUI where it now lives, as ComfyUI does after its own loading."""
     if place.simulated is not None:
         mm.load_models_gpu([patcher])  # our patcher places it on the simulated device, within its capacity
-    elif patcher.load_device == _fill_device(place):
+    elif patcher.load_device == filled_on:
+        if filled_on.type != "cpu":
+            # The weights are already on the device: say so, or ComfyUI would make room for them a second time.
+            patcher.model.model_loaded_weight_memory = patcher.model_size()
+            patcher.model.model_lowvram = False
+            patcher.model.device = filled_on
+            patcher.model.current_weight_patches_uuid = patcher.patches_uuid
         mm.load_models_gpu([patcher], force_full_load=True)
 
 

@@ -120,13 +120,52 @@ def test_broken_safetensors_are_refused_with_the_fix(tmp_path, make, problem):
     assert "again" in message  # the fix: download / copy it again
 
 
-def test_truncated_data_is_caught_while_reading(good, tmp_path):
+def test_a_file_that_changes_after_its_header_was_read_is_caught(good, tmp_path):
     path, _ = good
     header = read_header(path)
     with open(path, "r+b") as handle:  # the file shrinks after its header was read
         handle.truncate(header.data_start + 2)
-    with WeightReader(header) as reader, pytest.raises(ModelFileError, match="ended while reading"):
-        reader.read("a.weight")
+    with pytest.raises(ModelFileError, match="changed after its header was read"):
+        WeightReader(header).__enter__()
+
+
+@pytest.mark.parametrize(
+    ("entry", "problem"),
+    [
+        ({"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}, "unknown dtype"),
+        ({"dtype": "F32", "shape": [0, 2**70], "data_offsets": [0, 0]}, "invalid shape"),
+        ({"dtype": "F32", "shape": [1] * 65, "data_offsets": [0, 4]}, "invalid shape"),
+        ({"dtype": "F32", "shape": [1], "data_offsets": [False, True]}, "invalid data offsets"),
+    ],
+    ids=["dtype-not-a-string", "huge-dimension", "too-many-dimensions", "boolean-offsets"],
+)
+def test_crafted_entries_are_refused_cleanly(tmp_path, entry, problem):
+    path = raw_safetensors(tmp_path / "crafted.safetensors", {"a": entry}, b"\0" * 4)
+    with pytest.raises(ModelFileError, match=problem):
+        read_header(path)
+
+
+def test_a_deeply_nested_header_is_refused_cleanly(tmp_path):
+    path = tmp_path / "deep.safetensors"
+    raw = b"[" * 100000 + b"]" * 100000
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw)
+    with pytest.raises(ModelFileError, match="JSON header cannot be parsed"):
+        read_header(path)
+
+
+def test_a_header_length_starting_with_pk_is_still_safetensors(tmp_path):
+    tensors = {"w": torch.ones(2)}
+    path = tmp_path / "pk.sft"
+    save_file(tensors, str(path))
+    header_len = struct.unpack("<Q", path.read_bytes()[:8])[0]
+    padded = json.loads(path.read_bytes()[8 : 8 + header_len])
+    raw = json.dumps(padded).encode()
+    raw += b" " * (0x4B50 + 65536 * 2 - len(raw))  # a length whose first two bytes are "PK"
+    data = path.read_bytes()[8 + header_len :]
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    assert path.read_bytes()[:2] == b"PK"
+    header = read_header(path)
+    assert header.format == "safetensors" and header.tensors["w"].shape == (2,)
 
 
 def test_a_directory_a_missing_file_and_gguf_are_named(tmp_path):

