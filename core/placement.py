@@ -1,19 +1,21 @@
-"""Put a module's weights on a compute device, leaving the layers chosen to stream in host memory.
+"""Moving one module's own tensors between host memory and a compute device, in place.
 
-One function serves real devices and the simulated one: a ``torch.device`` target moves tensors with
-``Tensor.to``; a :class:`~core.simulated.SimulatedDevice` target places them in its books. Weights of
-streamed layers stay where they are and are marked as streamed (cast to the device at each use).
+A parameter keeps its identity when it moves (its data changes, as ``Module.to`` does it), so weights tied
+between modules stay tied and references held elsewhere follow; a buffer is replaced. One set of functions
+serves real devices and the simulated one: a ``torch.device`` target moves data with ``Tensor.to``; a
+:class:`~core.simulated.SimulatedDevice` target counts the tensor in its books and shares the host data.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Iterator
 
 import torch
 
-from .simulated import SimTensor, SimulatedDevice, mark_streamed
+from .simulated import SimTensor, SimulatedDevice
 
 Target = torch.device | SimulatedDevice
+HOST = torch.device("cpu")
 
 
 def is_on(tensor: torch.Tensor, target: Target) -> bool:
@@ -23,43 +25,46 @@ def is_on(tensor: torch.Tensor, target: Target) -> bool:
     return tensor.device == target and not isinstance(tensor, SimTensor)
 
 
-def move_tensor(tensor: torch.Tensor, target: Target) -> torch.Tensor:
-    """A copy of ``tensor`` on ``target`` (a simulated device shares the host storage instead)."""
-    if isinstance(target, SimulatedDevice):
-        return target.place(tensor)
-    return tensor.to(target)
+def label_of(target: Target) -> str:
+    """``cuda:0``, ``cpu``, ``sim:0``: how errors and logs name a target."""
+    return target.label if isinstance(target, SimulatedDevice) else str(target)
 
 
-def place_module(
-    module: torch.nn.Module,
-    target: Target,
-    *,
-    streamed: Callable[[torch.nn.Module], bool] = lambda _m: False,
-) -> int:
-    """Move every parameter and buffer of ``module`` to ``target``, except those of streamed submodules.
+def own_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, bool]]:
+    """``(name, tensor, is_parameter)`` for the module's own parameters and buffers (not its children's)."""
+    for name, param in module._parameters.items():
+        if param is not None:
+            yield name, param, True
+    for name, buffer in module._buffers.items():
+        if buffer is not None:
+            yield name, buffer, False
 
-    Args:
-        module: the root of the tree.
-        target: a torch device or a simulated device.
-        streamed: says which submodules stream (their weights stay on the host, marked as streamed).
 
-    Returns:
-        Bytes now resident on ``target`` (those already there included).
+def move_own(module: torch.nn.Module, name: str, target: Target) -> None:
+    """Move one of ``module``'s own tensors to ``target`` (a no-op when it is there already).
+
+    Raises:
+        torch.OutOfMemoryError: the target has no room (nothing changed).
     """
-    resident = 0
-    for sub in module.modules():
-        stream = streamed(sub)
-        for name, param in list(sub._parameters.items()):
-            if param is None:
-                continue
-            if stream:
-                mark_streamed(param)
-                continue
-            if not is_on(param, target):
-                param = torch.nn.Parameter(move_tensor(param.detach(), target), requires_grad=param.requires_grad)
-                sub._parameters[name] = param
-            resident += param.numel() * param.element_size()
-        for name, buffer in list(sub._buffers.items()):
-            if buffer is not None and not stream and not is_on(buffer, target):
-                sub._buffers[name] = move_tensor(buffer, target)
-    return resident
+    if name in module._parameters:
+        param = module._parameters[name]
+        if param is None or is_on(param, target):
+            return
+        if isinstance(param, SimTensor):  # leaving a simulated device: the books follow the data
+            param.data = param.sim_device.release(param)
+        if isinstance(target, SimulatedDevice):
+            target.place_in_place(param)
+        else:
+            param.data = param.data.to(target)
+        return
+    buffer = module._buffers[name]
+    if buffer is None or is_on(buffer, target):
+        return
+    if isinstance(buffer, SimTensor):
+        buffer = buffer.sim_device.release(buffer)
+    module._buffers[name] = target.place(buffer) if isinstance(target, SimulatedDevice) else buffer.to(target)
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """The bytes a tensor's elements take (views count their own elements, as ComfyUI counts them)."""
+    return tensor.numel() * tensor.element_size()

@@ -35,6 +35,9 @@ class ModelResidency:
         dtype: the storage dtype of its weights, when known.
         managed_by: who decides its placement (``"ComfyUI"`` or ``"Device Control"``).
         in_use: ComfyUI's ``currently_used`` flag (False means it is first in line to be unloaded).
+        key: a stable name for this model while it is loaded (the panel's actions refer to it).
+        kept: placed with keep-resident: it is not evicted to make room.
+        budget: the VRAM budget it was placed with (``"all"``, ``"1.50 GiB"``, ``"50%"``), if any.
     """
 
     name: str
@@ -47,6 +50,9 @@ class ModelResidency:
     dtype: str | None = None
     managed_by: str = "ComfyUI"
     in_use: bool = True
+    key: str = ""
+    kept: bool = False
+    budget: str | None = None
 
 
 @dataclass(frozen=True)
@@ -148,6 +154,10 @@ def _model_line(model: ModelResidency) -> str:
     if model.dtype:
         extras.append(model.dtype)
     extras.append(f"managed by {model.managed_by}")
+    if model.budget is not None:
+        extras.append(f"budget {model.budget}")
+    if model.kept:
+        extras.append("kept resident")
     if not model.in_use:
         extras.append("idle")
     head = f"  {model.component:<5} {model.name} ({model.model_class}), {format_bytes(model.total_bytes)}"

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -34,8 +35,13 @@ import torch
 
 from .units import format_bytes, parse_size
 
-#: Faults a simulated device can be told to inject (see ``SimulatedDevice(faults=...)``).
-KNOWN_FAULTS = frozenset({"stats"})
+#: Faults a simulated device can be told to inject (see ``SimulatedDevice(faults=...)``):
+#: ``stats``: memory statistics queries fail, as a broken driver query would;
+#: ``unreported_others``: what other programs use is left out of :meth:`SimulatedDevice.free` and the
+#: statistics, but still takes room, as when another program allocates between a query and a move;
+#: ``slow_moves``: every placement takes a few milliseconds, so a move can be interrupted half-way in tests.
+KNOWN_FAULTS = frozenset({"stats", "unreported_others", "slow_moves"})
+SLOW_MOVE_SECONDS = 0.005
 
 
 @dataclass(frozen=True)
@@ -130,13 +136,18 @@ class SimulatedDevice:
         self._peak = self.allocated()
 
     def free(self) -> int:
-        """Bytes that a new allocation may still take."""
+        """Bytes that a new allocation may still take, as far as the device reports."""
         with self._lock:
             self._settle()
-            return self._free()
+            return self._reported_free()
 
-    def _free(self) -> int:  # with the lock held
+    def _free(self) -> int:  # with the lock held: what an allocation can really take
         return max(0, self.capacity - self.used_by_others - self._allocated)
+
+    def _reported_free(self) -> int:  # with the lock held
+        if "unreported_others" in self.faults:
+            return max(0, self.capacity - self._allocated)
+        return self._free()
 
     def stats(self) -> dict[str, int]:
         """Memory figures in the shape the device inventory reports for real backends.
@@ -150,10 +161,10 @@ class SimulatedDevice:
             self._settle()
             return {
                 "total": self.capacity,
-                "free": self._free(),
+                "free": self._reported_free(),
                 "torch_allocated": self._allocated,
                 "torch_reserved": self._allocated,
-                "used_by_others": self.used_by_others,
+                "used_by_others": 0 if "unreported_others" in self.faults else self.used_by_others,
             }
 
     def _register(self, tensor: torch.Tensor) -> None:
@@ -215,11 +226,51 @@ class SimulatedDevice:
             raise RuntimeError(
                 f"tensor is on {tensor.sim_device.label}; move it to the host before placing it on {self.label}."
             )
+        if "slow_moves" in self.faults:
+            time.sleep(SLOW_MOVE_SECONDS)
         with torch._C.DisableTorchFunctionSubclass():
             placed = tensor.detach().as_subclass(SimTensor)
             placed._sim_device = self
             self._register(placed)
         return placed
+
+    def place_in_place(self, tensor: torch.Tensor) -> None:
+        """Move a host tensor (a parameter, typically) onto this device keeping its identity, as
+        ``Module.to`` keeps a parameter's: the object becomes a :class:`SimTensor` and the books count it.
+
+        Raises:
+            torch.OutOfMemoryError: it does not fit (the tensor is left as it was).
+            RuntimeError: it is on another simulated device.
+        """
+        if isinstance(tensor, SimTensor):
+            if tensor.sim_device is self:
+                return
+            raise RuntimeError(
+                f"tensor is on {tensor.sim_device.label}; move it to the host before placing it on {self.label}."
+            )
+        if "slow_moves" in self.faults:
+            time.sleep(SLOW_MOVE_SECONDS)
+        original = tensor.__class__
+        with torch._C.DisableTorchFunctionSubclass():
+            tensor.__class__ = SimTensor
+            tensor._sim_device = self
+            if issubclass(original, torch.nn.Parameter):
+                tensor._is_param = True
+            try:
+                self._register(tensor)
+            except BaseException:
+                tensor.__class__ = original
+                del tensor._sim_device
+                raise
+
+    def release(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Move ``tensor`` off this device, sharing its host data (no copy): for callers that drop the device
+        tensor right away, as a weight moved back to RAM is. The books count it until that last reference goes.
+        """
+        if not isinstance(tensor, SimTensor):
+            return tensor
+        with torch._C.DisableTorchFunctionSubclass():
+            return tensor.detach().as_subclass(torch.Tensor)
 
     def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """Return a plain host tensor with the data of ``tensor`` (a copy, as a device-to-host move is)."""

@@ -108,6 +108,19 @@ class PinnedMemory:
 
     def unpin(self, tensor: torch.Tensor) -> None:
         """Undo :meth:`pin` for ``tensor`` (before it is freed or moved)."""
+        if not self.pinned:
+            return
         pointer = tensor.untyped_storage().data_ptr()
         if self.pinned.pop(pointer, None) is not None:
             torch.cuda.cudart().cudaHostUnregister(pointer)
+
+
+_pinned: PinnedMemory | None = None
+
+
+def pinned_memory() -> PinnedMemory:
+    """The process's pinned-memory account (one cap for every model)."""
+    global _pinned
+    if _pinned is None:
+        _pinned = PinnedMemory()
+    return _pinned

@@ -8,6 +8,7 @@ node's output, so shared workflows still run.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -18,10 +19,11 @@ from ..core.devices import InventorySnapshot, parse_device_spec
 from ..core.errors import DeviceControlError, DeviceNotFoundError, InvalidDeviceSpecError, UnknownModelError
 from ..core.fit import Choice, FitPlan, plan_fit
 from ..core.headers import read_header
+from ..core.loading import Placement
 from ..core.units import format_bytes
 from . import surface
 from .bridge import device_id
-from .bridge.checkpoint import BuiltCheckpoint, Placement, build_checkpoint, built_dtypes, default_dtype
+from .bridge.checkpoint import BuiltCheckpoint, ComponentPlan, build_checkpoint, built_dtypes, default_dtype
 from .state import inventory
 
 log = logging.getLogger("device_control")
@@ -57,7 +59,7 @@ def _comfy_default_device(role: str) -> torch.device:
 
 def resolve_placement(
     role: str, spec: str, dtype_name: str, detection: Detection, snapshot: InventorySnapshot, notes: list[str]
-) -> tuple[Placement, Choice]:
+) -> tuple[ComponentPlan, Choice]:
     """Turn the node's device and dtype choice for one role into a placement and a fit-plan choice."""
     info = None
     if spec.strip().lower() != "auto":
@@ -80,7 +82,10 @@ def resolve_placement(
             "the VAE cannot be stored in fp8: ComfyUI's VAE has no cast path; "
             "choose fp32, fp16, bf16 or auto for vae_dtype."
         )
-    place = Placement(compute if simulated is not None else torch_device, simulated, dtype)
+    managed = None
+    if spec.strip().lower() != "auto" and info.id:  # the user chose this device: the placement goes with the model
+        managed = Placement(simulated or torch_device, device_id=info.id)
+    place = ComponentPlan(compute if simulated is not None else torch_device, simulated, dtype, placement=managed)
     return place, Choice(info, _CANDIDATE[dtype or default_dtype(role, compute, detection)])
 
 
@@ -195,8 +200,8 @@ class LoadCheckpointWithDevice(surface.io.ComfyNode):
         return surface.io.NodeOutput(built.model, built.clip, built.vae, summary, ui={"text": (summary,)})
 
 
-def _with_fit(place: Placement, fits: bool) -> Placement:
-    return Placement(place.device, place.simulated, place.dtype, fits)
+def _with_fit(place: ComponentPlan, fits: bool) -> ComponentPlan:
+    return dataclasses.replace(place, fits=fits)
 
 
 def _require_checkpoint(name: str, detection: Detection) -> None:

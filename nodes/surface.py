@@ -8,10 +8,12 @@ or ``False`` so callers can say "not available in this ComfyUI" instead of crash
 Symbols used (module: names):
 
 * ``comfy_api.latest``: ``ComfyExtension``, ``io``, ``ui``
-* ``comfy.model_management``: ``current_loaded_models``, ``vram_state``, ``cpu_state``,
-  ``DISABLE_SMART_MEMORY``, ``get_torch_device``, ``TOTAL_PINNED_MEMORY`` (optional), ``unet_dtype``,
-  ``unet_manual_cast``, ``unet_offload_device``, ``text_encoder_device``, ``text_encoder_dtype``,
-  ``vae_device``, ``vae_dtype``, ``load_models_gpu``, ``throw_exception_if_processing_interrupted``
+* ``comfy.model_management``: ``current_loaded_models``, ``LoadedModel`` (subclassed in ``bridge.books``),
+  ``vram_state``, ``cpu_state``, ``DISABLE_SMART_MEMORY``, ``get_torch_device``, ``TOTAL_PINNED_MEMORY``
+  (optional), ``unet_dtype``, ``unet_manual_cast``, ``unet_offload_device``, ``text_encoder_device``,
+  ``text_encoder_dtype``, ``vae_device``, ``vae_dtype``, ``load_models_gpu``, ``soft_empty_cache``,
+  ``throw_exception_if_processing_interrupted``
+* ``comfy.patcher_extension``: ``CallbacksMP.ON_LOAD``
 * ``comfy.model_base``: ``BaseModel``
 * ``comfy.model_detection``: ``unet_prefix_from_state_dict``, ``model_config_from_unet``
 * ``comfy.supported_models``: the family classes' ``supported_inference_dtypes``
@@ -23,8 +25,13 @@ Symbols used (module: names):
 * ``comfy.memory_management``: ``aimdo_enabled`` (optional: Dynamic VRAM, ComfyUI >= 0.16)
 * ``comfyui_version``: ``__version__`` (optional, for reports)
 * ModelPatcher objects (duck-typed): ``model``, ``load_device``, ``offload_device``, ``model_size()``,
-  ``loaded_size()``, ``model_dtype()``, ``is_dynamic()`` (optional); ``LoadedModel.model``,
-  ``LoadedModel.device``, ``LoadedModel.currently_used``; CLIP ``patcher``, ``cond_stage_model``,
+  ``loaded_size()``, ``model_dtype()``, ``is_dynamic()`` (optional), ``clone(disable_dynamic=True)``
+  (optional), ``is_clone()``, ``partially_unload()``, ``patches``, ``patches_uuid``, ``backup``,
+  ``weight_wrapper_patches``, ``use_ejected()``, ``unpatch_hooks()``, ``apply_hooks()``, ``forced_hooks``,
+  ``get_all_callbacks()``; the model's ``model_loaded_weight_memory``, ``model_lowvram``,
+  ``lowvram_patch_counter``, ``model_offload_buffer_memory`` (optional), ``current_weight_patches_uuid``,
+  ``device``; ``LoadedModel.model``, ``LoadedModel.device``, ``LoadedModel.currently_used``,
+  ``LoadedModel.model_unload()``; CLIP ``patcher``, ``cond_stage_model``,
   ``load_sd``; VAE ``patcher``, ``first_stage_model``, ``device``, ``vae_dtype``; model configs
   ``set_inference_dtype``, ``get_model``, ``supported_inference_dtypes``, ``vae_key_prefix``,
   ``process_vae_state_dict``, ``clip_target``, ``process_clip_state_dict``; ``BaseModel.load_model_weights``
@@ -47,13 +54,20 @@ __all__ = [
     "dynamic_vram_enabled",
     "folder_paths",
     "io",
+    "is_dynamic",
     "key_weight",
+    "load_models_gpu",
+    "loaded_model_class",
+    "loaded_model_list",
     "loaded_models",
     "lowvram_patch_class",
     "model_detection",
     "model_management",
     "model_patcher_class",
+    "on_load_callback_kind",
+    "soft_empty_cache",
     "supported_models",
+    "throw_if_interrupted",
     "ui",
 ]
 
@@ -106,6 +120,46 @@ def folder_paths() -> ModuleType:
 def loaded_models() -> list[Any]:
     """A copy of ComfyUI's ``current_loaded_models``, safe to iterate while ComfyUI changes the list."""
     return list(getattr(model_management(), "current_loaded_models", []))
+
+
+def loaded_model_list() -> list[Any]:
+    """ComfyUI's ``current_loaded_models`` itself (to remove an entry exactly when ComfyUI would)."""
+    return model_management().current_loaded_models
+
+
+def loaded_model_class() -> type:
+    """``comfy.model_management.LoadedModel``: the class of the list's entries."""
+    return model_management().LoadedModel
+
+
+def load_models_gpu(patchers: list[Any], **options: Any) -> None:
+    """``comfy.model_management.load_models_gpu``: load models the way every ComfyUI node does."""
+    model_management().load_models_gpu(patchers, **options)
+
+
+def throw_if_interrupted() -> None:
+    """Raise ComfyUI's ``InterruptProcessingException`` when the user pressed Cancel."""
+    model_management().throw_exception_if_processing_interrupted()
+
+
+def soft_empty_cache() -> None:
+    """Give the allocator's cached memory back to the device(s), as ComfyUI does after unloading."""
+    model_management().soft_empty_cache()
+
+
+def on_load_callback_kind() -> str:
+    """The key of the patcher callbacks ComfyUI runs after a model loads (``CallbacksMP.ON_LOAD``)."""
+    try:
+        return importlib.import_module("comfy.patcher_extension").CallbacksMP.ON_LOAD
+    except (ImportError, AttributeError):
+        return "on_load"
+
+
+def is_dynamic(patcher: Any) -> bool:
+    """Whether a patcher is ComfyUI's Dynamic VRAM one (``ModelPatcherDynamic``); ``False`` where that
+    feature does not exist."""
+    check = getattr(patcher, "is_dynamic", None)
+    return bool(check()) if callable(check) else False
 
 
 def base_model_class() -> type | None:

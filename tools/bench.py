@@ -141,7 +141,29 @@ def bench_patching(files: dict[str, Path]) -> str:
     return "\n".join(rows)
 
 
-SECTIONS = {"loader": bench_loader, "detection": bench_detection, "ops": bench_ops, "patching": bench_patching}
+def bench_policy(files: dict[str, Path]) -> str:
+    results = _worker("policy", str(files[SD15]))
+    rows = [
+        "| budget (of the 1.6 GiB fp16 UNet) | policy | resident | streamed per step | streamed layers "
+        "| casting room | step (simulated GPU) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for key, r in results.items():
+        policy, share = key.split("|")
+        rows.append(
+            f"| {float(share):.0%} | {policy} | {_gib(r['resident'])} | {_gib(r['total'] - r['resident'])} "
+            f"| {r['streamed_layers']} | {r['reserve'] / 1024**2:.0f} MiB | {r['ms']:.0f} ms |"
+        )
+    return "\n".join(rows)
+
+
+SECTIONS = {
+    "loader": bench_loader,
+    "detection": bench_detection,
+    "ops": bench_ops,
+    "patching": bench_patching,
+    "policy": bench_policy,
+}
 
 
 def main() -> int:

@@ -4,6 +4,7 @@
     .runtime/venv/bin/python -m tools.bench_workers detect comfyui|ours FILE [REPEATS]
     .runtime/venv/bin/python -m tools.bench_workers ops
     .runtime/venv/bin/python -m tools.bench_workers patch CHECKPOINT LORA
+    .runtime/venv/bin/python -m tools.bench_workers policy CHECKPOINT
 
 Run by ``tools/bench.py``; a fresh process per measurement, so one load's memory cannot flatter another's.
 """
@@ -179,12 +180,55 @@ def patching(checkpoint: Path, lora: Path, repeats: int = 9) -> dict:
     }
 
 
+def policy(checkpoint: Path, repeats: int = 3) -> dict:
+    """The SD1.5 UNet (fp16 storage, fp32 compute) under budgets on a simulated GPU, with each policy."""
+    _comfy(checkpoint.parent)
+    import torch
+
+    from tools.comfy_inprocess import import_pack
+
+    pack = import_pack().__name__
+    node = __import__(f"{pack}.nodes.load_checkpoint", fromlist=["x"])
+    loading = __import__(f"{pack}.core.loading", fromlist=["x"])
+    simulated = __import__(f"{pack}.core.simulated", fromlist=["x"])
+    model = node.LoadCheckpointWithDevice.execute(checkpoint.name, "cpu", "cpu", "cpu", "fp16", "auto", "auto").args[0]
+    unet = model.model.diffusion_model
+    device = simulated.SimulatedDevice(64 * 1024**3)
+    engine = loading.partial_model_of(unet)
+    total = engine.total_bytes()
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 4, 32, 32, generator=generator)
+    context = torch.randn(2, 77, 768, generator=generator)
+    steps = torch.tensor([500.0, 500.0])
+    results = {}
+    with torch.inference_mode():
+        for share in (0.25, 0.5, 0.75):
+            for chosen in loading.Policy:
+                report = engine.load(device, int(total * share), policy=chosen)
+                times = []
+                for _ in range(repeats):
+                    started = time.perf_counter()
+                    unet(device.place(x), device.place(steps), device.place(context))
+                    times.append(time.perf_counter() - started)
+                results[f"{chosen.value}|{share}"] = {
+                    "total": total,
+                    "resident": report.resident_bytes,
+                    "streamed_layers": report.plan.streamed_layers,
+                    "reserve": report.plan.reserve_bytes,
+                    "ms": min(times) * 1000,
+                }
+                engine.unload_all()
+    return results
+
+
 def main() -> None:
     kind = sys.argv[1]
     if kind == "ops":
         result = cast_ops()
     elif kind == "patch":
         result = patching(Path(sys.argv[2]), Path(sys.argv[3]))
+    elif kind == "policy":
+        result = policy(Path(sys.argv[2]))
     else:
         who, path = sys.argv[2], Path(sys.argv[3])
         result = load(who, path) if kind == "load" else detect(who, path, int(sys.argv[4]) if len(sys.argv) > 4 else 5)

@@ -159,9 +159,17 @@ class ComfyServer:
         return json.loads(data) if data.strip() else None
 
     def queue(self, prompt: dict[str, Any], client_id: str | None = None) -> str:
-        """Queue an API-format prompt; return its id."""
+        """Queue an API-format prompt; return its id.
+
+        Raises:
+            ComfyError: a node failed validation. (ComfyUI itself would still run the outputs that do not
+                depend on it; a test must not mistake that partial run for a success.)
+        """
         body = {"prompt": prompt, "client_id": client_id or uuid.uuid4().hex}
-        return self.post("/prompt", body)["prompt_id"]
+        answer = self.post("/prompt", body)
+        if answer.get("node_errors"):
+            raise ComfyError(f"/prompt refused nodes: {json.dumps(answer['node_errors'])}")
+        return answer["prompt_id"]
 
     def wait(self, prompt_id: str, timeout: float = 600) -> dict[str, Any]:
         """Wait for a prompt to finish; return its history entry.

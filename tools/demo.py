@@ -1,9 +1,10 @@
-"""The demo: a real ComfyUI with Device Control runs the example workflow, prints its VRAM Reports and the
-image it saved, then stays up for the browser.
+"""The demo: a real ComfyUI with Device Control runs an example workflow, prints what every node of ours
+reported and the image it saved, then stays up for the browser.
 
 From nothing it provisions the runtime (3-5 minutes the first time), makes the synthetic SD1.5 checkpoint
-(about 30 s the first time), starts ComfyUI with the pack and runs ``workflows/txt2img_vram_report.json``.
-Without a GPU ComfyUI runs in CPU mode; ``--simulate-gpu 8GiB`` adds a simulated GPU to the reports.
+(about 30 s the first time), starts ComfyUI with the pack and runs ``workflows/sd15_move_to_gpu_and_offload.json``:
+load to RAM, Move To GPU, sample, Offload To CPU, decode, with a VRAM Report after each step. Without a GPU
+ComfyUI runs in CPU mode with a simulated 8 GiB GPU (``--simulate-gpu none`` for none), so the moves show.
 
     python3 tools/demo.py                 # run, print, keep serving until Ctrl-C
     python3 tools/demo.py --no-serve      # run, print, stop
@@ -28,7 +29,7 @@ from tools.runtime import REPO, provision, runtime_dir, venv_python
 from tools.workflow_api import ui_to_api
 
 log = logging.getLogger("device_control.tools")
-WORKFLOW = REPO / "workflows" / "txt2img_vram_report.json"
+WORKFLOW = REPO / "workflows" / "sd15_move_to_gpu_and_offload.json"
 
 
 def _gpu_present() -> bool:
@@ -54,7 +55,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-serve", action="store_true", help="stop ComfyUI after the run")
     parser.add_argument("--port", type=int, default=8188, help="port for ComfyUI (a free one if taken)")
-    parser.add_argument("--simulate-gpu", metavar="SIZE", help="add a simulated GPU of SIZE (e.g. 8GiB)")
+    parser.add_argument(
+        "--simulate-gpu",
+        metavar="SIZE",
+        help="add a simulated GPU of SIZE (default: 8GiB on a machine without a GPU; 'none' for none)",
+    )
     parser.add_argument("--workflow", type=Path, default=WORKFLOW, help="a UI-format workflow to run")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -65,8 +70,12 @@ def main() -> int:
     provision()
     log.info("[Device Control] making the synthetic SD1.5 checkpoint (cached after the first run)")
     subprocess.run([str(venv_python()), "-m", "tools.make_fixtures"], cwd=REPO, check=True)
-    env = {"DEVICE_CONTROL_SIMULATE_GPU": args.simulate_gpu} if args.simulate_gpu else {}
-    server = ComfyServer(runtime_dir() / "demo", env=env, port=_port(args.port), cpu=not _gpu_present())
+    gpu = _gpu_present()
+    simulate = args.simulate_gpu or (None if gpu else "8GiB")
+    if simulate and simulate.lower() != "none":
+        log.info("[Device Control] a simulated %s GPU is added after any real one; it computes on the CPU", simulate)
+    env = {"DEVICE_CONTROL_SIMULATE_GPU": simulate} if simulate and simulate.lower() != "none" else {}
+    server = ComfyServer(runtime_dir() / "demo", env=env, port=_port(args.port), cpu=not gpu)
     log.info("[Device Control] starting ComfyUI on %s (log: %s)", server.url, server.log_path)
     server.start()
     try:

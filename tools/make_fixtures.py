@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shutil
 from pathlib import Path
 
 import torch
@@ -29,6 +30,8 @@ log = logging.getLogger("device_control.tools")
 FIXTURE_VERSION = "1"
 SD15_CHECKPOINT = "device_control_sd15_synthetic.safetensors"
 SD15_LORA = "device_control_sd15_lora_r4.safetensors"
+#: A second checkpoint name for two-model workflows: a hard link to the first (two models in memory, one file).
+SD15_CHECKPOINT_B = "device_control_sd15_synthetic_b.safetensors"
 LORA_RANK = 4
 
 # The published SD1.5 UNet hyperparameters (as ComfyUI's detection reports them for real SD1.5 files).
@@ -166,10 +169,24 @@ def make_all() -> dict[str, Path]:
     """Make every fixture (cached); return their paths by kind."""
     import_comfy()
     root = fixtures_dir()
+    checkpoint = make_sd15_checkpoint(root / "checkpoints" / SD15_CHECKPOINT)
     return {
-        "checkpoint": make_sd15_checkpoint(root / "checkpoints" / SD15_CHECKPOINT),
+        "checkpoint": checkpoint,
+        "checkpoint_b": second_name(checkpoint, root / "checkpoints" / SD15_CHECKPOINT_B),
         "lora": make_sd15_lora(root / "loras" / SD15_LORA),
     }
+
+
+def second_name(source: Path, target: Path) -> Path:
+    """``source`` under another name (a hard link; a copy where the file system has none)."""
+    if target.exists() and (target.samefile(source) or target.stat().st_mtime >= source.stat().st_mtime):
+        return target
+    target.unlink(missing_ok=True)
+    try:
+        target.hardlink_to(source)
+    except OSError:
+        shutil.copyfile(source, target)
+    return target
 
 
 def main() -> None:

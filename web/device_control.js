@@ -1,8 +1,14 @@
-// Device Control: shows the text our nodes report (VRAM Report, Load Checkpoint With Device) on the canvas.
+// Device Control: shows the text our nodes report (VRAM Report, Load Checkpoint With Device, Move To GPU,
+// Offload To CPU) on the canvas.
 // Documented extension APIs only (registerExtension, onExecuted, addDOMWidget); no ComfyUI DOM is touched.
 import { app } from "../../scripts/app.js";
 
-const TEXT_NODES = new Set(["DeviceControl_VRAMReport", "DeviceControl_LoadCheckpoint"]);
+const TEXT_NODES = new Set([
+  "DeviceControl_VRAMReport",
+  "DeviceControl_LoadCheckpoint",
+  "DeviceControl_MoveToGPU",
+  "DeviceControl_OffloadToCPU",
+]);
 const WIDGET_NAME = "report_text";
 
 function reportWidget(node) {

@@ -22,12 +22,13 @@ from ...core.detection import Detection
 from ...core.errors import ModelFileError, UnknownModelError
 from ...core.headers import FileHeader
 from ...core.lineage import Tracer, capture_state_dict_loads, source_of, source_tensors
+from ...core.loading import Placement, partial_model_of
 from ...core.ops import convert
 from ...core.simulated import SimulatedDevice
 from ...core.skeleton import Source, materialize, weights_on_meta
 from ...core.weights import ProgressCallback, WeightReader
 from .. import surface
-from .patcher import DeviceControlPatcher, adopt, set_target
+from .patcher import DeviceControlPatcher, adopt
 from .reading import dominant_dtype
 
 log = logging.getLogger("device_control")
@@ -45,18 +46,20 @@ VALUE_PROBES = (
 
 
 @dataclass(frozen=True)
-class Placement:
+class ComponentPlan:
     """Where one component goes: ComfyUI's torch device, and a simulated device when that is the target.
 
     ``device`` ``None`` means ComfyUI's own default; ``dtype`` ``None`` means ComfyUI's own choice.
     ``fits`` says whether the weights can be written straight onto a real accelerator (the fit plan's
-    verdict); when not, they are written to host memory and ComfyUI loads what fits when it is used.
+    verdict); when not, they are written to host memory and loaded, as far as they fit, when used.
+    ``placement`` is what the component's patcher carries from then on (``None``: ComfyUI decides).
     """
 
     device: torch.device | None = None
     simulated: SimulatedDevice | None = None
     dtype: torch.dtype | None = None
     fits: bool = True
+    placement: Placement | None = None
 
 
 @dataclass
@@ -72,7 +75,7 @@ class BuiltCheckpoint:
 def build_checkpoint(
     header: FileHeader,
     detection: Detection,
-    placements: dict[str, Placement],
+    placements: dict[str, ComponentPlan],
     progress: ProgressCallback | None = None,
 ) -> BuiltCheckpoint:
     """Build ``header``'s file as ComfyUI would, with each component placed as ``placements`` says.
@@ -88,7 +91,8 @@ def build_checkpoint(
         ModelFileError: a tensor is missing or misshapen in the file.
     """
     mm, utils = surface.model_management(), surface.comfy_utils()
-    unet, clip_place, vae_place = (placements.get(r, Placement()) for r in ("diffusion_model", "text_encoder", "vae"))
+    roles = ("diffusion_model", "text_encoder", "vae")
+    unet, clip_place, vae_place = (placements.get(role, ComponentPlan()) for role in roles)
     notes: list[str] = []
     with WeightReader(header, pin_staging=any(_is_cuda(p.device) for p in placements.values())) as reader:
         sd = source_tensors(header.tensors, _probes(header, reader))
@@ -165,10 +169,10 @@ def build_checkpoint(
     patcher = DeviceControlPatcher(
         model, load_device=cast_device if unet.simulated else compute, offload_device=mm.unet_offload_device()
     )
-    set_target(model, unet.simulated)
+    patcher.device_control_placement = unet.placement
     if clip is not None:
-        adopt(clip.patcher, clip_place.simulated)
-    adopt(vae.patcher, vae_place.simulated)
+        adopt(clip.patcher, clip_place.placement)
+    adopt(vae.patcher, vae_place.placement)
     _first_load(mm, patcher, unet, fill["model"])
     if clip is not None:
         _first_load(mm, clip.patcher, clip_place, fill["clip"])
@@ -275,7 +279,7 @@ def _with_exact_names(root: torch.nn.Module, sources: dict[str, Source], header:
     return {**sources, **extra}
 
 
-def _fill_device(place: Placement) -> torch.device:
+def _fill_device(place: ComponentPlan) -> torch.device:
     """Where weights are first written: a real accelerator they fit on, else host memory.
 
     (The VAE is always written to host memory: ComfyUI moves it to its device when it decodes.)
@@ -285,18 +289,15 @@ def _fill_device(place: Placement) -> torch.device:
     return torch.device("cpu")
 
 
-def _first_load(mm: Any, patcher: Any, place: Placement, filled_on: torch.device) -> None:
+def _first_load(mm: Any, patcher: Any, place: ComponentPlan, filled_on: torch.device) -> None:
     """Register the model with ComfyUI where it now lives, as ComfyUI does after its own loading."""
-    if place.simulated is not None:
-        mm.load_models_gpu([patcher])  # our patcher places it on the simulated device, within its capacity
-    elif patcher.load_device == filled_on:
-        if filled_on.type != "cpu":
-            # The weights are already on the device: say so, or ComfyUI would make room for them a second time.
-            patcher.model.model_loaded_weight_memory = patcher.model_size()
-            patcher.model.model_lowvram = False
-            patcher.model.device = filled_on
-            patcher.model.current_weight_patches_uuid = patcher.patches_uuid
-        mm.load_models_gpu([patcher], force_full_load=True)
+    if place.simulated is None and patcher.load_device != filled_on:
+        return  # in RAM, to be loaded where it belongs when a node first uses it
+    if filled_on.type != "cpu":
+        # The weights were written on the device: say so first, or ComfyUI would make room for them twice.
+        partial_model_of(patcher.model).target = filled_on
+        patcher._sync_books(filled_on)
+    mm.load_models_gpu([patcher], force_full_load=place.simulated is None)
 
 
 def _is_cuda(device: torch.device | None) -> bool:

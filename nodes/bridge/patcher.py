@@ -1,58 +1,146 @@
-"""A ModelPatcher that keeps Device Control's placement and applies patches with Device Control's math.
+"""A ModelPatcher whose loading and unloading is Device Control's engine (``core.loading``).
 
-ComfyUI moves a model to its patcher's ``load_device`` whenever a node uses it (``load_models_gpu``). For a
-real device that is the device we chose, so ComfyUI's own loading keeps the placement. A simulated GPU has
-no torch device: ComfyUI sees ``cpu`` as its load device, and this subclass, after ComfyUI's own ``load``
-(which decides which layers stream under the budget), places the resident weights on the simulated device
-and marks the streamed ones. Unloading needs nothing extra: ComfyUI moves weights to the offload device
-(the host), which takes them off the simulated device.
+ComfyUI moves a model with its patcher's ``load`` / ``partially_unload`` / ``unpatch_model`` whenever a node
+uses it (``load_models_gpu``) or needs room (``free_memory``). This subclass keeps those entry points and
+ComfyUI's books (``model_loaded_weight_memory``, ``model_lowvram``, ``lowvram_patch_counter``, the backups),
+but the decisions and the moves are ours:
 
-Patches (LoRAs from ComfyUI's stock loaders included) go through ``core.patching``: resident weights are
-patched by :meth:`DeviceControlPatcher.patch_weight_to_device`, and the low-VRAM patches ComfyUI attaches to
-streamed layers are replaced by ``core.patching.OnTheFlyPatch``, which gives bit-identical results.
+* the **placement** (device, budget, keep-resident) travels with the patcher and its clones, so every later
+  ``load_models_gpu`` loads the model where the user put it, no more than the budget, and the next sampler
+  does not undo a Move To GPU;
+* the layers that stay resident are chosen by ``core.loading`` (policy, casting room, out-of-memory guard),
+  and the move is checked for ComfyUI's cancel between layers;
+* patches (LoRAs from ComfyUI's stock loaders included) go through ``core.patching``: resident weights are
+  patched in float32 with an exact backup, streamed layers get an :class:`~core.patching.OnTheFlyPatch` that
+  computes the same weight, so a LoRA gives the same image resident or streamed.
 
-The target lives on the model (the ``nn.Module``), so every clone ComfyUI makes (``LoraLoader`` clones)
-shares it, as clones share the weights.
+A simulated GPU has no torch device: ComfyUI sees the host as the load device and this patcher places the
+resident layers on the simulated device. Its ``free_memory`` never runs for the host, so room on a simulated
+device is made here, from ComfyUI's own list, least recently used first.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import namedtuple
 from typing import Any
 
 import torch
 
+from ...core.loading import RESIDENT_MARK, LayerHooks, LoadReport, Placement, partial_model_of, same_target
 from ...core.patch_math import calculate_weight
 from ...core.patching import OnTheFlyPatch, get_weight, key_seed, round_to, set_weight
-from ...core.placement import place_module
+from ...core.placement import Target, label_of, own_tensors
 from ...core.simulated import SimulatedDevice
+from ...core.units import format_bytes
 from .. import surface
+from .books import make_room_for, model_name, note_displacement, placement_of
+
+log = logging.getLogger("device_control")
 
 #: What ComfyUI's unpatch reads from a backup entry.
 Backup = namedtuple("Backup", ["weight", "inplace_update"])
 
-_TARGET = "device_control_target"
-#: Room left free on a simulated device for activations, as ComfyUI leaves on a real one.
+#: Room left free on a simulated device for activations, as ComfyUI leaves some on a real one.
 SIMULATED_HEADROOM = 256 * 1024**2
 
 
-def set_target(module: torch.nn.Module, target: SimulatedDevice | None) -> None:
-    """Make ``module`` (a model, text encoder or VAE module tree) live on ``target``."""
-    setattr(module, _TARGET, target)
+def last_load(patcher: Any) -> LoadReport | None:
+    """What the last load of this patcher's model did (shared by its clones), or ``None``."""
+    return getattr(patcher.model, "device_control_last_load", None)
 
 
-def target_of(patcher: Any) -> SimulatedDevice | None:
-    """The simulated device a patcher's model lives on, or ``None``."""
-    return getattr(getattr(patcher, "model", None), _TARGET, None)
+class _Hooks(LayerHooks):
+    """The patcher's side of the engine: patch, restore and stream its layers the way ComfyUI expects."""
+
+    def __init__(self, patcher: DeviceControlPatcher, compute: torch.device | None, force: bool) -> None:
+        self.patcher = patcher
+        self.compute = compute
+        self.force = force
+
+    def _keys(self, layer: Any) -> list[tuple[str, str]]:
+        prefix = f"{layer.name}." if layer.name else ""
+        return [(name, prefix + name) for name, _t, is_param in own_tensors(layer.module) if is_param]
+
+    def before_resident(self, layer: Any, target: Target) -> None:
+        module = layer.module
+        if getattr(module, "comfy_patched_weights", False):
+            return
+        patcher = self.patcher
+        for _name, key in self._keys(layer):
+            if key in patcher.patches:
+                patcher.patch_weight_to_device(key, device_to=self.compute)
+        _add_wrappers(patcher, layer)
+        module.comfy_patched_weights = True
+
+    def before_leaving(self, layer: Any) -> None:
+        patcher = self.patcher
+        for _name, key in self._keys(layer):
+            backup = patcher.backup.pop(key, None)
+            if backup is None:
+                continue
+            if backup.inplace_update:
+                get_weight(patcher.model, key).data.copy_(backup.weight)
+            else:
+                set_weight(patcher.model, key, backup.weight)
+        if "comfy_patched_weights" in layer.module.__dict__:
+            layer.module.comfy_patched_weights = False
+
+    def on_streamed(self, layer: Any) -> None:
+        patcher = self.patcher
+        module = layer.module
+        for name, key in self._keys(layer):
+            if key not in patcher.patches:
+                continue
+            if self.force:
+                patcher.patch_weight_to_device(key)
+                continue
+            functions = module.weight_function if name == "weight" else module.bias_function
+            if name in ("weight", "bias"):
+                functions.append(patcher.on_the_fly(key, getattr(module, name)))
+        _add_wrappers(patcher, layer)
 
 
-def _streams(module: torch.nn.Module) -> bool:
-    # ComfyUI marks a layer it leaves on the host under a budget this way (and removes the mark on full load).
-    return hasattr(module, "prev_comfy_cast_weights") and bool(getattr(module, "comfy_cast_weights", False))
+def _add_wrappers(patcher: Any, layer: Any) -> None:
+    """ComfyUI's weight wrappers (``weight_wrapper_patches``) go on every layer, resident or streamed."""
+    wrappers = getattr(patcher, "weight_wrapper_patches", {})
+    prefix = f"{layer.name}." if layer.name else ""
+    for name in ("weight", "bias"):
+        extra = wrappers.get(prefix + name)
+        if extra:
+            attribute = f"{name}_function"
+            setattr(layer.module, attribute, [*getattr(layer.module, attribute, []), *extra])
+
+
+def _keep_embeddings_resident(model: torch.nn.Module, engine: Any) -> None:
+    """A text encoder computes where its token embedding is (ComfyUI's CLIP reads the embedding's device to
+    place the tokens), so its embeddings never stream."""
+    if not hasattr(model, "encode_token_weights") or model.__dict__.get("_device_control_embeddings_marked"):
+        return
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding):
+            setattr(module, RESIDENT_MARK, True)
+    model.__dict__["_device_control_embeddings_marked"] = True
+    engine.refresh()
+
+
+def _interrupt_check(_done: int, _total: int) -> None:
+    surface.throw_if_interrupted()
 
 
 class DeviceControlPatcher(surface.model_patcher_class()):
-    """ComfyUI's ModelPatcher, plus placement on a simulated device when one is the target."""
+    """ComfyUI's ModelPatcher, loaded and unloaded by ``core.loading`` under a placement."""
+
+    #: Class-level default, so a ComfyUI patcher adopted by class change (no ``__init__``) has one.
+    device_control_placement: Placement | None = None
+
+    def clone(self, *args: Any, **kwargs: Any) -> Any:
+        n = super().clone(*args, **kwargs)
+        if isinstance(n, DeviceControlPatcher):
+            n.device_control_placement = self.device_control_placement
+        return n
+
+    # -- loading -----------------------------------------------------------------------------------
 
     def load(
         self,
@@ -61,19 +149,73 @@ class DeviceControlPatcher(surface.model_patcher_class()):
         force_patch_weights: bool = False,
         full_load: bool = False,
     ) -> None:
-        target = target_of(self)
-        if target is not None:
-            # ComfyUI gives a CPU load device an unlimited budget; a simulated GPU has a capacity.
-            budget = self.loaded_size() + target.free() - SIMULATED_HEADROOM
-            lowvram_model_memory = max(1, min(lowvram_model_memory or budget, budget))
-            full_load = full_load and self.model_size() <= budget
-        super().load(device_to, lowvram_model_memory, force_patch_weights, full_load)
-        self._sync_placement()
+        placement = placement_of(self)
+        device_to = device_to if device_to is not None else self.load_device
+        target = placement.target if placement is not None else device_to
+        engine = partial_model_of(self.model)
+        _keep_embeddings_resident(self.model, engine)
+        budget = placement.budget_bytes() if placement is not None else engine.total_bytes()
+        if lowvram_model_memory and not full_load and not isinstance(target, SimulatedDevice):
+            budget = min(budget, int(lowvram_model_memory))  # what ComfyUI found free on the device
+        if isinstance(target, SimulatedDevice):  # ComfyUI made no room on it: we do, as it would on a GPU
+            wanted = min(budget, engine.total_bytes()) - engine.resident_bytes(target)
+            make_room_for(self, target, wanted + SIMULATED_HEADROOM)
+            budget = max(0, min(budget, target.free() + engine.resident_bytes(target) - SIMULATED_HEADROOM))
+        compute = device_to if isinstance(device_to, torch.device) and device_to.type != "cpu" else None
+        hooks = _Hooks(self, compute if not isinstance(target, SimulatedDevice) else None, force_patch_weights)
+        with self.use_ejected():
+            self.unpatch_hooks()
+            try:
+                report = engine.load(target, budget, hooks=hooks, progress=_interrupt_check)
+            except BaseException as exc:
+                log.warning(
+                    "[Device Control] loading %s onto %s stopped (%s) with %s resident; every layer is resident "
+                    "or streams, and ComfyUI now moves the model back to RAM",
+                    model_name(self),
+                    label_of(target),
+                    type(exc).__name__,
+                    format_bytes(engine.resident_bytes(target)),
+                )
+                raise
+            finally:
+                self._sync_books(device_to)
+            self.model.device_control_last_load = report
+            for callback in self.get_all_callbacks(surface.on_load_callback_kind()):
+                callback(self, device_to, lowvram_model_memory, force_patch_weights, full_load)
+            self.apply_hooks(self.forced_hooks, force_apply=True)
+        log.info(
+            "[Device Control] loaded %s: %s; on-the-fly patches: %d",
+            model_name(self),
+            report.summary(),
+            self.model.lowvram_patch_counter,
+        )
+
+    def partially_load(self, device_to: Any, extra_memory: int = 0, force_patch_weights: bool = False) -> int:
+        engine = partial_model_of(self.model)
+        placement = placement_of(self)
+        wanted = placement.target if placement is not None else device_to
+        if engine.target is not None and not same_target(engine.target, wanted):
+            # Loaded for another placement (a clone's, on another device): ComfyUI would take the model as
+            # loaded here and skip the load. Marking it partial makes ComfyUI call load(), which moves it.
+            self.model.model_lowvram = True
+        return super().partially_load(device_to, extra_memory, force_patch_weights)
 
     def partially_unload(self, device_to: Any, memory_to_free: int = 0, force_patch_weights: bool = False) -> int:
-        freed = super().partially_unload(device_to, memory_to_free, force_patch_weights)
-        self._sync_placement()
+        engine = partial_model_of(self.model)
+        with self.use_ejected():
+            freed = engine.unload(int(memory_to_free), hooks=_Hooks(self, None, force_patch_weights))
+            self._sync_books(self.model.device if engine.target is not None else device_to)
+        if freed:
+            note_displacement()
         return freed
+
+    def unpatch_model(self, device_to: Any = None, unpatch_weights: bool = True) -> None:
+        if unpatch_weights:
+            engine = partial_model_of(self.model)
+            if engine.unload_all(hooks=_Hooks(self, None, False)):
+                note_displacement()
+            self.model.model_lowvram = True  # ComfyUI's own unpatch then resets every layer's cast flags too
+        super().unpatch_model(device_to, unpatch_weights)
 
     def patch_weight_to_device(self, key: str, device_to: Any = None, inplace_update: bool = False) -> None:
         """Patch one resident weight with ``core.patching`` (float32 math, seeded rounding, exact backup)."""
@@ -96,37 +238,40 @@ class DeviceControlPatcher(surface.model_patcher_class()):
         else:
             set_weight(self.model, key, rounded)
 
-    def _sync_placement(self) -> None:
-        self._use_our_patches()
-        target = target_of(self)
-        if target is not None:
-            place_module(self.model, target, streamed=_streams)
-
-    def _use_our_patches(self) -> None:
-        """Swap the low-VRAM patches ComfyUI attached to streamed layers for ours."""
-        comfy_patch = surface.lowvram_patch_class()
-        for module in self.model.modules():
-            for functions_name, param_name in (("weight_function", "weight"), ("bias_function", "bias")):
-                functions = module.__dict__.get(functions_name)
-                if functions and any(isinstance(f, comfy_patch) for f in functions):
-                    param = getattr(module, param_name, None)
-                    module.__dict__[functions_name] = [
-                        self._on_the_fly(f, param) if isinstance(f, comfy_patch) else f for f in functions
-                    ]
-
-    def _on_the_fly(self, patch: Any, param: torch.Tensor | None) -> OnTheFlyPatch:
-        plain = patch.convert_func is None and patch.set_func is None and param is not None
+    def on_the_fly(self, key: str, param: torch.Tensor | None) -> OnTheFlyPatch:
+        """The patch a streamed layer applies to weight ``key`` each time it is cast."""
+        _weight, set_func, convert_func = surface.key_weight(self.model, key)
+        plain = convert_func is None and set_func is None and param is not None
         return OnTheFlyPatch(
-            patch.key,
+            key,
             self.patches,
             storage_dtype=param.dtype if plain else None,
-            convert_func=patch.convert_func,
-            set_func=patch.set_func,
+            convert_func=convert_func,
+            set_func=set_func,
         )
 
+    def _sync_books(self, device: Any) -> None:
+        """ComfyUI's books for this model, from where its tensors are now."""
+        engine = partial_model_of(self.model)
+        model = self.model
+        streamed = engine.streamed_layers() if engine.target is not None else []
+        model.model_lowvram = bool(streamed)
+        model.lowvram_patch_counter = sum(
+            isinstance(f, OnTheFlyPatch)
+            for layer in streamed
+            for f in (*getattr(layer.module, "weight_function", ()), *getattr(layer.module, "bias_function", ()))
+        )
+        model.model_loaded_weight_memory = min(engine.resident_bytes(), self.model_size())
+        if hasattr(model, "model_offload_buffer_memory"):
+            report = getattr(model, "device_control_last_load", None)
+            model.model_offload_buffer_memory = report.plan.reserve_bytes if report and streamed else 0
+        if device is not None:
+            model.device = device
+        model.current_weight_patches_uuid = self.patches_uuid if engine.target is not None else None
 
-def adopt(patcher: Any, target: SimulatedDevice | None) -> Any:
-    """Make an existing ComfyUI patcher (a CLIP's, a VAE's) a :class:`DeviceControlPatcher` on ``target``."""
-    patcher.__class__ = DeviceControlPatcher  # the subclass adds behaviour only, no state
-    set_target(patcher.model, target)
+
+def adopt(patcher: Any, placement: Placement | None) -> Any:
+    """Make an existing ComfyUI patcher (a CLIP's, a VAE's) a :class:`DeviceControlPatcher` with ``placement``."""
+    patcher.__class__ = DeviceControlPatcher  # the subclass adds behaviour and one attribute with a default
+    patcher.device_control_placement = placement
     return patcher

@@ -11,9 +11,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from ...core.devices import InventorySnapshot
+from ...core.loading import engine_of
 from ...core.report import MemoryMode, ModelResidency
+from ...core.simulated import SimulatedDevice
 from .. import surface
-from .patcher import DeviceControlPatcher, target_of
+from .patcher import DeviceControlPatcher
 
 _VRAM_STATES = {
     "DISABLED": "CPU only: ComfyUI manages no GPU memory (started with --cpu, or no GPU found)",
@@ -34,6 +36,15 @@ def device_id(device: Any, snapshot: InventorySnapshot) -> str:
     native = "mps" if kind == "mps" else f"{kind}:{index}"
     found = next((d for d in snapshot.devices if d.native == native), None)
     return found.id if found is not None else native
+
+
+def target_id(target: Any, snapshot: InventorySnapshot) -> str:
+    """Our id (``gpu:0``) for a placement target: a simulated device or a ``torch.device``."""
+    if target is None:
+        return "unknown device"
+    if isinstance(target, SimulatedDevice):
+        return next((d.id for d in snapshot.devices if d.native == target.label), target.label)
+    return device_id(target, snapshot)
 
 
 def component_of(model: Any) -> str:
@@ -62,10 +73,11 @@ def residency_of(patcher: Any, snapshot: InventorySnapshot, *, in_use: bool = Tr
     component = component_of(model)
     total = int(patcher.model_size())
     loaded = int(patcher.loaded_size())
-    target = target_of(patcher)
     compute = device_id(patcher.load_device, snapshot)
-    if target is not None:  # on a simulated GPU: ComfyUI sees the host as its load device
-        compute = next((d.id for d in snapshot.devices if d.native == target.label), target.label)
+    engine = engine_of(model)
+    if engine is not None and engine.target is not None:  # ours: where the weights are, not what ComfyUI assumes
+        loaded = min(engine.resident_bytes(), total)
+        compute = target_id(engine.target, snapshot)  # a simulated GPU's load device is the host for ComfyUI
     offload = device_id(patcher.offload_device, snapshot)
     resident = [(compute, loaded)]
     if total > loaded:
@@ -75,6 +87,7 @@ def residency_of(patcher: Any, snapshot: InventorySnapshot, *, in_use: bool = Tr
             resident.append((offload, total - loaded))
     dtype = _storage_dtype(patcher)
     partial = bool(getattr(model, "model_lowvram", False)) or (0 < loaded < total)
+    placement = getattr(patcher, "device_control_placement", None)
     return ModelResidency(
         name=_display_name(model, component),
         component=component,
@@ -86,7 +99,15 @@ def residency_of(patcher: Any, snapshot: InventorySnapshot, *, in_use: bool = Tr
         dtype=str(dtype).replace("torch.", "") if dtype is not None else None,
         managed_by="Device Control" if isinstance(patcher, DeviceControlPatcher) else "ComfyUI",
         in_use=in_use,
+        key=model_key(patcher),
+        kept=bool(placement and placement.keep_resident),
+        budget=str(placement.budget) if placement is not None else None,
     )
+
+
+def model_key(patcher: Any) -> str:
+    """The panel's name for a loaded model: its module tree's identity (shared by every clone of it)."""
+    return f"m{id(patcher.model):x}"
 
 
 def dominant_dtype(module: Any) -> Any:
@@ -114,11 +135,15 @@ def loaded_models(
     """
     models: list[ModelResidency] = []
     notes: list[str] = []
+    seen: set[int] = set()
     for entry in surface.loaded_models() if entries is None else list(entries):
         patcher = getattr(entry, "model", None)
         if patcher is None:
             notes.append("a model in ComfyUI's list was freed while the report was being made; it is not listed")
             continue
+        if id(patcher.model) in seen:  # two entries for clones of one model: its memory is listed once
+            continue
+        seen.add(id(patcher.model))
         try:
             models.append(residency_of(patcher, snapshot, in_use=bool(getattr(entry, "currently_used", True))))
         except Exception as exc:  # one unreadable model must not hide the others
@@ -143,7 +168,11 @@ def memory_mode(snapshot: InventorySnapshot) -> MemoryMode:
     vram_state = getattr(getattr(mm, "vram_state", None), "name", "unknown")
     cpu_state = getattr(getattr(mm, "cpu_state", None), "name", "unknown")
     dynamic = surface.dynamic_vram_enabled()
-    dynamic_text = {None: "not available in this ComfyUI", True: "on", False: "off"}[dynamic]
+    dynamic_text = {
+        None: "not available in this ComfyUI",
+        True: "on (ComfyUI places the models it loads; models placed by Device Control use the classic loader)",
+        False: "off",
+    }[dynamic]
     try:
         compute = device_id(mm.get_torch_device(), snapshot)
     except Exception as exc:  # ComfyUI raises here when its chosen device vanished

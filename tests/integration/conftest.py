@@ -6,6 +6,7 @@ Helpers reach the tests as fixtures (``api``), because test folders are not pack
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -53,6 +54,61 @@ def image_of(server: ComfyServer, entry: dict[str, Any]) -> np.ndarray:
         return np.asarray(picture.convert("RGB"), dtype=np.int16)
 
 
+#: Our nodes that only pass a value on (output slot -> the input it passes): gone in a stock equivalent.
+PASSTHROUGH = {
+    "DeviceControl_MoveToGPU": {0: "model", 1: "trigger"},
+    "DeviceControl_OffloadToCPU": {0: "trigger"},
+    "DeviceControl_VRAMReport": {0: "value"},
+}
+
+
+def stock_equivalent(prompt: dict[str, Any]) -> dict[str, Any]:
+    """The same graph with ComfyUI's own nodes only: our loader becomes CheckpointLoaderSimple, and our
+    pass-through nodes disappear (their outputs are wired to what they received)."""
+    stock = json.loads(json.dumps(prompt))
+
+    def resolve(link: list[Any]) -> list[Any]:
+        node = stock[link[0]]
+        through = PASSTHROUGH.get(node["class_type"], {})
+        if link[1] in through:
+            return resolve(node["inputs"][through[link[1]]])
+        return link
+
+    for node in stock.values():
+        if node["class_type"] == "DeviceControl_LoadCheckpoint":
+            node["class_type"] = "CheckpointLoaderSimple"
+            node["inputs"] = {"ckpt_name": node["inputs"]["ckpt_name"]}
+    for node in stock.values():
+        for name, value in list(node["inputs"].items()):
+            if isinstance(value, list) and len(value) == 2 and value[0] in stock:
+                node["inputs"][name] = resolve(value)
+    return {key: node for key, node in stock.items() if node["class_type"] not in PASSTHROUGH}
+
+
+@pytest.fixture(scope="module")
+def servers(
+    synthetic_models: dict[str, Path],
+    comfy_factory: Callable[..., ComfyServer],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Callable[..., ComfyServer]]:
+    """Start a ComfyUI server for this module: ``servers("name", SIMULATE_GPU="8GiB")`` sets
+    ``DEVICE_CONTROL_SIMULATE_GPU``. One runs at a time (starting one stops the one before, so a module's tests
+    must use its servers in order): each holds whole models in RAM."""
+    running: list[ComfyServer] = []
+
+    def start(name: str, **settings: str) -> ComfyServer:
+        while running:
+            running.pop().stop()
+        env = {f"DEVICE_CONTROL_{key}": value for key, value in settings.items()}
+        server = comfy_factory(tmp_path_factory.mktemp(name), env=env)
+        running.append(server)
+        return server
+
+    yield start
+    while running:
+        running.pop().stop()
+
+
 @pytest.fixture(scope="session")
 def api() -> SimpleNamespace:
     """Helpers for building prompts and reading VRAM Report results."""
@@ -62,9 +118,12 @@ def api() -> SimpleNamespace:
         report_text=report_text,
         report_json=report_json,
         image_of=image_of,
+        stock_equivalent=stock_equivalent,
         workflows=sorted((REPO / "workflows").glob("*.json")),
         our_nodes={
             "DeviceControl_VRAMReport": "VRAM Report",
             "DeviceControl_LoadCheckpoint": "Load Checkpoint With Device",
+            "DeviceControl_MoveToGPU": "Move To GPU",
+            "DeviceControl_OffloadToCPU": "Offload To CPU",
         },
     )

@@ -117,3 +117,36 @@ def test_passthrough_model_is_described(comfy):
     report = report_module.make_report(patcher, "subject")
     assert report.subject is not None and report.subject.total_bytes == patcher.model_size()
     assert "Input at this point:" in report.to_text()
+
+
+def test_a_dynamic_vram_model_is_taken_over_through_its_classic_clone(comfy):
+    """ComfyUI >= 0.16's Dynamic VRAM patcher cannot run here (no NVIDIA GPU, no comfy-aimdo): this checks the
+    take-over path against its documented interface (is_dynamic(), clone(disable_dynamic=True))."""
+    _mm, model_patcher, bridge, _report, _inventory = comfy
+    moves = importlib.import_module(f"{bridge.__name__}.moves")
+    patcher_class = importlib.import_module(f"{bridge.__name__}.patcher").DeviceControlPatcher
+    errors = importlib.import_module(bridge.__name__.replace("nodes.bridge", "core.errors"))
+    asked = []
+
+    class Dynamic(model_patcher):
+        def is_dynamic(self):
+            return True
+
+        def clone(self, disable_dynamic=False):
+            asked.append(disable_dynamic)
+            if not disable_dynamic:
+                raise AssertionError("a dynamic model must be cloned as a classic one to be placed")
+            classic = model_patcher.clone(self)
+            classic.__class__ = model_patcher
+            return classic
+
+    dynamic = patcher_for(Dynamic)
+    moved = moves.clone_subject(moves.subject_of(dynamic))
+    assert asked == [True] and isinstance(moved.patcher, patcher_class) and moved.patcher.model is dynamic.model
+
+    class Unbuildable(Dynamic):
+        def clone(self, disable_dynamic=False):
+            raise RuntimeError("no patcher factory to rebuild this model")
+
+    with pytest.raises(errors.DeviceControlError, match="--disable-dynamic-vram"):
+        moves.clone_subject(moves.subject_of(patcher_for(Unbuildable)))

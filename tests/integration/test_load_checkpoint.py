@@ -32,10 +32,8 @@ def loader(entry: dict) -> str:
 
 
 @pytest.fixture(scope="module")
-def sim_server(synthetic_models, comfy_factory, tmp_path_factory):
-    server = comfy_factory(tmp_path_factory.mktemp("loader-sim"), env={"DEVICE_CONTROL_SIMULATE_GPU": "8GiB"})
-    yield server
-    server.stop()
+def sim_server(servers):
+    return servers("loader-sim", SIMULATE_GPU="8GiB")
 
 
 @pytest.fixture(scope="module")

@@ -42,3 +42,16 @@ def test_example_workflows_are_offered_as_templates(comfy_server, api):
     for workflow in api.workflows:
         served = comfy_server.get(f"/api/workflow_templates/comfyui-device-control/{workflow.name}")
         assert served["nodes"], f"{workflow.name} is not served to the frontend's template browser"
+
+
+def test_move_and_offload_take_any_model_and_pass_a_trigger_through(comfy_server):
+    info = comfy_server.get("/object_info")
+    move, offload = info["DeviceControl_MoveToGPU"], info["DeviceControl_OffloadToCPU"]
+    assert move["input"]["required"]["model"][0] == "MODEL,CLIP,VAE"
+    assert move["output"] == ["MODEL,CLIP,VAE", "*", "STRING"]
+    assert move["input"]["optional"]["trigger"][0] == "*"
+    assert move["input"]["required"]["device"][1]["options"][0] == "auto"
+    assert offload["output_node"] is True and offload["output"] == ["*", "STRING"]
+    assert offload["input"]["optional"]["model"][0] == "MODEL,CLIP,VAE"
+    modes = offload["input"]["required"]["mode"][1]["options"]
+    assert modes == ["full", "free N GB", "all models", "all except this one"]

@@ -12,10 +12,8 @@ TXT2IMG = Path(__file__).resolve().parents[2] / "workflows" / "txt2img_vram_repo
 
 
 @pytest.fixture(scope="module")
-def simulated_server(synthetic_models, comfy_factory, tmp_path_factory):
-    server = comfy_factory(tmp_path_factory.mktemp("sim-base"), env={"DEVICE_CONTROL_SIMULATE_GPU": "8GiB"})
-    yield server
-    server.stop()
+def simulated_server(servers):
+    return servers("sim-base", SIMULATE_GPU="8GiB")
 
 
 def test_simulated_gpu_is_listed_with_its_capacity_during_the_example_workflow(simulated_server, api):

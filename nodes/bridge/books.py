@@ -1,0 +1,178 @@
+"""ComfyUI's list of loaded models, seen as ``core.loading``'s managed models, and kept true.
+
+ComfyUI keeps one list, ``current_loaded_models`` (most recently loaded first), and frees memory by asking
+its entries to unload. There is no second registry: eviction on a simulated device, Offload To CPU and
+Move To GPU's "make room" all work on that list through :class:`ComfyEntry`, and remove an entry exactly
+when ComfyUI would (the model left the device entirely).
+
+Keep-resident models: the entry of a model whose placement says ``keep_resident`` becomes a
+:class:`KeptEntry` (a subclass of ComfyUI's ``LoadedModel`` that adds no state), whose ``model_unload``
+declines when ComfyUI wants room for another model. The user's own requests (Offload To CPU) go through
+:func:`user_request`, which lets it unload.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from ...core.loading import Eviction, Placement, engine_of, make_room, same_target
+from ...core.placement import Target
+from ...core.units import format_bytes
+from .. import surface
+
+log = logging.getLogger("device_control")
+
+_USER_REQUEST: contextvars.ContextVar[bool] = contextvars.ContextVar("device_control_user_request", default=False)
+
+
+@contextlib.contextmanager
+def user_request() -> Iterator[None]:
+    """Within this block, unloads are the user's own request: keep-resident models unload too."""
+    token = _USER_REQUEST.set(True)
+    try:
+        yield
+    finally:
+        _USER_REQUEST.reset(token)
+
+
+_displacements = 0
+
+
+def note_displacement() -> None:
+    """A model left a device (offloaded, evicted, streamed more): moves made before are no longer in force."""
+    global _displacements
+    _displacements += 1
+
+
+def displacements() -> int:
+    """How many times a model left a device since ComfyUI started (Move To GPU's cache key)."""
+    return _displacements
+
+
+def placement_of(patcher: Any) -> Placement | None:
+    """The placement a patcher carries, or ``None`` (ComfyUI decides)."""
+    return getattr(patcher, "device_control_placement", None)
+
+
+def where(entry: Any) -> Target | None:
+    """The device an entry's model is on: where our engine put it, else ComfyUI's load device."""
+    patcher = getattr(entry, "model", None)
+    if patcher is None:
+        return None
+    engine = engine_of(patcher.model)
+    if engine is not None and engine.target is not None:
+        return engine.target
+    return getattr(entry, "device", None)
+
+
+def resident_on(patcher: Any, target: Target) -> int:
+    """Bytes of ``patcher``'s model on ``target``: what is there (our engine), else ComfyUI's figure."""
+    engine = engine_of(patcher.model)
+    if engine is not None and engine.target is not None:
+        return engine.resident_bytes(target) if same_target(engine.target, target) else 0
+    device = getattr(patcher, "load_device", None)
+    return int(patcher.loaded_size()) if same_target(device, target) else 0
+
+
+def model_name(patcher: Any) -> str:
+    """``SD15 diffusion model``, ``SD1ClipModel``: a short name for messages."""
+    model = patcher.model
+    config = getattr(model, "model_config", None)
+    if config is not None:
+        return f"{type(config).__name__} diffusion model"
+    return type(model).__name__
+
+
+class ComfyEntry:
+    """One of ComfyUI's ``LoadedModel`` entries as a :class:`core.loading.Managed` model."""
+
+    def __init__(self, entry: Any) -> None:
+        self.entry = entry
+        patcher = entry.model
+        placement = placement_of(patcher)
+        self.name = model_name(patcher)
+        self.keep_resident = bool(placement and placement.keep_resident)
+
+    def resident_on(self, target: Target) -> int:
+        patcher = self.entry.model
+        return 0 if patcher is None else resident_on(patcher, target)
+
+    def give_back(self, target: Target, nbytes: int | None) -> int:
+        patcher = self.entry.model
+        before = self.resident_on(target)
+        if nbytes is not None and nbytes < before:
+            freed = patcher.partially_unload(patcher.offload_device, nbytes)
+            if freed >= nbytes:
+                return freed
+        unload_entries([self.entry])  # make_room decided this model may go
+        return before
+
+
+def entries() -> list[Any]:
+    """ComfyUI's loaded-model entries whose models are still alive, most recently used first."""
+    return [entry for entry in surface.loaded_models() if getattr(entry, "model", None) is not None]
+
+
+def make_room_for(patcher: Any, target: Target, needed: int, *, include_kept: bool = False) -> Eviction:
+    """Free ``needed`` bytes on ``target`` from other models (never ``patcher``'s own model or its clones)."""
+    others = [ComfyEntry(e) for e in entries() if not patcher.is_clone(e.model)]
+    eviction = make_room(others, target, needed, include_kept=include_kept)
+    if eviction.evicted:
+        log.info("[Device Control] %s on %s", eviction.summary(), getattr(target, "label", target))
+    return eviction
+
+
+def entry_of(patcher: Any) -> Any | None:
+    """ComfyUI's entry for ``patcher`` itself, or ``None``."""
+    return next((e for e in entries() if e.model is patcher), None)
+
+
+def clone_entries(patcher: Any) -> list[Any]:
+    """ComfyUI's entries whose models share ``patcher``'s weights (the patcher itself and its clones)."""
+    return [e for e in entries() if patcher.is_clone(e.model)]
+
+
+class KeptEntry(surface.loaded_model_class()):
+    """A loaded-model entry that stays when ComfyUI wants room, if its model is to be kept resident."""
+
+    def model_unload(self, memory_to_free: int | None = None, unpatch_weights: bool = True) -> bool:
+        placement = placement_of(self.model)
+        if placement is not None and placement.keep_resident and not _USER_REQUEST.get():
+            log.info(
+                "[Device Control] %s stays on %s (keep resident); ComfyUI wanted %s for another model",
+                model_name(self.model),
+                placement.name,
+                format_bytes(memory_to_free) if memory_to_free is not None else "all of it",
+            )
+            return False
+        return super().model_unload(memory_to_free, unpatch_weights)
+
+
+def keep_entries() -> None:
+    """Give every entry of a keep-resident model the behaviour that declines ComfyUI's evictions."""
+    for entry in entries():
+        placement = placement_of(entry.model)
+        if placement is not None and placement.keep_resident and not isinstance(entry, KeptEntry):
+            entry.__class__ = KeptEntry  # same object, one method more: ComfyUI's list is untouched otherwise
+
+
+def unload_entries(chosen: list[Any]) -> dict[Target | None, int]:
+    """Unload these entries completely, as the user asked (keep-resident too); bytes freed per device."""
+    freed: dict[Target | None, int] = {}
+    live = surface.loaded_model_list()
+    with user_request():
+        for entry in chosen:
+            patcher = entry.model
+            if patcher is None:
+                continue
+            target = where(entry)
+            before = int(patcher.loaded_size())
+            entry.model_unload()
+            if entry in live:
+                live.remove(entry)
+            freed[target] = freed.get(target, 0) + before
+    return freed

@@ -1,0 +1,132 @@
+"""Move To GPU: put a MODEL, CLIP or VAE on a device, under a VRAM budget, at this point of the graph."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ..core.budget import Budget
+from ..core.devices import parse_device_spec
+from ..core.errors import InvalidDeviceSpecError, InvalidSizeError
+from . import surface
+from .bridge.books import displacements
+from .bridge.moves import move
+from .state import inventory
+
+log = logging.getLogger("device_control")
+
+MODEL_TYPES = "the MODEL, CLIP or VAE"
+
+
+def device_options() -> list[str]:
+    """``auto``, every accelerator (``gpu:N``), and ``cpu``."""
+    return ["auto", *(d.id for d in inventory.snapshot().devices if d.is_accelerator and d.id), "cpu"]
+
+
+def model_input(optional: bool = False) -> Any:
+    """The input that takes a MODEL, a CLIP or a VAE."""
+    io = surface.io
+    return io.MultiType.Input(
+        "model",
+        types=[io.Model, io.Clip, io.Vae],
+        optional=optional,
+        tooltip="A MODEL, CLIP or VAE from any loader (ComfyUI's own or Load Checkpoint With Device).",
+    )
+
+
+def model_output() -> Any:
+    """The output that gives back what came in (a MODEL, CLIP or VAE)."""
+    io = surface.io
+    return io.Custom("MODEL,CLIP,VAE").Output(
+        "moved", display_name="model", tooltip="The same model (a clone that carries the placement)."
+    )
+
+
+def trigger_input() -> Any:
+    """An optional value of any type, passed through, to order this node in the graph."""
+    return surface.io.AnyType.Input(
+        "trigger",
+        optional=True,
+        tooltip=(
+            "Any value (a LATENT, an IMAGE, ...). It is passed through unchanged; connecting it makes this node run "
+            "after the node that produced it, and the node using the passthrough run after this one."
+        ),
+    )
+
+
+def trigger_output() -> Any:
+    """The passthrough of :func:`trigger_input`."""
+    return surface.io.AnyType.Output("passthrough", display_name="trigger", tooltip="The trigger value, unchanged.")
+
+
+class MoveToGPU(surface.io.ComfyNode):
+    """Thin node: the move itself is ``bridge.moves.move`` over ``core.loading``."""
+
+    @classmethod
+    def define_schema(cls) -> Any:
+        io = surface.io
+        return io.Schema(
+            node_id="DeviceControl_MoveToGPU",
+            display_name="Move To GPU",
+            category="device_control",
+            description=(
+                "Moves a model (MODEL, CLIP or VAE) to a GPU now, keeping as much of it resident as the VRAM budget "
+                "allows; the rest stays in RAM and streams layer by layer when it runs. The weights move in place: "
+                "nothing is read from disk again, dtype and LoRAs are kept, and later nodes (KSampler, CLIP Text "
+                "Encode, VAE Decode) keep the placement instead of loading the model their own way."
+            ),
+            inputs=[
+                model_input(),
+                io.Combo.Input(
+                    "device",
+                    options=device_options(),
+                    default="auto",
+                    tooltip=(
+                        "Where the model computes: gpu:N, auto (ComfyUI's GPU) or cpu. A device this machine does not "
+                        "have falls back to auto with a warning, so workflows from other machines still run."
+                    ),
+                ),
+                io.String.Input(
+                    "vram_budget",
+                    default="all",
+                    tooltip=(
+                        "How much of the device the model may take: 'all', a size such as '6GB' or '1.5 GiB', or a "
+                        "share such as '50%'. Less than the model streams the rest from RAM (slower, never wrong)."
+                    ),
+                ),
+                io.Boolean.Input(
+                    "keep_resident",
+                    default=False,
+                    tooltip=(
+                        "Keep it on the device when ComfyUI needs room for another model (that one streams instead). "
+                        "Only Offload To CPU, or another Move To GPU without this, takes it off."
+                    ),
+                ),
+                trigger_input(),
+            ],
+            outputs=[
+                model_output(),
+                trigger_output(),
+                io.String.Output("summary", display_name="summary", tooltip="What was moved where, and what streams."),
+            ],
+        )
+
+    @classmethod
+    def validate_inputs(cls, device: str, vram_budget: str) -> bool | str:
+        try:
+            parse_device_spec(device)
+            Budget.parse(vram_budget)
+        except (InvalidDeviceSpecError, InvalidSizeError) as exc:
+            return str(exc)
+        return True
+
+    @classmethod
+    def fingerprint_inputs(cls, **kwargs: Any) -> int:
+        # Cached like any node while nothing has left a device since it ran; run again (and move again) once
+        # something was offloaded or evicted, so the move still happens at this point of the graph.
+        return displacements()
+
+    @classmethod
+    def execute(cls, model: Any, device: str, vram_budget: str, keep_resident: bool, trigger: Any = None) -> Any:
+        result = move(model, device, vram_budget, keep_resident, inventory)
+        return surface.io.NodeOutput(result.value, trigger, result.text, ui={"text": (result.text,)})

@@ -1,0 +1,78 @@
+"""Offload To CPU: move models back to RAM at this point of the graph, and say what it freed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..core.errors import InvalidSizeError
+from ..core.units import parse_size
+from . import surface
+from .bridge.moves import OFFLOAD_MODES, offload
+from .move_to_gpu import model_input, trigger_input, trigger_output
+from .state import inventory
+
+
+class OffloadToCPU(surface.io.ComfyNode):
+    """Thin node: the unloading is ``bridge.moves.offload`` over ComfyUI's own list of loaded models."""
+
+    @classmethod
+    def define_schema(cls) -> Any:
+        io = surface.io
+        return io.Schema(
+            node_id="DeviceControl_OffloadToCPU",
+            display_name="Offload To CPU",
+            category="device_control",
+            description=(
+                "Moves models from their GPU back to RAM now, without unloading them from ComfyUI: the next node "
+                "that uses one loads it again where its placement says, without reading the file. Runs on every "
+                "queue, even when nothing is connected to its outputs."
+            ),
+            inputs=[
+                model_input(optional=True),
+                io.Combo.Input(
+                    "mode",
+                    options=list(OFFLOAD_MODES),
+                    default="full",
+                    tooltip=(
+                        "full: this model entirely. free N GB: free_amount from this model (or, with no model "
+                        "connected, from the least recently used models). all models: every loaded model. all except "
+                        "this one: every model but this one. Models kept resident are offloaded too: you asked."
+                    ),
+                ),
+                io.String.Input(
+                    "free_amount",
+                    default="2GB",
+                    tooltip="For 'free N GB': how much to free, such as '2GB' or '512MiB'.",
+                ),
+                io.Boolean.Input(
+                    "empty_cache",
+                    default=True,
+                    tooltip="Give the memory the GPU allocator keeps cached back to the device afterwards.",
+                ),
+                trigger_input(),
+            ],
+            outputs=[
+                trigger_output(),
+                io.String.Output("summary", display_name="summary", tooltip="What was freed, per device and model."),
+            ],
+            is_output_node=True,
+            not_idempotent=True,
+        )
+
+    @classmethod
+    def validate_inputs(cls, mode: str, free_amount: str) -> bool | str:
+        if mode == "free N GB":
+            try:
+                parse_size(free_amount)
+            except InvalidSizeError as exc:
+                return f"free_amount: {exc}"
+        return True
+
+    @classmethod
+    def fingerprint_inputs(cls, **kwargs: Any) -> float:
+        return float("nan")  # never equal to itself: an offload is an action, done on every run
+
+    @classmethod
+    def execute(cls, mode: str, free_amount: str, empty_cache: bool, model: Any = None, trigger: Any = None) -> Any:
+        text = offload(model, mode, free_amount, empty_cache, inventory)
+        return surface.io.NodeOutput(trigger, text, ui={"text": (text,)})

@@ -1,0 +1,82 @@
+"""The paths only a CUDA GPU takes. Each test skips without one and says what it would prove.
+
+Everything else in these paths (plans, books, patching, casting) is shared with the CPU and simulated-GPU
+code the other tests run; what is left here is what only a real device can show.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from core import ops
+from core.loading import partial_model_of
+from core.memory import capacity_bytes, empty_cache, free_bytes
+from core.transfer import PinnedMemory, side_stream, to_target
+
+CUDA = torch.device("cuda", 0)
+
+
+def needs_cuda(proves: str) -> pytest.MarkDecorator:
+    return pytest.mark.skipif(not torch.cuda.is_available(), reason=f"needs a CUDA GPU; would prove: {proves}")
+
+
+@needs_cuda("a copy on the side stream is complete before the compute stream uses it, pinned or not")
+def test_side_stream_copies_are_ordered_before_use():
+    host = torch.randn(4096, 4096)
+    assert side_stream(CUDA) is not None
+    moved = to_target(host, CUDA)
+    assert torch.equal((moved * 2).cpu(), host * 2)
+    pinned = PinnedMemory()
+    assert pinned.pin(host)
+    moved = to_target(host, CUDA)
+    assert torch.equal((moved + 1).cpu(), host + 1)
+    pinned.unpin(host)
+    assert pinned.pinned_bytes == 0
+
+
+@needs_cuda("pinning stops at its cap and a failed pin leaves the tensor usable")
+def test_pinning_respects_its_cap():
+    pinned = PinnedMemory(max_bytes=4 * 1024**2)
+    small, large = torch.zeros(1024**2 // 4), torch.zeros(2 * 1024**2)
+    assert pinned.pin(small) and not pinned.pin(large)
+    assert pinned.pinned_bytes == 1024**2 and large.sum().item() == 0
+    pinned.unpin(small)
+
+
+@needs_cuda("the free and total memory the engine plans with match the driver's figures")
+def test_memory_figures_come_from_the_driver():
+    free, total = torch.cuda.mem_get_info(CUDA)
+    assert capacity_bytes(CUDA) == total
+    assert free <= free_bytes(CUDA) <= total
+    empty_cache(CUDA)
+
+
+@needs_cuda("streamed layers of a partially loaded model are pinned, and unpinned when they become resident")
+def test_streamed_layers_are_pinned_and_released():
+    from core.transfer import pinned_memory
+
+    net = torch.nn.Sequential(*(ops.Linear(1024, 1024) for _ in range(8)))
+    engine = partial_model_of(net)
+    layer = engine.layers()[0].nbytes
+    engine.load(CUDA, 2 * layer + 3 * layer)
+    assert pinned_memory().pinned_bytes > 0
+    x = torch.randn(2, 1024, device=CUDA)
+    assert net(x).device == CUDA
+    engine.unload_all()
+    assert pinned_memory().pinned_bytes == 0
+
+
+@needs_cuda("a real CUDA out-of-memory during a move triggers the guard and the model keeps working")
+def test_real_out_of_memory_is_guarded():
+    net = torch.nn.Sequential(*(ops.Linear(4096, 4096) for _ in range(4)))
+    total = partial_model_of(net).total_bytes()
+    free = torch.cuda.mem_get_info(CUDA)[0]
+    blocker = torch.empty(max(0, free - total // 2), dtype=torch.uint8, device=CUDA)  # leaves room for half
+    try:
+        report = partial_model_of(net).load(CUDA, total)
+        assert report.oom is not None and report.resident_bytes < total
+        assert net(torch.randn(1, 4096, device=CUDA)).device == CUDA
+    finally:
+        del blocker
+        partial_model_of(net).unload_all()

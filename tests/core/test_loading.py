@@ -1,0 +1,377 @@
+"""The partial loading engine on a small model and a simulated GPU: plans, books, eviction, OOM, interruption."""
+
+from __future__ import annotations
+
+import gc
+
+import psutil
+import pytest
+import torch
+
+from core import ops
+from core.budget import Budget
+from core.errors import DeviceControlError
+from core.loading import (
+    STREAM_COPIES,
+    LayerHooks,
+    Policy,
+    Registry,
+    layers_of,
+    make_room,
+    partial_model_of,
+    plan_layers,
+)
+from core.simulated import SimTensor, SimulatedDevice
+
+MiB = 1024**2
+
+
+class Scale(torch.nn.Module):
+    """A layer without the cast protocol: it can never stream."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, width))
+        self.register_buffer("offset", torch.full((width,), 0.25))
+        self.register_buffer("scratch", torch.zeros(width), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale + self.offset
+
+
+class Net(torch.nn.Module):
+    """Two big layers among small ones, a norm and a layer that cannot stream, in a known order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = ops.Linear(64, 64)
+        self.norm = ops.LayerNorm(64)
+        self.middle = ops.Linear(64, 512)
+        self.fixed = Scale(512)
+        self.back = ops.Linear(512, 64)
+        self.tail = torch.nn.Sequential(*(ops.Linear(64, 64) for _ in range(6)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(self.first(x))
+        x = self.fixed(torch.relu(self.middle(x)))
+        return self.tail(torch.relu(self.back(x)))
+
+
+def partial_budget(net: Net) -> int:
+    """Room for the big layers and the fixed one; the small ones stream."""
+    size = sizes(net)
+    return size["fixed"] + size["middle"] + size["back"] + size["norm"] + STREAM_COPIES * size["first"]
+
+
+def sizes(net: torch.nn.Module) -> dict[str, int]:
+    return {layer.name: layer.nbytes for layer in layers_of(net)}
+
+
+@pytest.fixture
+def net() -> Net:
+    return Net()
+
+
+@pytest.fixture
+def x() -> torch.Tensor:
+    return torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+
+
+def run(net: Net, x: torch.Tensor, device: SimulatedDevice) -> torch.Tensor:
+    out = net(device.place(x))
+    assert isinstance(out, SimTensor) and out.sim_device is device  # it computed on the device
+    return device.release(out).clone()
+
+
+def test_layers_and_sizes_follow_the_module_tree(net):
+    layers = layers_of(net)
+    assert [la.name for la in layers][:6] == ["first", "norm", "middle", "fixed", "back", "tail.0"]
+    assert sizes(net)["middle"] == (64 * 512 + 512) * 4
+    assert sizes(net)["fixed"] == 3 * 512 * 4  # buffers count, saved or not: they take device memory
+    assert [la.streamable for la in layers][:5] == [True, True, True, False, True]
+
+
+def test_tied_weights_count_once():
+    net = torch.nn.Sequential(ops.Embedding(10, 8), ops.Linear(8, 10, bias=False))
+    net[1].weight = net[0].weight
+    assert sum(la.nbytes for la in layers_of(net)) == 10 * 8 * 4
+
+
+def test_everything_resident_when_it_fits(net):
+    layers = layers_of(net)
+    plan = plan_layers(layers, 10 * MiB)
+    assert plan.resident == {la.name for la in layers} and plan.streamed_bytes == 0 and plan.reserve_bytes == 0
+
+
+def shelf(*dims: int) -> torch.nn.ModuleList:
+    """Independent square layers of these widths, in this order."""
+    return torch.nn.ModuleList([ops.Linear(d, d) for d in dims])
+
+
+@pytest.mark.parametrize("policy", list(Policy))
+def test_plans_stay_within_the_budget_with_room_to_stream(policy):
+    layers = layers_of(shelf(32, 48, 128, 32, 64, 32))
+    total = sum(la.nbytes for la in layers)
+    for budget in range(0, total + 1, total // 50):
+        plan = plan_layers(layers, budget, policy)
+        streamed = [la.nbytes for la in layers if la.name not in plan.resident]
+        assert plan.reserve_bytes == STREAM_COPIES * max(streamed, default=0)
+        assert plan.resident_bytes + plan.reserve_bytes <= budget or not plan.resident
+
+
+def test_execution_order_keeps_a_run_from_the_start():
+    layers = layers_of(shelf(32, 32, 32, 32, 32, 32))
+    small = layers[0].nbytes
+    plan = plan_layers(layers, 2 * small + STREAM_COPIES * small, Policy.EXECUTION_ORDER)
+    assert plan.resident == {"0", "1"} and plan.streamed_layers == 4
+
+
+def test_largest_first_keeps_the_big_layer_that_execution_order_must_stream():
+    layers = layers_of(shelf(32, 32, 128, 32, 32, 32))
+    small, big = layers[0].nbytes, layers[2].nbytes
+    budget = big + STREAM_COPIES * small + small // 2
+    assert plan_layers(layers, budget, Policy.LARGEST_FIRST).resident == {"2"}
+    assert plan_layers(layers, budget, Policy.EXECUTION_ORDER).resident == frozenset()
+
+
+def test_an_unload_plan_only_keeps_layers_that_were_resident():
+    layers = layers_of(shelf(32, 32, 32, 32))
+    plan = plan_layers(layers, 10 * MiB, allowed=["0", "1"])
+    assert plan.resident == {"0", "1"}
+
+
+def test_a_budget_below_the_fixed_layers_keeps_them_and_says_so(net):
+    plan = plan_layers(layers_of(net), 0)
+    assert plan.resident == {"fixed"} and plan.over_budget
+
+
+def test_load_books_forward_and_unload(net, x):
+    reference = net(x)
+    device = SimulatedDevice(64 * MiB)
+    engine = partial_model_of(net)
+    report = engine.load(device, 10 * MiB)
+    assert report.resident_bytes == engine.total_bytes() == device.allocated()
+    assert all(isinstance(p, SimTensor) for p in net.parameters())
+    assert torch.equal(run(net, x, device), reference)
+    freed = engine.unload_all()
+    gc.collect()
+    assert freed == report.resident_bytes and device.allocated() == 0
+    assert not any(isinstance(p, SimTensor) for p in net.parameters())
+    assert torch.equal(net(x), reference)  # back on the host, as it was
+
+
+def test_partial_load_streams_the_rest_and_computes_the_same(net, x):
+    reference = net(x)
+    device = SimulatedDevice(64 * MiB)
+    engine = partial_model_of(net)
+    report = engine.load(device, partial_budget(net))
+    assert report.streamed_bytes > 0 and report.resident_bytes == device.allocated()
+    assert net.first.comfy_cast_weights and not net.middle.comfy_cast_weights
+    assert not isinstance(net.first.weight, SimTensor) and isinstance(net.middle.weight, SimTensor)
+    out = run(net, x, device)
+    assert torch.equal(out, reference)
+    assert device.allocated() == report.resident_bytes  # the cast copies were released after use
+    assert "streamed (7 layers)" in report.summary()
+
+
+def test_a_forgotten_move_fails_like_a_device_mismatch(net, x):
+    device = SimulatedDevice(64 * MiB)
+    engine = partial_model_of(net)
+    engine.load(device, 10 * MiB)
+    net.middle.weight.data = device.release(net.middle.weight)  # back in RAM, but no cast path set
+    with pytest.raises(RuntimeError, match="same device"):
+        net(device.place(x))
+
+
+def test_unload_frees_what_is_asked_and_never_moves_layers_in(net, x):
+    reference = net(x)
+    device = SimulatedDevice(64 * MiB)
+    engine = partial_model_of(net)
+    engine.load(device, 10 * MiB)
+    before = {la.name for la in engine.layers() if la.is_resident(device)}
+    freed = engine.unload(sizes(net)["norm"] + 1)
+    gc.collect()
+    after = {la.name for la in engine.layers() if la.is_resident(device)}
+    assert freed >= sizes(net)["norm"] + 1 and after < before
+    assert device.allocated() == engine.resident_bytes()
+    assert torch.equal(run(net, x, device), reference)
+
+
+def test_moving_to_another_device_leaves_the_first(net, x):
+    reference = net(x)
+    first, second = SimulatedDevice(64 * MiB), SimulatedDevice(64 * MiB, ordinal=1)
+    engine = partial_model_of(net)
+    engine.load(first, 10 * MiB)
+    engine.load(second, 10 * MiB)
+    gc.collect()
+    assert first.allocated() == 0 and second.allocated() == engine.total_bytes()
+    assert torch.equal(run(net, x, second), reference)
+
+
+def test_loading_to_the_host_keeps_everything_plain(net, x):
+    reference = net(x)
+    engine = partial_model_of(net)
+    engine.load(SimulatedDevice(64 * MiB), 0)
+    engine.load(torch.device("cpu"), 0)  # on the host there is nothing to stream from
+    assert not any(getattr(m, "comfy_cast_weights", False) for m in net.modules())
+    assert torch.equal(net(x), reference)
+
+
+def test_hooks_see_every_change(net):
+    calls: list[tuple[str, str]] = []
+
+    class Recorder(LayerHooks):
+        def before_resident(self, layer, target):
+            calls.append(("resident", layer.name))
+
+        def before_leaving(self, layer):
+            calls.append(("leaving", layer.name))
+
+        def on_streamed(self, layer):
+            calls.append(("streamed", layer.name))
+
+    device = SimulatedDevice(64 * MiB)
+    engine = partial_model_of(net)
+    engine.load(device, partial_budget(net), hooks=Recorder())
+    assert ("resident", "middle") in calls and ("streamed", "first") in calls
+    calls.clear()
+    engine.unload_all(hooks=Recorder())
+    assert set(calls) == {("leaving", name) for name in ("norm", "middle", "fixed", "back")}
+
+
+def test_a_hundred_cycles_leave_no_drift(net):
+    device = SimulatedDevice(64 * MiB)
+    engine = partial_model_of(net)
+    process = psutil.Process()
+    engine.load(device, 10 * MiB)
+    engine.unload_all()
+    gc.collect()
+    rss = process.memory_info().rss
+    for cycle in range(100):
+        engine.load(device, 10 * MiB if cycle % 2 else partial_budget(net))
+        assert device.allocated() == engine.resident_bytes()
+        engine.unload_all()
+    gc.collect()
+    assert device.allocated() == 0
+    assert process.memory_info().rss < rss * 1.01 + 4 * MiB
+
+
+def test_out_of_memory_lowers_the_budget_and_the_model_still_works(net, x):
+    reference = net(x)
+    total = sum(sizes(net).values())
+    # Another program holds memory the device does not report: the plan thinks everything fits.
+    device = SimulatedDevice(total + MiB, used_by_others=total // 2 + MiB, faults={"unreported_others"})
+    engine = partial_model_of(net)
+    report = engine.load(device, total)
+    assert report.oom is not None and "budget lowered" in report.oom
+    assert 0 < report.resident_bytes < total
+    assert device.allocated() == report.resident_bytes
+    assert torch.equal(run(net, x, device), reference)
+    again = engine.load(device, total)  # the lowered budget is remembered: no second failure
+    assert again.oom is None and again.resident_bytes == report.resident_bytes
+    assert engine.limits
+
+
+def test_no_room_even_for_the_fixed_layers_is_a_clear_error_and_loses_nothing(net, x):
+    reference = net(x)
+    device = SimulatedDevice(MiB, used_by_others=MiB - 1024, faults={"unreported_others"})
+    engine = partial_model_of(net)
+    with pytest.raises(DeviceControlError, match=r"cannot stream.*stays in RAM"):
+        engine.load(device, MiB)
+    gc.collect()
+    assert device.allocated() == 0
+    assert torch.equal(net(x), reference)
+
+
+def test_an_interrupted_load_leaves_a_consistent_usable_model(net, x):
+    reference = net(x)
+    device = SimulatedDevice(64 * MiB)
+    engine = partial_model_of(net)
+
+    def stop_after_two(done: int, total: int) -> None:
+        if done == 2:
+            raise KeyboardInterrupt("cancelled")
+
+    with pytest.raises(KeyboardInterrupt):
+        engine.load(device, 10 * MiB, progress=stop_after_two)
+    resident = [la.name for la in engine.layers() if la.is_resident(device)]
+    assert resident == ["first", "fixed"]  # the layer that cannot stream moved first
+    assert all(la.module.comfy_cast_weights for la in engine.streamed_layers())
+    assert device.allocated() == engine.resident_bytes()
+    assert torch.equal(run(net, x, device), reference)
+
+
+def test_registry_evicts_least_recently_used_and_spares_kept_models():
+    nets = [Net() for _ in range(3)]
+    total = sum(la.nbytes for la in layers_of(nets[0]))
+    device = SimulatedDevice(2 * total + total // 2)
+    registry = Registry()
+    kept = registry.add("kept", nets[0], keep_resident=True)
+    older = registry.add("older", nets[1])
+    newest = registry.add("newest", nets[2])
+    registry.load(kept, device, total)
+    registry.load(older, device, total)
+    report, eviction = registry.load(newest, device, total)
+    assert [name for name, _ in eviction.evicted] == ["older"]
+    assert report.resident_bytes == total and kept.resident_on(device) == total
+    assert device.allocated() == registry.resident_on(device)
+
+
+def test_make_room_gives_kept_models_only_when_asked():
+    nets = [Net(), Net()]
+    total = sum(la.nbytes for la in layers_of(nets[0]))
+    device = SimulatedDevice(2 * total)
+    registry = Registry()
+    entries = [registry.add("a", nets[0], keep_resident=True), registry.add("b", nets[1], keep_resident=True)]
+    for entry in entries:
+        registry.load(entry, device, total)
+    assert make_room(registry.entries, device, total).short == total
+    eviction = make_room(registry.entries, device, total, include_kept=True)
+    assert eviction.short == 0 and [name for name, _ in eviction.evicted] == ["a"]  # least recently used
+
+
+@pytest.mark.parametrize(
+    ("text", "capacity", "expected"),
+    [("all", 8 * MiB, 8 * MiB), ("", 8, 8), ("2MiB", 8 * MiB, 2 * MiB), ("50%", 8 * MiB, 4 * MiB), ("0", 8, 0)],
+)
+def test_budgets_resolve_against_the_device(text, capacity, expected):
+    assert Budget.parse(text).resolve(capacity) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("-1GB", "negative"),
+        ("nan", "not a finite"),
+        ("nan%", "between 0% and 100%"),
+        ("150%", "between 0% and 100%"),
+        ("lots", "Accepted forms"),
+    ],
+)
+def test_bad_budgets_are_refused_with_the_accepted_forms(text, problem):
+    with pytest.raises(ValueError, match=problem):
+        Budget.parse(text)
+
+
+def test_a_budget_larger_than_the_device_names_the_largest_one():
+    with pytest.raises(ValueError, match=r"larger than gpu:0, which holds 8.00 MiB; use at most that"):
+        Budget.parse("1GB").resolve(8 * MiB, device="gpu:0")
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA GPU; would prove: a load takes real VRAM and an offload gives all of it back",
+)
+def test_cuda_load_and_offload_move_real_memory(net, x):
+    """On a GPU this proves: free VRAM drops by what the engine says is resident after a load, returns to the
+    baseline after unload_all, and a partially loaded model computes the same as on the CPU."""
+    reference = net(x)
+    device = torch.device("cuda", 0)
+    baseline = torch.cuda.memory_allocated(device)
+    engine = partial_model_of(net)
+    report = engine.load(device, partial_budget(net))
+    assert torch.cuda.memory_allocated(device) - baseline >= report.resident_bytes
+    torch.testing.assert_close(net(x.to(device)).cpu(), reference)
+    engine.unload_all()
+    assert torch.cuda.memory_allocated(device) == baseline

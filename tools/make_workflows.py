@@ -1,0 +1,251 @@
+"""Write the example workflows of Move To GPU and Offload To CPU (UI format, as the frontend saves them).
+
+The graphs are described here in a few lines each and laid out as the frontend stores them (node inputs,
+outputs, links, widget values), against a running ComfyUI's ``/object_info``; the browser tests then check
+that the real frontend loads each file and turns it into the same prompt as ``tools.workflow_api``.
+
+Run ``python3 tools/make_workflows.py`` after changing a graph or a node's inputs, and commit the files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tools.comfy_server import ComfyServer
+from tools.make_fixtures import SD15_CHECKPOINT, SD15_CHECKPOINT_B, SD15_LORA
+
+log = logging.getLogger("device_control.tools")
+REPO = Path(__file__).resolve().parent.parent
+NODE_WIDTH, REPORT_SIZE = 320, (640, 360)
+PROMPT = "a lighthouse on a cliff at sunset, oil painting"
+
+
+@dataclass
+class Node:
+    """One node: its type, widget values in the frontend's order, and links into its inputs."""
+
+    id: int
+    type: str
+    widgets: list[Any] = field(default_factory=list)
+    links: dict[str, tuple[int, int]] = field(default_factory=dict)  # input name -> (node id, output slot)
+    pos: tuple[int, int] = (0, 0)
+    title: str | None = None
+
+
+def report(node_id: int, label: str, value: tuple[int, int], pos: tuple[int, int]) -> Node:
+    """A VRAM Report on a wire."""
+    return Node(node_id, "DeviceControl_VRAMReport", [label, "all"], {"value": value}, pos, f"VRAM Report: {label}")
+
+
+def sampling(first: int, clip: tuple[int, int], model: tuple[int, int], x: int) -> list[Node]:
+    """Prompt, negative prompt, a 64x64 latent and a 1-step KSampler (ids first .. first+3)."""
+    return [
+        Node(first, "CLIPTextEncode", [PROMPT], {"clip": clip}, (x, 80)),
+        Node(first + 1, "CLIPTextEncode", ["blurry"], {"clip": clip}, (x, 300)),
+        Node(first + 2, "EmptyLatentImage", [64, 64, 1], {}, (x, 480)),
+        Node(
+            first + 3,
+            "KSampler",
+            [42, "fixed", 1, 1, "euler", "normal", 1],
+            {"model": model, "positive": (first, 0), "negative": (first + 1, 0), "latent_image": (first + 2, 0)},
+            (x + 360, 80),
+        ),
+    ]
+
+
+def loader(node_id: int, checkpoint: str, pos: tuple[int, int]) -> Node:
+    """Load Checkpoint With Device, everything in RAM (the moves come later in the graph)."""
+    return Node(
+        node_id, "DeviceControl_LoadCheckpoint", [checkpoint, "cpu", "cpu", "cpu", "auto", "auto", "auto"], {}, pos
+    )
+
+
+def move_and_offload() -> list[Node]:
+    """The basic scenario: load to RAM, Move To GPU, sample, Offload To CPU before decoding."""
+    return [
+        loader(1, SD15_CHECKPOINT, (20, 80)),
+        report(2, "after loading to RAM", (1, 0), (20, 640)),
+        Node(3, "DeviceControl_MoveToGPU", ["gpu:0", "all", False], {"model": (2, 0)}, (460, 80)),
+        report(4, "after Move To GPU", (3, 0), (460, 640)),
+        *sampling(5, (1, 1), (4, 0), 840),
+        Node(9, "DeviceControl_OffloadToCPU", ["full", "2GB", True], {"model": (3, 0), "trigger": (8, 0)}, (1580, 80)),
+        report(10, "after Offload To CPU", (9, 0), (1140, 640)),
+        Node(11, "VAEDecode", [], {"samples": (10, 0), "vae": (1, 2)}, (1960, 80)),
+        report(12, "after decoding", (11, 0), (1820, 640)),
+        Node(13, "SaveImage", ["sd15_move_to_gpu_and_offload"], {"images": (12, 0)}, (2300, 80)),
+    ]
+
+
+def low_vram_lora() -> list[Node]:
+    """A budget smaller than the UNet, with a LoRA: half streams, and the LoRA applies to both halves."""
+    return [
+        loader(1, SD15_CHECKPOINT, (20, 80)),
+        Node(2, "LoraLoader", [SD15_LORA, 1, 1], {"model": (1, 0), "clip": (1, 1)}, (460, 80)),
+        Node(3, "DeviceControl_MoveToGPU", ["gpu:0", "1.5GB", False], {"model": (2, 0)}, (840, 80)),
+        report(4, "UNet on a 1.5 GB budget", (3, 0), (840, 640)),
+        *sampling(5, (2, 1), (4, 0), 1220),
+        Node(9, "VAEDecode", [], {"samples": (8, 0), "vae": (1, 2)}, (1960, 80)),
+        report(10, "after decoding", (9, 0), (1540, 640)),
+        Node(11, "SaveImage", ["sd15_low_vram_lora_budget"], {"images": (10, 0)}, (2300, 80)),
+    ]
+
+
+def two_checkpoints() -> list[Node]:
+    """Two checkpoints in one graph: the first is offloaded before the second moves in and refines its image."""
+    return [
+        loader(1, SD15_CHECKPOINT, (20, 80)),
+        Node(2, "DeviceControl_MoveToGPU", ["gpu:0", "all", False], {"model": (1, 0)}, (460, 80)),
+        report(3, "first model on the GPU", (2, 0), (460, 640)),
+        *sampling(4, (1, 1), (3, 0), 840),
+        Node(8, "DeviceControl_OffloadToCPU", ["full", "2GB", True], {"model": (2, 0), "trigger": (7, 0)}, (1580, 80)),
+        loader(9, SD15_CHECKPOINT_B, (20, 1100)),
+        Node(10, "DeviceControl_MoveToGPU", ["gpu:0", "all", False], {"model": (9, 0), "trigger": (8, 0)}, (460, 1100)),
+        report(11, "second model on the GPU", (10, 0), (1140, 640)),
+        Node(12, "CLIPTextEncode", [PROMPT], {"clip": (9, 1)}, (840, 1100)),
+        Node(13, "CLIPTextEncode", ["blurry"], {"clip": (9, 1)}, (840, 1320)),
+        Node(
+            14,
+            "KSampler",
+            [7, "fixed", 1, 1, "euler", "normal", 0.6],
+            {"model": (11, 0), "positive": (12, 0), "negative": (13, 0), "latent_image": (10, 1)},
+            (1220, 1100),
+        ),
+        Node(15, "VAEDecode", [], {"samples": (14, 0), "vae": (9, 2)}, (1600, 1100)),
+        Node(16, "SaveImage", ["two_checkpoints_offload_between"], {"images": (15, 0)}, (1960, 1100)),
+    ]
+
+
+WORKFLOWS = {
+    "sd15_move_to_gpu_and_offload.json": move_and_offload,
+    "sd15_low_vram_lora_budget.json": low_vram_lora,
+    "two_checkpoints_offload_between.json": two_checkpoints,
+}
+
+
+def _inputs(info: dict[str, Any]) -> list[tuple[str, list[Any], bool]]:
+    found = []
+    for section in ("required", "optional"):
+        specs = info["input"].get(section, {})
+        for name in info.get("input_order", {}).get(section, list(specs)):
+            found.append((name, specs[name], section == "optional"))
+    return found
+
+
+def _type_of(spec: list[Any]) -> str:
+    return "COMBO" if isinstance(spec[0], list) or spec[0] == "COMBO" else str(spec[0])
+
+
+def _is_widget(spec: list[Any]) -> bool:
+    options = (spec[1] if len(spec) > 1 else {}) or {}
+    return not options.get("forceInput") and _type_of(spec) in {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
+
+
+def _order(nodes: list[Node]) -> dict[int, int]:
+    done: dict[int, int] = {}
+    pending = {n.id: n for n in nodes}
+    while pending:
+        ready = sorted(i for i, n in pending.items() if all(src in done for src, _ in n.links.values()))
+        for node_id in ready:
+            done[node_id] = len(done)
+            del pending[node_id]
+    return done
+
+
+def build(nodes: list[Node], object_info: dict[str, Any]) -> dict[str, Any]:
+    """The UI-format workflow for ``nodes``."""
+    links: list[list[Any]] = []
+    incoming: dict[tuple[int, str], list[Any]] = {}  # (node id, input name) -> its link
+    outgoing: dict[tuple[int, int], list[int]] = {}
+    order = _order(nodes)
+    by_id = {n.id: n for n in nodes}
+    for node in nodes:
+        for slot, (name, _spec, _optional) in enumerate(_inputs(object_info[node.type])):
+            if name in node.links:
+                source, source_slot = node.links[name]
+                kind = object_info[by_id[source].type]["output"][source_slot]
+                link = [len(links) + 1, source, source_slot, node.id, slot, kind]
+                links.append(link)
+                incoming[(node.id, name)] = link
+                outgoing.setdefault((source, source_slot), []).append(link[0])
+    out_nodes = []
+    for node in sorted(nodes, key=lambda n: n.id):
+        info = object_info[node.type]
+        inputs = []
+        for name, spec, optional in _inputs(info):
+            entry: dict[str, Any] = {"localized_name": name, "name": name}
+            if optional:
+                entry["shape"] = 7
+            entry["type"] = _type_of(spec)
+            if _is_widget(spec) and name not in node.links:
+                entry["widget"] = {"name": name}
+            link = incoming.get((node.id, name))
+            entry["link"] = link[0] if link else None
+            inputs.append(entry)
+        outputs = [
+            {
+                "localized_name": out_name,
+                "name": out_name,
+                "type": kind,
+                "slot_index": slot,
+                "links": outgoing.get((node.id, slot), []),
+            }
+            for slot, (kind, out_name) in enumerate(zip(info["output"], info["output_name"], strict=True))
+        ]
+        is_report = node.type == "DeviceControl_VRAMReport"
+        record: dict[str, Any] = {
+            "id": node.id,
+            "type": node.type,
+            "pos": list(node.pos),
+            "size": list(REPORT_SIZE) if is_report else [NODE_WIDTH, 260],
+            "flags": {},
+            "order": order[node.id],
+            "mode": 0,
+            "inputs": inputs,
+            "outputs": outputs,
+        }
+        if node.title:
+            record["title"] = node.title
+        record["properties"] = {"Node name for S&R": node.type}
+        record["widgets_values"] = node.widgets
+        out_nodes.append(record)
+    return {
+        "last_node_id": max(n.id for n in nodes),
+        "last_link_id": len(links),
+        "nodes": out_nodes,
+        "links": links,
+        "groups": [],
+        "config": {},
+        "extra": {"ds": {"scale": 0.6, "offset": [30, 20]}},
+        "version": 0.4,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    with tempfile.TemporaryDirectory() as base:
+        server = ComfyServer(Path(base), env={"DEVICE_CONTROL_SIMULATE_GPU": "8GiB"}).start()
+        try:
+            object_info = server.get("/object_info")
+        finally:
+            server.stop()
+    for name, graph in WORKFLOWS.items():
+        path = REPO / "workflows" / name
+        path.write_text(json.dumps(build(graph(), object_info), indent=2) + "\n")
+        log.info("[Device Control] wrote %s", path.relative_to(REPO))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
