@@ -7,7 +7,9 @@ available) and answers with plain :class:`DeviceInfo` records. A probe may raise
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -69,6 +71,23 @@ class Backend(Protocol):
     def devices(self) -> list[DeviceInfo]:
         """Query every device of this backend now (ids are assigned later by the inventory)."""
         ...
+
+
+_process: psutil.Process | None = None
+
+
+def this_process() -> psutil.Process:
+    """This process, as psutil sees it; kept, since making one reads ``/proc`` (renewed after a fork)."""
+    global _process
+    if _process is None or _process.pid != os.getpid():
+        _process = psutil.Process()
+    return _process
+
+
+@functools.cache
+def _installed(module: str) -> bool:
+    """Whether ``module`` can be imported (asked once: a package does not appear while the server runs)."""
+    return importlib.util.find_spec(module) is not None
 
 
 def _dtypes(fp16: bool, bf16: bool, fp8: bool) -> tuple[str, ...]:
@@ -172,7 +191,7 @@ class DirectMLBackend:
     name = "directml"
 
     def available(self) -> bool:
-        return importlib.util.find_spec("torch_directml") is not None
+        return _installed("torch_directml")
 
     def devices(self) -> list[DeviceInfo]:
         import torch_directml  # only present on DirectML installs
@@ -195,7 +214,7 @@ class CpuBackend:
 
     def devices(self) -> list[DeviceInfo]:
         memory = psutil.virtual_memory()
-        rss = psutil.Process().memory_info().rss
+        rss = this_process().memory_info().rss
         others = max(0, memory.total - memory.available - rss)
         name = f"CPU ({psutil.cpu_count(logical=True)} threads)"
         return [DeviceInfo("cpu", "cpu", name, "cpu", memory.total, memory.available, None, None, others)]

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from .backends import Backend, DeviceInfo, default_backends
+from .backends import Backend, DeviceInfo, default_backends, this_process
 from .errors import DeviceNotFoundError, InvalidDeviceSpecError
 from .simulated import SimulatedDevice, SimulatedSpec
 from .units import parse_size
@@ -238,7 +238,7 @@ def _simulated_info(sim: SimulatedDevice, device_id: str) -> DeviceInfo:
 def host_memory() -> HostMemory:
     """System RAM and this process's RSS, now."""
     memory = psutil.virtual_memory()
-    return HostMemory(memory.total, memory.available, psutil.Process().memory_info().rss)
+    return HostMemory(memory.total, memory.available, this_process().memory_info().rss)
 
 
 def simulated_devices_from_env(environ: dict[str, str] | None = None) -> list[SimulatedDevice]:

@@ -107,8 +107,18 @@ class Layer:
     streamable: bool
 
     def is_resident(self, target: Target | None) -> bool:
-        """Whether all of this layer's tensors are on ``target``."""
-        return target is not None and all(is_on(t, target) for _n, t, _p in own_tensors(self.module))
+        """Whether all of this layer's tensors are on ``target``.
+
+        Read from the tensors each time (a panel asks every second, so this loop stays plain).
+        """
+        if target is None:
+            return False
+        module = self.module
+        for tensors in (module._parameters, module._buffers):
+            for tensor in tensors.values():
+                if tensor is not None and not is_on(tensor, target):
+                    return False
+        return True
 
 
 def layers_of(root: torch.nn.Module) -> list[Layer]:

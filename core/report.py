@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import platform
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
 from typing import Any
 
@@ -85,11 +85,15 @@ class MemoryReport:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dictionary (bytes as integers, so bug reports lose no precision)."""
-        data = asdict(self)
-        data["devices"] = [{**asdict(d), "used": d.used} for d in self.devices]
-        data["host"] = {**asdict(self.host), "used": self.host.used}
+        data = _shallow(self)
+        data["devices"] = [{**_shallow(d), "used": d.used} for d in self.devices]
+        data["errors"] = list(self.errors)
+        data["host"] = {**_shallow(self.host), "used": self.host.used}
         data["models"] = [_model_dict(m) for m in self.models]
+        data["mode"] = _shallow(self.mode) if self.mode is not None else None
         data["subject"] = _model_dict(self.subject) if self.subject is not None else None
+        data["notes"] = list(self.notes)
+        data["versions"] = dict(self.versions)
         return data
 
     def to_json(self) -> str:
@@ -126,8 +130,16 @@ class MemoryReport:
         return "\n".join(lines)
 
 
+def _shallow(record: Any) -> dict[str, Any]:
+    """A flat record's fields as a dict, tuples as lists (``asdict`` deep-copies, which the panel's
+    many-times-a-second snapshot cannot afford)."""
+    return {
+        f.name: list(value) if isinstance(value := getattr(record, f.name), tuple) else value for f in fields(record)
+    }
+
+
 def _model_dict(model: ModelResidency) -> dict[str, Any]:
-    return {**asdict(model), "resident": dict(model.resident)}
+    return {**_shallow(model), "resident": dict(model.resident)}
 
 
 def _device_line(device: DeviceInfo) -> str:

@@ -5,12 +5,21 @@ from __future__ import annotations
 from .load_checkpoint import LoadCheckpointWithDevice
 from .move_to_gpu import MoveToGPU
 from .offload_to_cpu import OffloadToCPU
+from .panel import register_routes
 from .surface import ComfyExtension, io
 from .vram_report import VRAMReport
 
 
 class DeviceControlExtension(ComfyExtension):
-    """Device Control's nodes."""
+    """Device Control's nodes, and the routes of its live panel.
+
+    The routes are added when ComfyUI asks for the node list: ComfyUI 0.3.75 defines ``on_load`` but never
+    calls it, and the list is asked for after the server exists and before it adds its routes.
+    """
+
+    async def on_load(self) -> None:
+        register_routes()
 
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
+        register_routes()
         return [LoadCheckpointWithDevice, MoveToGPU, OffloadToCPU, VRAMReport]

@@ -14,6 +14,8 @@ Symbols used (module: names):
   ``text_encoder_dtype``, ``vae_device``, ``vae_dtype``, ``load_models_gpu``, ``soft_empty_cache``,
   ``throw_exception_if_processing_interrupted``
 * ``comfy.patcher_extension``: ``CallbacksMP.ON_LOAD``
+* ``server``: ``PromptServer.instance`` (``routes``, ``send_sync``, ``prompt_queue`` with ``mutex``,
+  ``currently_running`` and ``get_current_queue_volatile()``, ``last_node_id``)
 * ``comfy.model_base``: ``BaseModel``
 * ``comfy.model_detection``: ``unet_prefix_from_state_dict``, ``model_config_from_unet``
 * ``comfy.supported_models``: the family classes' ``supported_inference_dtypes``
@@ -21,7 +23,7 @@ Symbols used (module: names):
   ``LowVramPatch``; patcher attributes ``patches``, ``backup``, ``weight_inplace_update``
 * ``comfy.sd``: ``CLIP``, ``VAE``
 * ``comfy.utils``: ``ProgressBar``, ``state_dict_prefix_replace``, ``calculate_parameters``, ``weight_dtype``
-* ``folder_paths``: ``get_filename_list``, ``get_full_path_or_raise``, ``get_folder_paths``
+* ``folder_paths``: ``get_filename_list``, ``get_full_path``, ``get_folder_paths``
 * ``comfy.memory_management``: ``aimdo_enabled`` (optional: Dynamic VRAM, ComfyUI >= 0.16)
 * ``comfyui_version``: ``__version__`` (optional, for reports)
 * ModelPatcher objects (duck-typed): ``model``, ``load_device``, ``offload_device``, ``model_size()``,
@@ -65,6 +67,7 @@ __all__ = [
     "model_management",
     "model_patcher_class",
     "on_load_callback_kind",
+    "prompt_server",
     "soft_empty_cache",
     "supported_models",
     "throw_if_interrupted",
@@ -160,6 +163,11 @@ def is_dynamic(patcher: Any) -> bool:
     feature does not exist."""
     check = getattr(patcher, "is_dynamic", None)
     return bool(check()) if callable(check) else False
+
+
+def prompt_server() -> Any:
+    """ComfyUI's ``server.PromptServer.instance``: its routes, ``send_sync``, ``prompt_queue``, ``last_node_id``."""
+    return importlib.import_module("server").PromptServer.instance
 
 
 def base_model_class() -> type | None:

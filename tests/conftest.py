@@ -66,10 +66,10 @@ def artifacts() -> Path:
     return ARTIFACTS
 
 
-def start_server(base: Path, env: dict[str, str] | None = None) -> ComfyServer:
+def start_server(base: Path, env: dict[str, str] | None = None, extra_args: tuple[str, ...] = ()) -> ComfyServer:
     """Start a ComfyUI server with the pack in ``base``; fail with its log if it does not come up."""
     try:
-        return ComfyServer(base, env=env).start()
+        return ComfyServer(base, env=env, extra_args=extra_args).start()
     except RuntimeError as exc:
         pytest.fail(str(exc))
 

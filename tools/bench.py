@@ -1,7 +1,7 @@
 """Benchmarks, side by side with ComfyUI 0.3.75 in one run; prints Markdown tables (README carries the latest).
 
     python3 tools/bench.py                # every benchmark
-    python3 tools/bench.py --only ops     # one section: loader, detection, ops, patching
+    python3 tools/bench.py --only ops     # one section: loader, detection, ops, patching, policy, panel
 
 Every measurement runs in a fresh process (``tools/bench_workers.py``). Figures are ratios to ComfyUI's, taken
 on the same machine in the same run; absolute seconds drift 3-4x between runs on shared machines.
@@ -37,9 +37,9 @@ SPARSE = {
 }
 
 
-def _worker(*args: str) -> dict:
+def _worker(*args: str, module: str = "tools.bench_workers") -> dict:
     done = subprocess.run(
-        [str(venv_python()), "-m", "tools.bench_workers", *args], cwd=REPO, capture_output=True, text=True, check=False
+        [str(venv_python()), "-m", module, *args], cwd=REPO, capture_output=True, text=True, check=False
     )
     if done.returncode != 0:
         raise RuntimeError(f"benchmark worker {args} failed:\n{done.stderr[-3000:]}")
@@ -157,12 +157,39 @@ def bench_policy(files: dict[str, Path]) -> str:
     return "\n".join(rows)
 
 
+def bench_panel(_files: dict[str, Path]) -> str:
+    r = _worker(module="tools.bench_panel")
+    latency, push, flow = r["latency"], r["push"], r["workflow"]
+    rows = [
+        "| measured with the example workflow's models loaded | Device Control | ComfyUI |",
+        "| --- | --- | --- |",
+    ]
+    for when, figures in (("idle", r["idle_latency"]), ("while sampling", latency)):
+        ours, theirs = figures["snapshot"], figures["system_stats"]
+        for what, key in (("median", "median_ms"), ("p99", "p99_ms"), ("max", "max_ms")):
+            rows.append(f"| GET latency {when}, {what} of 1,000 | {ours[key]:.2f} ms | {theirs[key]:.2f} ms |")
+        made = figures["snapshot_made"]
+        rows.append(
+            f"| snapshot made on the server {when}, median / p99 | {made['median_ms']:.2f} / {made['p99_ms']:.2f} ms "
+            "| - |"
+        )
+    rows += [
+        f"| push thread CPU at 1 s | {push['cpu_share']:.2%} of one core ({push['ms_per_push']:.1f} ms per "
+        f"push, {push['received']} of {push['pushes']} received) | - |",
+        f"| workflow time, panel open / closed (median of {len(flow['open_all'])}) | {flow['open_s']:.2f} s / "
+        f"{flow['closed_s']:.2f} s ({flow['open_s'] / flow['closed_s'] - 1:+.1%}; runs vary by "
+        f"{flow['spread']:.1%}) | - |",
+    ]
+    return "\n".join(rows) + "\n\nComfyUI column: its own `GET /system_stats`, interleaved with ours on one connection."
+
+
 SECTIONS = {
     "loader": bench_loader,
     "detection": bench_detection,
     "ops": bench_ops,
     "patching": bench_patching,
     "policy": bench_policy,
+    "panel": bench_panel,
 }
 
 

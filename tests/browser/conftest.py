@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tools.runtime import CHROMIUM
+from tools.runtime import CHROMIUM, frontend_root
 
 CHROMIUM_FLAGS = [
     "--no-sandbox",
@@ -75,10 +75,25 @@ def browser(comfy_runtime, require) -> Iterator[Any]:
         instance.close()
 
 
+PINNED = "pinned"
+
+
 @pytest.fixture(scope="module")
-def browser_server(synthetic_models, comfy_factory, tmp_path_factory) -> Iterator[Any]:
+def frontend_version(request) -> str:
+    """Which frontend the server serves: the one ComfyUI pins, or a version of comfyui-frontend-package
+    (a module parametrizes this indirectly to check the newest too)."""
+    return getattr(request, "param", PINNED)
+
+
+@pytest.fixture(scope="module")
+def browser_server(synthetic_models, comfy_factory, tmp_path_factory, frontend_version) -> Iterator[Any]:
     """A ComfyUI with a simulated 8 GiB GPU, so the page shows a GPU placement on any machine."""
-    server = comfy_factory(tmp_path_factory.mktemp("browser-base"), env={"DEVICE_CONTROL_SIMULATE_GPU": "8GiB"})
+    extra: tuple[str, ...] = ()
+    if frontend_version != PINNED:
+        extra = ("--front-end-root", str(frontend_root(frontend_version)))
+    server = comfy_factory(
+        tmp_path_factory.mktemp("browser-base"), env={"DEVICE_CONTROL_SIMULATE_GPU": "8GiB"}, extra_args=extra
+    )
     # First-run dialogs (templates, tutorial) would cover the canvas; a returning user has dismissed them.
     server.post("/settings/Comfy.TutorialCompleted", True)
     yield server

@@ -1,0 +1,167 @@
+"""The live panel in the real frontend: a sidebar tab fed by the server's push, with actions that move models."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.browser.conftest import PINNED, FrontendPage
+from tools.runtime import NEWEST_FRONTEND
+
+REPO = Path(__file__).resolve().parents[2]
+SEED = REPO / "workflows" / "sd15_move_to_gpu_and_offload.json"
+PLACED = REPO / "workflows" / "sd15_unet_on_gpu_text_encoder_on_cpu.json"
+GIB = 1024**3
+UNET_BYTES = int(3.2 * GIB)  # the synthetic SD1.5 UNet, fp32
+
+PANEL = ".device-control-panel"
+GPU_ROW = f'{PANEL} .dc-device[data-device="gpu:0"]'
+# The tab's button: 1.32.9 gives it a class named after the tab, newer frontends only its tooltip as label.
+TAB_BUTTON = '.device-control-tab-button, .side-bar-button[aria-label^="Device Control"]'
+
+# Every test runs on the frontend ComfyUI 0.3.75 pins (1.32.9) and on the newest comfyui-frontend-package.
+pytestmark = pytest.mark.parametrize("frontend_version", [PINNED, NEWEST_FRONTEND], indirect=True, scope="module")
+
+
+def open_panel(frontend: FrontendPage) -> Any:
+    """Open the frontend and the Device Control tab; wait for the first snapshot to be drawn."""
+    frontend.open()
+    page = frontend.page
+    page.locator(TAB_BUTTON).first.click()
+    page.wait_for_selector(f"{GPU_ROW}[data-total]", timeout=30_000)
+    return page
+
+
+def record_panel(page: Any) -> None:
+    """Keep, in the page, what the panel shows every 100 ms (the tab's DOM, read as a user would see it)."""
+    page.evaluate(
+        """() => {
+            window.__dcSeen = [];
+            window.__dcDone = false;
+            for (const type of ["execution_success", "execution_error"]) {
+                window.app.api.addEventListener(type, () => { window.__dcDone = type; });
+            }
+            window.__dcTimer = setInterval(() => {
+                const row = document.querySelector('.device-control-panel .dc-device[data-device="gpu:0"]');
+                const models = [...document.querySelectorAll('.device-control-panel .dc-model')].map((m) => [
+                    m.querySelector('.dc-model-name').textContent, Number(m.dataset.resident)]);
+                window.__dcSeen.push({own: Number(row?.dataset.own ?? -1), models});
+            }, 100);
+        }"""
+    )
+
+
+def run_workflow(frontend: FrontendPage, workflow: Path) -> list[dict[str, Any]]:
+    """Load ``workflow``, press Run, wait for the end; return what the panel showed meanwhile."""
+    page = frontend.page
+    frontend.load_workflow(workflow)
+    record_panel(page)
+    page.get_by_role("button", name="Run", exact=True).click()
+    page.wait_for_function("window.__dcDone", timeout=300_000)
+    page.wait_for_timeout(1500)  # one more push after the end
+    assert page.evaluate("window.__dcDone") == "execution_success"
+    return page.evaluate("clearInterval(window.__dcTimer), window.__dcSeen")
+
+
+def test_panel_shows_the_simulated_device_and_follows_a_run(frontend, artifacts, frontend_version):
+    page = open_panel(frontend)
+    row = page.locator(GPU_ROW)
+    assert int(row.get_attribute("data-total")) == 8 * GIB
+    assert "Simulated GPU 0" in row.inner_text()
+    assert page.locator(f'{PANEL} .dc-device[data-device="cpu"]').count() == 1
+
+    seen = run_workflow(frontend, SEED)
+    gpu_use = [s["own"] for s in seen]
+    # The seed: Move To GPU puts the UNet on gpu:0, Offload To CPU takes it back before decoding.
+    assert max(gpu_use) - gpu_use[0] >= UNET_BYTES * 0.95, gpu_use
+    assert gpu_use[-1] <= gpu_use[0] + 64 * 1024**2, gpu_use
+    unet_on_gpu = [
+        resident for s in seen for name, resident in s["models"] if name.startswith("MODEL") and resident > 0
+    ]
+    assert unet_on_gpu and max(unet_on_gpu) >= UNET_BYTES * 0.95
+    # Offloaded, the UNet leaves ComfyUI's loaded list, and the panel's.
+    assert not [name for name, resident in seen[-1]["models"] if name.startswith("MODEL") and resident > 0]
+
+    timeline = page.locator(f"{PANEL} canvas.dc-timeline")
+    assert int(timeline.get_attribute("data-markers")) >= 5  # one per node that ran
+    assert int(timeline.get_attribute("data-samples")) >= 3
+    assert frontend.our_errors() == []
+    page.locator(PANEL).screenshot(path=str(artifacts / f"panel_after_seed_run_{frontend_version}.png"))
+
+
+def test_offload_button_moves_a_model_back_to_ram(frontend, artifacts, frontend_version):
+    page = open_panel(frontend)
+    run_workflow(frontend, PLACED)
+    unet = page.locator(f"{PANEL} .dc-model", has_text="MODEL SD15 diffusion model")
+    page.wait_for_function(
+        """() => [...document.querySelectorAll('.device-control-panel .dc-model')]
+            .some((m) => m.textContent.startsWith('MODEL') && Number(m.dataset.resident) > 0)"""
+    )
+    assert int(unet.get_attribute("data-resident")) >= UNET_BYTES * 0.95
+    own_before = int(page.locator(GPU_ROW).get_attribute("data-own"))
+    badge = page.locator(TAB_BUTTON).first
+    assert re.search(r"(^|\s)40%", badge.inner_text())  # the meter on the tab's icon: 3.2 of 8 GiB used
+    page.set_viewport_size({"width": 1800, "height": 1100})
+    page.screenshot(path=str(artifacts / f"panel_with_placed_unet_{frontend_version}.png"))
+
+    unet.locator(".dc-offload").click()
+    page.get_by_role("button", name="Confirm").click()
+    page.wait_for_function(
+        """() => [...document.querySelectorAll('.device-control-panel .dc-model')]
+            .filter((m) => m.textContent.startsWith('MODEL')).every((m) => Number(m.dataset.resident) === 0)""",
+        timeout=30_000,
+    )
+    own_after = int(page.locator(GPU_ROW).get_attribute("data-own"))
+    assert own_before - own_after >= UNET_BYTES * 0.95
+    page.wait_for_function(
+        "([selector]) => /(^|\\s)0%/.test(document.querySelector(selector).innerText)", arg=[TAB_BUTTON]
+    )
+    snapshot = frontend.server.get("/device_control/snapshot")
+    gpu = next(d for d in snapshot["report"]["devices"] if d["id"] == "gpu:0")
+    assert gpu["torch_allocated"] < 64 * 1024**2
+    assert frontend.our_errors() == []
+
+
+def test_copy_report_and_settings(frontend):
+    frontend.page.context.grant_permissions(["clipboard-read", "clipboard-write"])
+    page = open_panel(frontend)
+    page.locator(f"{PANEL} .dc-copy").click()
+    page.wait_for_timeout(500)
+    text = page.evaluate("navigator.clipboard.readText()")
+    assert text.startswith("# Device Control memory report")
+    data = json.loads(text.split("```json", 1)[1].split("```", 1)[0])
+    assert {"## Versions", "## ComfyUI memory mode", "## Devices", "## Models"} <= set(text.splitlines())
+    report = data["snapshot"]["report"]
+    assert {"versions", "devices", "models", "mode"} <= set(report)
+    assert any(d["id"] == "gpu:0" for d in report["devices"])
+    assert "--cpu" in data["snapshot"]["flags"]
+    assert {"samples", "markers"} <= set(data["timeline"])
+
+    # Showing one device only, in decimal units.
+    page.evaluate(
+        """async () => {
+            await window.app.extensionManager.setting.set('DeviceControl.Panel.Devices', 'cpu');
+            await window.app.extensionManager.setting.set('DeviceControl.Panel.Units', 'decimal (GB)');
+        }"""
+    )
+    page.locator(f"{PANEL} .dc-refresh").click()
+    page.wait_for_function("!document.querySelector('.device-control-panel .dc-device[data-device=\"gpu:0\"]')")
+    assert " GB" in page.locator(f'{PANEL} .dc-device[data-device="cpu"]').inner_text()
+    # Refresh 0: this page ends its subscription (pages of earlier tests may hold theirs a few seconds more).
+    listeners = frontend.server.get("/device_control/snapshot")["push"]["listeners"]
+    page.evaluate("window.app.extensionManager.setting.set('DeviceControl.Panel.RefreshSeconds', 0)")
+    page.wait_for_timeout(500)
+    assert frontend.server.get("/device_control/snapshot")["push"]["listeners"] <= listeners - 1
+    page.evaluate(
+        """async () => {
+            const s = window.app.extensionManager.setting;
+            await s.set('DeviceControl.Panel.Devices', 'all');
+            await s.set('DeviceControl.Panel.Units', 'binary (GiB)');
+            await s.set('DeviceControl.Panel.RefreshSeconds', 1);
+        }"""
+    )
+    assert frontend.our_errors() == []

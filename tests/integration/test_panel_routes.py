@@ -1,0 +1,177 @@
+"""The live panel's server side in a real ComfyUI: the snapshot, the push over ComfyUI's websocket, the actions."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+import pytest
+
+from tools.comfy_server import ComfyError
+
+REPO = Path(__file__).resolve().parents[2]
+PLACED = REPO / "workflows" / "sd15_unet_on_gpu_text_encoder_on_cpu.json"
+MOVE = REPO / "workflows" / "sd15_move_to_gpu_and_offload.json"
+GiB = 1024**3
+UNET_BYTES = int(3.2 * GiB)
+
+
+def raw_post(server, path: str, data: bytes) -> tuple[int, dict]:
+    """POST raw bytes; return the status and the decoded JSON answer (errors included)."""
+    request = urllib.request.Request(server.url + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as exc:
+        text = exc.read()
+        try:
+            return exc.code, json.loads(text or b"{}")
+        except json.JSONDecodeError:
+            return exc.code, {"error": text.decode(errors="replace")}
+
+
+def model(snapshot: dict, component: str) -> dict | None:
+    return next((m for m in snapshot["report"]["models"] if m["component"] == component), None)
+
+
+def gpu(snapshot: dict) -> dict:
+    return next(d for d in snapshot["report"]["devices"] if d["id"] == "gpu:0")
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers("panel-8g", SIMULATE_GPU="8GiB")
+
+
+def test_the_snapshot_shows_devices_models_and_placements(server, api):
+    server.run(api.load_prompt(server, PLACED))
+    snapshot = server.get("/device_control/snapshot")
+    assert snapshot["executing"] is None and snapshot["queue"] == {"running": 0, "pending": 0}
+    assert gpu(snapshot)["total"] == 8 * GiB and gpu(snapshot)["torch_allocated"] >= UNET_BYTES
+    host = snapshot["report"]["host"]
+    assert 0 < host["process_rss"] <= host["total"]
+    unet = model(snapshot, "MODEL")
+    assert unet["resident"] == {"gpu:0": unet["total_bytes"]} and unet["total_bytes"] >= UNET_BYTES
+    assert unet["key"] and unet["managed_by"] == "Device Control" and unet["budget"] == "all"
+    assert model(snapshot, "CLIP")["resident"].get("cpu", 0) > 0
+    assert snapshot["report"]["mode"]["vram_state"] == "DISABLED"
+    assert "--cpu" in snapshot["flags"]
+    assert set(snapshot["pinned"]) == {"comfyui", "device_control"}
+    assert snapshot["push"]["listening"] is False  # nobody subscribed: no pushes
+
+
+def test_offloading_one_model_frees_its_vram_and_the_next_run_is_unchanged(server, api):
+    prompt = api.load_prompt(server, PLACED)
+    before = api.image_of(server, server.run(prompt))
+    unet = model(server.get("/device_control/snapshot"), "MODEL")
+    answer = server.post("/device_control/offload", {"model": unet["key"]})
+    assert answer["offloaded"] == 1 and answer["freed"]["gpu:0"] == unet["total_bytes"]
+    after = server.get("/device_control/snapshot")
+    assert model(after, "MODEL") is None  # ComfyUI's books no longer list it
+    assert gpu(after)["torch_allocated"] < 64 * 1024**2
+    again = server.run(prompt)  # loads it back (from RAM) where the workflow puts it
+    assert np.array_equal(api.image_of(server, again), before)
+    assert model(server.get("/device_control/snapshot"), "MODEL")["resident"]["gpu:0"] == unet["total_bytes"]
+
+
+def test_offload_all_and_free_caches(server, api):
+    server.run(api.load_prompt(server, PLACED))
+    answer = server.post("/device_control/offload", {"all": True})
+    assert answer["offloaded"] >= 2 and answer["freed"]["gpu:0"] >= UNET_BYTES
+    assert server.get("/device_control/snapshot")["report"]["models"] == []
+    assert server.post("/device_control/free_caches", {}) == {"freed_caches": True}
+    assert server.post("/device_control/offload", {"all": True}) == {"offloaded": 0, "freed": {}}
+
+
+@pytest.mark.parametrize(
+    ("path", "data", "status", "message"),
+    [
+        ("/device_control/offload", b"{not json", 400, "not JSON"),
+        ("/device_control/offload", b"[1, 2]", 400, "JSON object"),
+        ("/device_control/offload", b"{}", 400, '{"model": "<key from the snapshot>"}'),
+        ("/device_control/offload", b'{"model": "no-such-model"}', 404, "no loaded model has the key"),
+        ("/device_control/offload", b'{"model": "' + b"x" * 5000 + b'"}', 413, "larger than 4096 bytes"),
+        ("/device_control/subscribe", b'{"interval": "fast"}', 400, "must be a number of seconds"),
+        ("/device_control/subscribe", b'{"interval": -1}', 400, "0 (off) or a number of seconds"),
+        ("/device_control/subscribe", b'{"interval": NaN}', 400, "0 (off) or a number of seconds"),
+        ("/device_control/subscribe", b'{"interval": 1, "client": 7}', 400, "client must be a string"),
+        ("/device_control/free_caches", b"\xff\xfe", 400, "not JSON"),
+    ],
+)
+def test_bad_requests_are_refused_with_the_fix_and_the_server_keeps_serving(server, path, data, status, message):
+    answered, body = raw_post(server, path, data)
+    assert answered == status and message in body["error"]
+    assert "devices" in server.get("/device_control/snapshot")["report"]
+
+
+def test_reads_are_get_and_actions_are_post_only(server):
+    for path in ("/device_control/offload", "/device_control/free_caches", "/device_control/subscribe"):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(server.url + path, timeout=30)
+        assert refused.value.code in (404, 405)  # ComfyUI's static routes answer 404 before aiohttp's 405
+    status, _ = raw_post(server, "/device_control/snapshot", b"{}")
+    assert status in (404, 405)
+
+
+async def _listen(url: str, client: str, seconds: float) -> list[dict]:
+    received = []
+    async with aiohttp.ClientSession() as session, session.ws_connect(f"{url}/ws?clientId={client}") as ws:
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                message = await ws.receive(timeout=left)
+            except asyncio.TimeoutError:
+                break
+            if message.type == aiohttp.WSMsgType.TEXT:
+                data = json.loads(message.data)
+                if data["type"] == "device_control.vram":
+                    received.append(data["data"])
+    return received
+
+
+def test_the_push_reaches_websocket_clients_while_subscribed_and_stops_after(server):
+    client = uuid.uuid4().hex
+    answer = server.post("/device_control/subscribe", {"interval": 0.2, "client": client})
+    assert answer == {"interval": 0.2, "listening": True, "event": "device_control.vram"}
+    pushed = asyncio.run(_listen(server.url, client, 1.5))
+    assert len(pushed) >= 4
+    assert all("gpu:0" in [d["id"] for d in p["report"]["devices"]] for p in pushed)
+    assert pushed[-1]["time"] > pushed[0]["time"]
+    server.post("/device_control/subscribe", {"interval": 0, "client": client})
+    time.sleep(0.3)
+    assert asyncio.run(_listen(server.url, client, 1.0)) == []
+    stats = server.get("/device_control/snapshot")["push"]
+    assert stats["listening"] is False and stats["pushes"] >= 4 and stats["failures"] == 0
+    assert 0 < stats["cpu_share"] < 0.5
+
+
+@pytest.fixture(scope="module")
+def slow_server(servers):
+    return servers("panel-slow", SIMULATE_GPU="8GiB", SIMULATE_FAULTS="slow_moves")
+
+
+def test_actions_are_refused_while_a_prompt_runs_and_work_after(slow_server, api):
+    prompt_id = slow_server.queue(api.load_prompt(slow_server, MOVE))
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and "Move To GPU: moving" not in slow_server.log_tail(30):
+            time.sleep(0.05)
+        snapshot = slow_server.get("/device_control/snapshot")
+        assert snapshot["queue"]["running"] == 1
+        assert snapshot["executing"]["prompt_id"] == prompt_id and snapshot["executing"]["node"] == "3"
+        for path, body in (("/device_control/offload", {"all": True}), ("/device_control/free_caches", {})):
+            with pytest.raises(ComfyError, match=r"409.*a prompt is running"):
+                slow_server.post(path, body)
+    finally:
+        slow_server.post("/interrupt", {})
+        with pytest.raises(ComfyError):
+            slow_server.wait(prompt_id)
+    assert slow_server.post("/device_control/offload", {"all": True})["offloaded"] >= 0
+    assert slow_server.get("/device_control/snapshot")["executing"] is None

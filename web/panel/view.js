@@ -1,0 +1,198 @@
+// Device Control panel: the DOM of the sidebar tab. Text goes in with textContent only (never parsed as HTML),
+// so model names from files cannot inject markup. No ComfyUI imports: the entry file passes callbacks in.
+
+import { clock, formatBytes, percent } from "./format.js";
+
+const ROOT_CLASS = "device-control-panel";
+
+function element(tag, className, text) {
+  const node = document.createElement(tag);
+  if (className) node.className = className;
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+
+function button(label, className, onClick, title) {
+  const node = element("button", `dc-button ${className}`, label);
+  node.type = "button";
+  if (title) node.title = title;
+  node.addEventListener("click", onClick);
+  Object.assign(node.style, {
+    padding: "2px 8px",
+    margin: "2px 4px 2px 0",
+    fontSize: "12px",
+    cursor: "pointer",
+    borderRadius: "4px",
+    border: "1px solid var(--p-content-border-color, #555)",
+    background: "var(--comfy-input-bg, transparent)",
+    color: "inherit",
+  });
+  return node;
+}
+
+function bar(segments) {
+  const outer = element("div", "dc-bar");
+  Object.assign(outer.style, {
+    display: "flex",
+    height: "10px",
+    borderRadius: "3px",
+    overflow: "hidden",
+    background: "rgba(128,128,128,0.25)",
+    margin: "2px 0",
+  });
+  for (const [className, share, color] of segments) {
+    const part = element("div", className);
+    Object.assign(part.style, { width: `${Math.max(0, Math.min(100, share * 100))}%`, background: color });
+    part.dataset.share = share.toFixed(4);
+    outer.append(part);
+  }
+  return outer;
+}
+
+function section(title) {
+  const wrapper = element("div", "dc-section");
+  const head = element("div", "dc-section-title", title);
+  Object.assign(head.style, { fontWeight: "600", margin: "10px 0 4px" });
+  wrapper.append(head);
+  return wrapper;
+}
+
+/** The figures of one device row: what this process holds, what others hold, what is free. */
+export function deviceFigures(device, host) {
+  if (device.kind === "cpu") {
+    const total = host.total;
+    const own = host.process_rss;
+    const free = host.available;
+    return { total, own, others: Math.max(0, total - free - own), free };
+  }
+  const own = device.torch_reserved ?? device.torch_allocated ?? 0;
+  return { total: device.total, own, others: device.used_by_others ?? 0, free: device.free };
+}
+
+function pinnedBytes(pinned) {
+  return (pinned?.comfyui ?? 0) + (pinned?.device_control ?? 0);
+}
+
+export class PanelView {
+  constructor(actions) {
+    this.actions = actions; // {offload(key, name), offloadAll(), freeCaches(), copy(), refresh()}
+    this.root = null;
+  }
+
+  mount(container) {
+    const existing = container.querySelector(`.${ROOT_CLASS}`);
+    if (existing) {
+      this.root = existing;
+      return;
+    }
+    const root = element("div", ROOT_CLASS);
+    Object.assign(root.style, { padding: "8px 10px", fontSize: "12px", overflowY: "auto", height: "100%" });
+    root.append(element("div", "dc-title", "Device Control"));
+    root.firstChild.style.fontWeight = "700";
+    root.firstChild.style.fontSize = "14px";
+    this.status = element("div", "dc-status", "waiting for the first update...");
+    this.status.style.opacity = "0.8";
+    this.devices = section("Devices");
+    this.models = section("Models");
+    const timelineSection = section("Used memory per device (share of its total), with node starts");
+    this.canvas = element("canvas", "dc-timeline");
+    this.canvas.width = 300;
+    this.canvas.height = 110;
+    Object.assign(this.canvas.style, { width: "100%", height: "110px" });
+    timelineSection.append(this.canvas);
+    const actions = section("Actions");
+    actions.append(
+      button("Offload all", "dc-offload-all", () => this.actions.offloadAll(), "Move every model back to RAM"),
+      button("Free caches", "dc-free-caches", () => this.actions.freeCaches(), "Give cached allocator memory back"),
+      button("Copy memory report", "dc-copy", () => this.actions.copy(), "Copy a report for bug reports"),
+      button("Refresh", "dc-refresh", () => this.actions.refresh(), "Update now"),
+    );
+    this.notes = element("div", "dc-notes");
+    this.notes.style.opacity = "0.8";
+    root.append(this.status, this.devices, this.models, timelineSection, actions, this.notes);
+    container.append(root);
+    this.root = root;
+  }
+
+  unmount() {
+    this.root = null;
+  }
+
+  /** Show a snapshot (and the timeline so far). */
+  update(snapshot, timeline, options) {
+    if (!this.root || !snapshot) return;
+    const { decimal, wanted, interval } = options;
+    const bytes = (value) => formatBytes(value, decimal);
+    const report = snapshot.report;
+    const running = snapshot.executing ? ` · running node ${snapshot.executing.node ?? "?"}` : "";
+    const every = interval > 0 ? `every ${interval} s` : "updates off";
+    this.status.textContent = `updated ${clock(snapshot.time)} · ${every}${running}`;
+
+    this.devices.replaceChildren(this.devices.firstChild);
+    for (const device of report.devices) {
+      if (!device.id || (wanted && !wanted.has(device.id))) continue;
+      const row = element("div", "dc-device");
+      row.dataset.device = device.id;
+      const label = element("div", "dc-device-name", `${device.id} · ${device.name}`);
+      if (device.error || device.total === null) {
+        row.append(label, element("div", "dc-device-text", device.error ?? "memory not reported by this backend"));
+      } else {
+        const f = deviceFigures(device, report.host);
+        row.dataset.own = String(f.own);
+        row.dataset.total = String(f.total);
+        const pinned = device.kind === "cpu" ? pinnedBytes(snapshot.pinned) : 0;
+        const text =
+          `${bytes(f.own)} ComfyUI · ${bytes(f.others)} others · ${bytes(f.free)} free of ${bytes(f.total)}` +
+          (pinned ? ` · ${bytes(pinned)} pinned` : "");
+        row.append(
+          label,
+          bar([
+            ["dc-own", f.own / f.total, "#4caf50"],
+            ["dc-others", f.others / f.total, "#ff9800"],
+          ]),
+          element("div", "dc-device-text", text),
+        );
+      }
+      row.style.marginBottom = "6px";
+      this.devices.append(row);
+    }
+
+    this.models.replaceChildren(this.models.firstChild);
+    if (!report.models.length) this.models.append(element("div", "dc-empty", "no model is loaded"));
+    for (const model of report.models) {
+      const row = element("div", "dc-model");
+      row.dataset.key = model.key;
+      const onDevice = model.resident[model.compute_device] ?? 0;
+      row.dataset.resident = String(onDevice);
+      const where = Object.entries(model.resident)
+        .filter(([, size]) => size > 0)
+        .map(([id, size]) => `${bytes(size)} on ${id}`)
+        .join(", ");
+      const flags = [model.partial ? "partial" : "full", model.dtype, model.kept ? "kept resident" : null]
+        .concat(model.budget ? [`budget ${model.budget}`] : [])
+        .filter(Boolean)
+        .join(", ");
+      const head = element("div", "dc-model-name", `${model.component} ${model.name}, ${bytes(model.total_bytes)}`);
+      head.style.fontWeight = "600";
+      const share = model.total_bytes ? onDevice / model.total_bytes : 0;
+      const line = element("div", "dc-model-text", `${where || "nothing resident"} [${flags}]`);
+      const controls = element("div", "dc-model-actions");
+      const resident = percent(onDevice, model.total_bytes);
+      controls.append(
+        element("span", "dc-model-share", `${resident} on ${model.compute_device} `),
+        button("Offload", "dc-offload", () => this.actions.offload(model.key, model.name), "Move it back to RAM"),
+      );
+      row.append(head, bar([["dc-resident", share, "#2196f3"]]), line, controls);
+      row.style.marginBottom = "8px";
+      this.models.append(row);
+    }
+
+    const mode = report.mode;
+    const modeText = mode ? [`ComfyUI memory mode ${mode.vram_state}: ${mode.description}`, `dynamic VRAM ${mode.dynamic_vram}`] : [];
+    this.notes.textContent = modeText.concat(report.notes || []).join(" · ");
+    this.canvas.width = Math.max(200, this.canvas.clientWidth || 300);
+    this.canvas.dataset.markers = String(timeline.markers.length);
+    this.canvas.dataset.samples = String(timeline.samples.length);
+    timeline.draw(this.canvas, snapshot.time);
+  }
+}
