@@ -108,6 +108,7 @@ class SimulatedDevice:
         self._allocated = 0
         self._peak = 0
         self._lock = threading.Lock()
+        self._fail_after: int | None = None
 
     @property
     def label(self) -> str:
@@ -118,6 +119,17 @@ class SimulatedDevice:
     def name(self) -> str:
         """A human-readable name for reports."""
         return f"Simulated GPU {self.ordinal} ({format_bytes(self.capacity)})"
+
+    def fail_allocation(self, after: int) -> None:
+        """Inject one out-of-memory error: the allocation after the next ``after`` ones fails, whatever is free.
+
+        For fault tests that need an OOM at a chosen point of a move (its first, middle or last layer); the
+        fault fires once, then the device behaves normally again.
+        """
+        if after < 0:
+            raise ValueError(f"after must be 0 or more, not {after}.")
+        with self._lock:
+            self._fail_after = after
 
     # -- books -------------------------------------------------------------------------------------
 
@@ -176,8 +188,13 @@ class SimulatedDevice:
             self._settle()
             entry = self._books.get(key)
             if entry is None:
+                if self._fail_after == 0:
+                    self._fail_after = None
+                    raise torch.OutOfMemoryError(f"injected fault: {self._oom_message(nbytes)}")
                 if nbytes > self._free():
                     raise torch.OutOfMemoryError(self._oom_message(nbytes))
+                if self._fail_after is not None:
+                    self._fail_after -= 1
                 entry = _Entry(nbytes)
                 self._books[key] = entry
                 self._allocated += nbytes

@@ -50,7 +50,13 @@ class WeightReader:
         if self.header.format != "safetensors":
             self._pickled = load_pickled_state(self.header.path)
             return self
-        self._fd = os.open(self.header.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        try:
+            self._fd = os.open(self.header.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        except FileNotFoundError as exc:
+            raise ModelFileError(
+                f"{os.path.basename(self.header.path)} is gone: it was deleted or moved after its header was read. "
+                "Put it back (or choose another file) and queue the prompt again."
+            ) from exc
         if _identity(os.fstat(self._fd)) != self.header.identity:
             os.close(self._fd)
             self._fd = None

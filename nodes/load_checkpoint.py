@@ -10,13 +10,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import Any
 
 import torch
 
 from ..core.detection import Detection, detect_header
 from ..core.devices import InventorySnapshot, parse_device_spec
-from ..core.errors import DeviceControlError, DeviceNotFoundError, InvalidDeviceSpecError, UnknownModelError
+from ..core.errors import (
+    DeviceControlError,
+    DeviceNotFoundError,
+    InvalidDeviceSpecError,
+    ModelFileError,
+    UnknownModelError,
+)
 from ..core.fit import Choice, FitPlan, plan_fit
 from ..core.headers import read_header
 from ..core.loading import Placement
@@ -172,7 +179,7 @@ class LoadCheckpointWithDevice(surface.io.ComfyNode):
         clip_dtype: str,
         vae_dtype: str,
     ) -> Any:
-        path = surface.folder_paths().get_full_path_or_raise("checkpoints", ckpt_name)
+        path = _checkpoint_path(ckpt_name)
         header = read_header(path)
         detection = detect_header(header)
         _require_checkpoint(ckpt_name, detection)
@@ -224,6 +231,17 @@ def _require_checkpoint(name: str, detection: Detection) -> None:
             "encoder and VAE; load it with the matching ComfyUI loader (Load Diffusion Model, Load VAE, Load CLIP "
             "or Load LoRA)."
         )
+
+
+def _checkpoint_path(ckpt_name: str) -> str:
+    """The file ``ckpt_name`` names now; a clear error if it left the folder after the prompt was queued."""
+    path = surface.folder_paths().get_full_path("checkpoints", ckpt_name)
+    if path is None or not os.path.isfile(path):
+        raise ModelFileError(
+            f"checkpoint {ckpt_name!r} is not in the checkpoints folder any more (deleted or moved after the "
+            "prompt was queued). Put it back, or choose another in ckpt_name, and queue the prompt again."
+        )
+    return path
 
 
 def _require_ram(name: str, plan: FitPlan) -> None:

@@ -27,6 +27,19 @@ STRICT = (
 ARTIFACTS = REPO / "tests" / "artifacts"
 
 
+#: Cycles of the soak test in a normal run (sized for CI); ``--soak-cycles 200`` runs the long soak.
+SOAK_CYCLES = 10
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--soak-cycles",
+        type=int,
+        default=SOAK_CYCLES,
+        help=f"load-move-sample-offload cycles of the soak test (default {SOAK_CYCLES}; 200 for the long soak)",
+    )
+
+
 def unavailable(reason: str) -> None:
     """Skip a test whose tier cannot run here, or fail it when every tier is required."""
     if STRICT:

@@ -1,7 +1,7 @@
 """Benchmarks, side by side with ComfyUI 0.3.75 in one run; prints Markdown tables (README carries the latest).
 
     python3 tools/bench.py                # every benchmark
-    python3 tools/bench.py --only ops     # one section: loader, detection, ops, patching, policy, panel
+    python3 tools/bench.py --only ops     # one section: loader, detection, ops, patching, policy, panel, soak
 
 Every measurement runs in a fresh process (``tools/bench_workers.py``). Figures are ratios to ComfyUI's, taken
 on the same machine in the same run; absolute seconds drift 3-4x between runs on shared machines.
@@ -180,7 +180,32 @@ def bench_panel(_files: dict[str, Path]) -> str:
         f"{flow['closed_s']:.2f} s ({flow['open_s'] / flow['closed_s'] - 1:+.1%}; runs vary by "
         f"{flow['spread']:.1%}) | - |",
     ]
+    load = r["load"]
+    rows.append(
+        f"| {load['requests']:,} snapshot GETs (4 concurrent clients) with {load['clients']} websocket clients "
+        f"listening, while sampling: median / p99 / max | {load['median_ms']:.1f} / {load['p99_ms']:.1f} / "
+        f"{load['max_ms']:.0f} ms; {len(load['errors'])} errors; every client got >= {load['pushes_min']} pushes; "
+        f"{load['workflow_runs']} runs, {len(load['workflow_failures'])} failed | - |"
+    )
     return "\n".join(rows) + "\n\nComfyUI column: its own `GET /system_stats`, interleaved with ours on one connection."
+
+
+def bench_soak(_files: dict[str, Path]) -> str:
+    r = _worker(module="tools.bench_soak")
+    cycles, warmup = r["cycles"], r["warmup"]
+    return "\n".join(
+        [
+            "| long soak: load, Move To GPU (2 GB budget), sample, Offload To CPU, decode | Device Control |",
+            "| --- | --- |",
+            f"| cycles (one prompt each, the checkpoint loaded from disk each time) | {cycles} |",
+            f"| median cycle | {r['median_cycle_s']:.1f} s |",
+            f"| simulated GPU after each offload (bytes held, every cycle) | {r['gpu_after_offload']} |",
+            f"| RSS after cycle {warmup} (baseline) / after cycle {cycles} | {r['baseline_rss'] / GiB:.2f} GiB / "
+            f"{r['final_rss'] / GiB:.2f} GiB |",
+            f"| drift / highest RSS after the baseline | {r['drift'] / 1024**2:+.0f} MiB "
+            f"({r['drift'] / r['baseline_rss']:+.2%}) / {r['max_rss'] / GiB:.2f} GiB |",
+        ]
+    )
 
 
 SECTIONS = {
@@ -190,6 +215,7 @@ SECTIONS = {
     "patching": bench_patching,
     "policy": bench_policy,
     "panel": bench_panel,
+    "soak": bench_soak,
 }
 
 

@@ -10,7 +10,9 @@ over and over in the background:
 * the push thread's CPU time per second of listening, at the default 1 s rate, with a websocket client
   receiving the pushes (the thread measures its own CPU time);
 * the workflow's wall time with the panel open (subscribed at 1 s, a websocket client receiving) and closed,
-  alternating runs so that drift hits both equally.
+  alternating runs so that drift hits both equally;
+* under load: 10,000 snapshot requests from 4 concurrent clients while 100 websocket clients listen to the
+  push at 1 s and workflows run (``tools/stress.py``, which the load test runs too).
 """
 
 from __future__ import annotations
@@ -25,16 +27,15 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 
 from tools.comfy_server import ComfyServer
-from tools.workflow_api import ui_to_api
+from tools.stress import Workflows, example_prompt, fresh, snapshot_load
 
-REPO = Path(__file__).resolve().parents[1]
-WORKFLOW = REPO / "workflows" / "sd15_move_to_gpu_and_offload.json"
 REQUESTS = 1000
+LOAD_REQUESTS = 10_000
+LOAD_CLIENTS = 100
 RUNS = 10  # per side, for the open/closed comparison
 STEPS = 4
 
@@ -67,22 +68,6 @@ class Listener:
         self._thread.join(timeout=5)
 
 
-def _prompt(server: ComfyServer) -> dict[str, Any]:
-    prompt = ui_to_api(json.loads(WORKFLOW.read_text()), server.get("/object_info"))
-    for node in prompt.values():
-        if node["class_type"] == "KSampler":
-            node["inputs"]["steps"] = STEPS
-    return prompt
-
-
-def _fresh(prompt: dict[str, Any]) -> dict[str, Any]:
-    """The prompt with a new seed, so ComfyUI samples again instead of answering from its cache."""
-    for node in prompt.values():
-        if node["class_type"] == "KSampler":
-            node["inputs"]["seed"] = uuid.uuid4().int % 2**32
-    return prompt
-
-
 def _latencies(server: ComfyServer) -> dict[str, dict[str, float]]:
     connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
     paths = {"snapshot": "/device_control/snapshot", "system_stats": "/system_stats"}
@@ -113,18 +98,11 @@ def _latencies(server: ComfyServer) -> dict[str, dict[str, float]]:
     return result
 
 
-def _keep_running(server: ComfyServer, prompt: dict[str, Any], stop: threading.Event, runs: list[float]) -> None:
-    while not stop.is_set():
-        started = time.perf_counter()
-        server.run(_fresh(prompt))
-        runs.append(time.perf_counter() - started)
-
-
 def main() -> int:
     with tempfile.TemporaryDirectory(prefix="dc-bench-panel-") as base:
         server = ComfyServer(Path(base), env={"DEVICE_CONTROL_SIMULATE_GPU": "8GiB"}).start()
         try:
-            prompt = _prompt(server)
+            prompt = example_prompt(server, steps=STEPS)
             server.run(prompt)  # warm: the checkpoint is in the OS cache, ComfyUI's caches are filled
             idle = _latencies(server)  # the example's models loaded, nothing running
 
@@ -132,31 +110,27 @@ def main() -> int:
             closed, opened = [], []
             for _ in range(RUNS):
                 started = time.perf_counter()
-                server.run(_fresh(prompt))
+                server.run(fresh(prompt))
                 closed.append(time.perf_counter() - started)
                 client = uuid.uuid4().hex
                 with Listener(server.url, client):
                     server.post("/device_control/subscribe", {"interval": 1, "client": client})
                     started = time.perf_counter()
-                    server.run(_fresh(prompt))
+                    server.run(fresh(prompt))
                     opened.append(time.perf_counter() - started)
                     server.post("/device_control/subscribe", {"interval": 0, "client": client})
 
             # Route latency and push cost while workflows run back to back.
-            stop, runs = threading.Event(), []
-            worker = threading.Thread(target=_keep_running, args=(server, prompt, stop, runs), daemon=True)
             client = uuid.uuid4().hex
-            with Listener(server.url, client) as listener:
+            with Listener(server.url, client) as listener, Workflows(server) as workflows:
                 server.post("/device_control/subscribe", {"interval": 1, "client": client})
                 before = server.get("/device_control/snapshot")["push"]
-                worker.start()
                 time.sleep(2)  # the first run is under way
                 latencies = _latencies(server)
                 time.sleep(20)  # about 20 more pushes while workflows run
                 after = server.get("/device_control/snapshot")["push"]
                 server.post("/device_control/subscribe", {"interval": 0, "client": client})
-                stop.set()
-                worker.join(timeout=600)
+            load = snapshot_load(server, requests=LOAD_REQUESTS, clients=LOAD_CLIENTS)
             cpu = after["cpu_seconds"] - before["cpu_seconds"]
             active = after["active_seconds"] - before["active_seconds"]
             pushes = after["pushes"] - before["pushes"]
@@ -165,7 +139,8 @@ def main() -> int:
                     {
                         "latency": latencies,
                         "idle_latency": idle,
-                        "workflow_runs_during_latency": len(runs),
+                        "workflow_runs_during_latency": workflows.runs,
+                        "load": load,
                         "push": {
                             "cpu_seconds": cpu,
                             "active_seconds": active,

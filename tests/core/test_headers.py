@@ -129,6 +129,14 @@ def test_a_file_that_changes_after_its_header_was_read_is_caught(good, tmp_path)
         WeightReader(header).__enter__()
 
 
+def test_a_file_deleted_after_its_header_was_read_is_named_with_the_fix(good):
+    path, _ = good
+    header = read_header(path)
+    os.remove(path)
+    with pytest.raises(ModelFileError, match=r"good.safetensors is gone.*Put it back"):
+        WeightReader(header).__enter__()
+
+
 @pytest.mark.parametrize(
     ("entry", "problem"),
     [

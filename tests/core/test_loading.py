@@ -375,3 +375,26 @@ def test_cuda_load_and_offload_move_real_memory(net, x):
     torch.testing.assert_close(net(x.to(device)).cpu(), reference)
     engine.unload_all()
     assert torch.cuda.memory_allocated(device) == baseline
+
+
+def _tensor_count(net: torch.nn.Module) -> int:
+    return sum(1 for t in (*net.parameters(), *net.buffers()) if t is not None)
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_out_of_memory_at_any_layer_of_a_move_is_survived_with_true_books(net, x, where):
+    reference = net(x)
+    total = sum(sizes(net).values())
+    count = _tensor_count(net)
+    device = SimulatedDevice(4 * total)
+    device.fail_allocation({"first": 0, "middle": count // 2, "last": count - 1}[where])
+    engine = partial_model_of(net)
+    report = engine.load(device, 2 * total)
+    assert report.oom is not None and "Tried to allocate" in report.oom  # the device's own words, kept
+    assert "budget lowered" in report.oom
+    assert device.allocated() == engine.resident_bytes() == report.resident_bytes < total
+    assert torch.equal(run(net, x, device), reference)
+    engine.unload_all()
+    gc.collect()
+    assert device.allocated() == 0
+    assert torch.equal(net(x), reference)

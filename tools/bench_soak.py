@@ -1,0 +1,33 @@
+"""The long soak: load -> Move To GPU (2 GB budget) -> sample -> Offload To CPU -> decode, 200 cycles, on a real
+ComfyUI with a simulated 8 GiB GPU; prints one JSON line (``tools/bench.py --only soak`` starts it).
+
+The same driver as the soak test (``tools/stress.py``), which CI runs for 10 cycles.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from tools.comfy_server import ComfyServer
+from tools.stress import soak
+
+CYCLES = 200
+
+
+def main() -> int:
+    cycles = int(sys.argv[1]) if len(sys.argv) > 1 else CYCLES
+    with tempfile.TemporaryDirectory(prefix="dc-bench-soak-") as base:
+        server = ComfyServer(Path(base), env={"DEVICE_CONTROL_SIMULATE_GPU": "8GiB"}).start()
+        try:
+            result = soak(server, cycles)
+            print(json.dumps({**result.to_dict(), "rss": result.rss}))
+        finally:
+            server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
