@@ -5,27 +5,9 @@ other module of the pack imports ComfyUI: they import from here. Each symbol is 
 (does the attribute exist?), never by version number, and a missing optional feature reads as ``None``
 or ``False`` so callers can say "not available in this ComfyUI" instead of crashing.
 
-Symbols used (module: names):
+ComfyUI module symbols used: :data:`COMFY_SYMBOLS` below (a test keeps it complete). Besides them, the
+objects ComfyUI hands us are used by attribute (duck-typed, each read with a fallback where it is optional):
 
-* ``comfy_api.latest``: ``ComfyExtension``, ``io``, ``ui``
-* ``comfy.model_management``: ``current_loaded_models``, ``LoadedModel`` (subclassed in ``bridge.books``),
-  ``vram_state``, ``cpu_state``, ``DISABLE_SMART_MEMORY``, ``get_torch_device``, ``TOTAL_PINNED_MEMORY``
-  (optional), ``unet_dtype``, ``unet_manual_cast``, ``unet_offload_device``, ``text_encoder_device``,
-  ``text_encoder_dtype``, ``vae_device``, ``vae_dtype``, ``load_models_gpu``, ``soft_empty_cache``,
-  ``throw_exception_if_processing_interrupted``
-* ``comfy.patcher_extension``: ``CallbacksMP.ON_LOAD``
-* ``server``: ``PromptServer.instance`` (``routes``, ``send_sync``, ``prompt_queue`` with ``mutex``,
-  ``currently_running`` and ``get_current_queue_volatile()``, ``last_node_id``)
-* ``comfy.model_base``: ``BaseModel``
-* ``comfy.model_detection``: ``unet_prefix_from_state_dict``, ``model_config_from_unet``
-* ``comfy.supported_models``: the family classes' ``supported_inference_dtypes``
-* ``comfy.model_patcher``: ``ModelPatcher`` (subclassed in ``bridge.patcher``), ``get_key_weight``,
-  ``LowVramPatch``; patcher attributes ``patches``, ``backup``, ``weight_inplace_update``
-* ``comfy.sd``: ``CLIP``, ``VAE``
-* ``comfy.utils``: ``ProgressBar``, ``state_dict_prefix_replace``, ``calculate_parameters``, ``weight_dtype``
-* ``folder_paths``: ``get_filename_list``, ``get_full_path``, ``get_folder_paths``
-* ``comfy.memory_management``: ``aimdo_enabled`` (optional: Dynamic VRAM, ComfyUI >= 0.16)
-* ``comfyui_version``: ``__version__`` (optional, for reports)
 * ModelPatcher objects (duck-typed): ``model``, ``load_device``, ``offload_device``, ``model_size()``,
   ``loaded_size()``, ``model_dtype()``, ``is_dynamic()`` (optional), ``clone(disable_dynamic=True)``
   (optional), ``is_clone()``, ``partially_unload()``, ``patches``, ``patches_uuid``, ``backup``,
@@ -42,12 +24,85 @@ Symbols used (module: names):
 from __future__ import annotations
 
 import importlib
+import sys
 from types import ModuleType
 from typing import Any
 
-from comfy_api.latest import ComfyExtension, io, ui
+try:
+    from comfy_api.latest import ComfyExtension, io
+except ImportError as _missing:  # a ComfyUI from before the V3 node API: the pack's __init__ says so, loads nothing
+    ComfyExtension = io = None  # type: ignore[assignment,misc]
+    NODE_API_MISSING: str | None = f"{type(_missing).__name__}: {_missing}"
+else:
+    NODE_API_MISSING = None if hasattr(io, "ComfyNode") else "comfy_api.latest.io has no ComfyNode"
+
+#: The surface functions that hand out a ComfyUI module (or object), and which one.
+MODULE_ACCESSORS = {
+    "model_management": "comfy.model_management",
+    "model_detection": "comfy.model_detection",
+    "supported_models": "comfy.supported_models",
+    "comfy_sd": "comfy.sd",
+    "comfy_utils": "comfy.utils",
+    "folder_paths": "folder_paths",
+    "prompt_server": "server.PromptServer.instance",
+}
+
+#: Every ComfyUI module attribute the pack uses, by module (``server.PromptServer.instance`` and its parts are
+#: objects reached from a module). ``tests/core/test_surface.py`` reads the pack's source and fails when code
+#: uses a ComfyUI symbol not listed here, or imports ComfyUI anywhere but in this module.
+COMFY_SYMBOLS: dict[str, tuple[str, ...]] = {
+    "comfy_api.latest": ("ComfyExtension", "io"),
+    "comfy_api.latest.io": (
+        "AnyType",
+        "Boolean",
+        "Clip",
+        "Combo",
+        "ComfyNode",
+        "Custom",
+        "Model",
+        "MultiType",
+        "NodeOutput",
+        "Schema",
+        "String",
+        "Vae",
+    ),
+    "comfy.memory_management": ("aimdo_enabled",),
+    "comfy.model_base": ("BaseModel",),
+    "comfy.model_detection": ("model_config_from_unet", "unet_prefix_from_state_dict"),
+    "comfy.model_management": (
+        "DISABLE_SMART_MEMORY",
+        "LoadedModel",
+        "TOTAL_PINNED_MEMORY",
+        "cpu_state",
+        "current_loaded_models",
+        "get_torch_device",
+        "load_models_gpu",
+        "soft_empty_cache",
+        "text_encoder_device",
+        "text_encoder_dtype",
+        "throw_exception_if_processing_interrupted",
+        "unet_dtype",
+        "unet_manual_cast",
+        "unet_offload_device",
+        "vae_device",
+        "vae_dtype",
+        "vram_state",
+    ),
+    "comfy.model_patcher": ("LowVramPatch", "ModelPatcher", "get_key_weight"),
+    "comfy.patcher_extension": ("CallbacksMP",),
+    "comfy.sd": ("CLIP", "VAE"),
+    "comfy.utils": ("ProgressBar", "calculate_parameters", "state_dict_prefix_replace", "weight_dtype"),
+    "comfyui_version": ("__version__",),
+    "folder_paths": ("get_filename_list", "get_folder_paths", "get_full_path"),
+    "server": ("PromptServer",),
+    "server.PromptServer.instance": ("last_node_id", "prompt_queue", "routes", "send_sync"),
+    "server.PromptServer.instance.prompt_queue": ("currently_running", "get_current_queue_volatile", "mutex"),
+    "server.PromptServer.instance.routes": ("get", "post"),
+}
 
 __all__ = [
+    "COMFY_SYMBOLS",
+    "NODE_API_MISSING",
     "ComfyExtension",
     "base_model_class",
     "comfy_sd",
@@ -68,11 +123,17 @@ __all__ = [
     "model_patcher_class",
     "on_load_callback_kind",
     "prompt_server",
+    "running_in_comfyui",
     "soft_empty_cache",
     "supported_models",
     "throw_if_interrupted",
-    "ui",
 ]
+
+
+def running_in_comfyui() -> bool:
+    """Whether this process is a ComfyUI (it imports these before any custom node), not a tool or a test run
+    that imported the pack."""
+    return "folder_paths" in sys.modules and "comfy.model_management" in sys.modules
 
 
 def model_management() -> ModuleType:

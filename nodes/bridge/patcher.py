@@ -217,26 +217,44 @@ class DeviceControlPatcher(surface.model_patcher_class()):
             self.model.model_lowvram = True  # ComfyUI's own unpatch then resets every layer's cast flags too
         super().unpatch_model(device_to, unpatch_weights)
 
-    def patch_weight_to_device(self, key: str, device_to: Any = None, inplace_update: bool = False) -> None:
-        """Patch one resident weight with ``core.patching`` (float32 math, seeded rounding, exact backup)."""
+    def patch_weight_to_device(
+        self,
+        key: str,
+        device_to: Any = None,
+        inplace_update: bool = False,
+        return_weight: bool = False,
+        force_cast: bool = False,
+    ) -> torch.Tensor | None:
+        """Patch one resident weight with ``core.patching`` (float32 math, seeded rounding, exact backup).
+
+        ``return_weight`` (newer ComfyUI: saving a checkpoint, extracting a LoRA) returns the patched weight
+        instead, touching neither the model nor the backups; ``force_cast`` belongs to ComfyUI's Dynamic VRAM
+        patcher, which this one never is, and is accepted for the same signature.
+        """
+        del force_cast
         if key not in self.patches:
-            return
+            return surface.key_weight(self.model, key)[0] if return_weight else None
         weight, set_func, convert_func = surface.key_weight(self.model, key)
         inplace = self.weight_inplace_update or inplace_update
-        if key not in self.backup:
+        if key not in self.backup and not return_weight:
             self.backup[key] = Backup(weight.to(device=self.offload_device, copy=inplace), inplace)
         work = weight.to(device=device_to or weight.device, dtype=torch.float32, copy=True)
         if convert_func is not None:
             work = convert_func(work, inplace=True)
         patched = calculate_weight(self.patches[key], work, key)
         if set_func is not None:
+            if return_weight:  # only newer ComfyUI asks, and its set functions take return_weight
+                return set_func(patched, inplace_update=False, seed=key_seed(key), return_weight=True)
             set_func(patched, inplace_update=inplace, seed=key_seed(key))
-            return
+            return None
         rounded = round_to(patched, weight.dtype, key_seed(key))
+        if return_weight:
+            return rounded
         if inplace:
             get_weight(self.model, key).data.copy_(rounded)
         else:
             set_weight(self.model, key, rounded)
+        return None
 
     def on_the_fly(self, key: str, param: torch.Tensor | None) -> OnTheFlyPatch:
         """The patch a streamed layer applies to weight ``key`` each time it is cast."""

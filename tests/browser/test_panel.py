@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from tests.browser.conftest import PINNED, FrontendPage
-from tools.runtime import NEWEST_FRONTEND
+from tools.runtime import DEFAULT_VERSION, NEWEST_FRONTEND, RELEASES
 
 REPO = Path(__file__).resolve().parents[2]
 SEED = REPO / "workflows" / "sd15_move_to_gpu_and_offload.json"
@@ -23,7 +23,7 @@ GPU_ROW = f'{PANEL} .dc-device[data-device="gpu:0"]'
 # The tab's button: 1.32.9 gives it a class named after the tab, newer frontends only its tooltip as label.
 TAB_BUTTON = '.device-control-tab-button, .side-bar-button[aria-label^="Device Control"]'
 
-# Every test runs on the frontend ComfyUI 0.3.75 pins (1.32.9) and on the newest comfyui-frontend-package.
+# Every test runs on the frontend the ComfyUI under test pins and on the newest comfyui-frontend-package.
 pytestmark = pytest.mark.parametrize("frontend_version", [PINNED, NEWEST_FRONTEND], indirect=True, scope="module")
 
 
@@ -69,6 +69,8 @@ def run_workflow(frontend: FrontendPage, workflow: Path) -> list[dict[str, Any]]
 
 def test_panel_shows_the_simulated_device_and_follows_a_run(frontend, artifacts, frontend_version):
     page = open_panel(frontend)
+    served = page.evaluate("window.__COMFYUI_FRONTEND_VERSION__")
+    assert served == (RELEASES[DEFAULT_VERSION].frontend if frontend_version == PINNED else frontend_version)
     row = page.locator(GPU_ROW)
     assert int(row.get_attribute("data-total")) == 8 * GIB
     assert "Simulated GPU 0" in row.inner_text()

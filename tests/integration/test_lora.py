@@ -84,6 +84,21 @@ def test_patching_equals_comfyui_and_restores_every_weight_exactly(comfy):
     patched_model, _ = comfy_sd.load_lora_for_models(model, clip, comfy_utils.load_torch_file(str(lora_path)), 0.8, 1.0)
     assert type(patched_model).__name__ == "DeviceControlPatcher" and len(patched_model.patches) == 128
     before = {k: v.detach().clone() for k, v in model.model.diffusion_model.state_dict().items()}
+    # Asked for one patched weight (newer ComfyUI does, to save a checkpoint): it is given, nothing changes.
+    key = next(iter(patched_model.patches))
+    given = patched_model.patch_weight_to_device(key, return_weight=True)
+    expected = comfy_lora.calculate_weight(
+        patched_model.patches[key], before[key.removeprefix("diffusion_model.")].to(torch.float32), key
+    )
+    assert given.dtype == torch.float16 and torch.allclose(given.float(), expected, atol=2e-3)
+    assert torch.equal(dict(patched_model.model.named_parameters())[key], before[key.removeprefix("diffusion_model.")])
+    assert key not in patched_model.backup
+    unpatched = "diffusion_model.out.2.bias"
+    assert unpatched not in patched_model.patches
+    assert (
+        patched_model.patch_weight_to_device(unpatched, return_weight=True)
+        is dict(patched_model.model.named_parameters())[unpatched]
+    )
     mm.load_models_gpu([patched_model])  # as a sampler does: ComfyUI patches the weights through our patcher
     unet = patched_model.model
     for key, patches in patched_model.patches.items():

@@ -1,0 +1,37 @@
+"""The pack on the ComfyUI versions its users run: what the running server reports, and a ComfyUI from before
+the V3 node API, where the pack must load nothing and say why in one line.
+
+The rest of the integration and browser tiers runs once per ComfyUI version in ``TESTED_VERSIONS``
+(``tools/run_tests.py`` sets ``DEVICE_CONTROL_COMFYUI``); these tests check the version under test is the one
+the server runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tools.comfy_server import ComfyServer
+from tools.runtime import DEFAULT_VERSION, NEWEST_VERSION
+
+
+def test_the_server_runs_the_comfyui_under_test(comfy_server):
+    assert comfy_server.get("/system_stats")["system"]["comfyui_version"] == DEFAULT_VERSION
+
+
+@pytest.mark.skipif(DEFAULT_VERSION != NEWEST_VERSION, reason="runs once, in the newest version's pass")
+def test_a_comfyui_without_the_v3_node_api_gets_one_clear_line_and_no_nodes(tmp_path):
+    server = ComfyServer(tmp_path, version="pre-v3")
+    try:
+        server.start()
+        nodes = server.get("/object_info")
+        extensions = server.get("/extensions")
+    finally:
+        server.stop()
+    log = server.log_path.read_text()
+    ours = [line for line in log.splitlines() if "Device Control" in line or "device_control" in line.lower()]
+    assert len(ours) == 1, ours
+    assert "no V3 node API" in ours[0] and "needs ComfyUI 0.3.52 or newer" in ours[0]
+    # No traceback but ComfyUI's own (its audio nodes need torchaudio, which the runtime does not install).
+    assert log.count("Traceback") == log.count("ModuleNotFoundError: No module named 'torchaudio'")
+    assert "KSampler" in nodes and not [name for name in nodes if name.startswith("DeviceControl")]
+    assert not [path for path in extensions if "device" in path.lower()]
