@@ -16,10 +16,10 @@ import statistics
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 
@@ -33,6 +33,7 @@ SECOND_NAME = SD15_CHECKPOINT.replace(".safetensors", "_b.safetensors")
 #: The example workflow's node ids.
 LOADER, MOVE, SAMPLER, OFFLOAD = "1", "3", "8", "9"
 AFTER_LOAD, AFTER_OFFLOAD, AFTER_DECODE = "2", "10", "12"
+T = TypeVar("T")
 
 
 def example_prompt(server: ComfyServer, steps: int = 1) -> dict[str, Any]:
@@ -141,6 +142,25 @@ class Workflows:
         self._thread.join(timeout=600)
 
 
+def run_coroutine(coroutine: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run`` on a thread of its own: the calling thread may already run an event loop (Playwright's
+    sync API leaves one in the test process)."""
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["value"] = asyncio.run(coroutine)
+        except BaseException as exc:  # handed to the caller
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target, name="device_control.stress")
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
 def percentile(values: list[float], share: float) -> float:
     """The ``share`` percentile of ``values`` (nearest rank)."""
     ordered = sorted(values)
@@ -218,5 +238,5 @@ def snapshot_load(server: ComfyServer, requests: int = 10_000, clients: int = 10
     with Workflows(server) as workflows:
         while workflows.runs == 0 and not workflows.failures:  # the models are loaded, sampling is under way
             time.sleep(0.2)
-        result = asyncio.run(_load(server.url, requests, clients, requesters))
+        result = run_coroutine(_load(server.url, requests, clients, requesters))
     return {**result, "workflow_runs": workflows.runs, "workflow_failures": workflows.failures}

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from tools.comfy_server import ComfyError
+from tools.stress import run_coroutine
 
 REPO = Path(__file__).resolve().parents[2]
 PLACED = REPO / "workflows" / "sd15_unet_on_gpu_text_encoder_on_cpu.json"
@@ -140,13 +141,13 @@ def test_the_push_reaches_websocket_clients_while_subscribed_and_stops_after(ser
     client = uuid.uuid4().hex
     answer = server.post("/device_control/subscribe", {"interval": 0.2, "client": client})
     assert answer == {"interval": 0.2, "listening": True, "event": "device_control.vram"}
-    pushed = asyncio.run(_listen(server.url, client, 1.5))
+    pushed = run_coroutine(_listen(server.url, client, 1.5))
     assert len(pushed) >= 4
     assert all("gpu:0" in [d["id"] for d in p["report"]["devices"]] for p in pushed)
     assert pushed[-1]["time"] > pushed[0]["time"]
     server.post("/device_control/subscribe", {"interval": 0, "client": client})
     time.sleep(0.3)
-    assert asyncio.run(_listen(server.url, client, 1.0)) == []
+    assert run_coroutine(_listen(server.url, client, 1.0)) == []
     stats = server.get("/device_control/snapshot")["push"]
     assert stats["listening"] is False and stats["pushes"] >= 4 and stats["failures"] == 0
     assert 0 < stats["cpu_share"] < 0.5
