@@ -294,7 +294,10 @@ class LoadReport:
         """``3.20 GiB: 1.20 GiB resident on sim:0, 2.00 GiB streamed (412 layers)``, plus what the guard did."""
         text = f"{format_bytes(self.total_bytes)}: {format_bytes(self.resident_bytes)} resident on {self.target}"
         if self.streamed_bytes:
-            text += f", {format_bytes(self.streamed_bytes)} streamed ({self.plan.streamed_layers} layers)"
+            text += (
+                f", {format_bytes(self.streamed_bytes)} streamed from {label_of(HOST)} "
+                f"({self.plan.streamed_layers} layers)"
+            )
         if self.plan.over_budget:
             text += (
                 f"; the budget {format_bytes(self.plan.budget)} is below the {format_bytes(self.plan.fixed_bytes)} "
@@ -326,6 +329,7 @@ class PartialModel:
     def __init__(self, root: torch.nn.Module) -> None:
         self.root = root
         self.target: Target | None = None
+        self.plan: Plan | None = None
         self.policy = DEFAULT_POLICY
         self.limits: dict[str, int] = {}
         self._layers: list[Layer] | None = None
@@ -354,6 +358,36 @@ class PartialModel:
     def streamed_layers(self) -> list[Layer]:
         """The layers that stream now."""
         return [layer for layer in self.layers() if layer.streamable and not layer.is_resident(self.target)]
+
+    def describe(self, label: str, asked: int, *, oom: str | None = None) -> LoadReport:
+        """The model as it is now, in the words of a load report (``label``: the user's name for the device).
+
+        Raises:
+            DeviceControlError: the engine holds no plan (nothing was loaded, or the tree was moved since).
+        """
+        if self.plan is None or self.target is None:
+            raise DeviceControlError("the model is not loaded by Device Control now: no placement to describe.")
+        resident = self.resident_bytes(self.target)
+        return LoadReport(label, asked, self.plan, self.total_bytes(), resident, oom=oom)
+
+    def holds(self, target: Target | None) -> bool:
+        """Whether the tree is exactly as this engine's last load or unload left it, on ``target``.
+
+        Every layer of the last plan is resident on ``target`` and not streaming; every other layer is in host
+        memory and streams. Anything else means someone else moved the tree since (ComfyUI's own loader working
+        on a clone that shares these weights, a cancelled move): a placement is then not in force, whatever
+        the engine remembers. Read from the tensors, like every figure here.
+        """
+        plan = self.plan
+        if plan is None or target is None or not same_target(self.target, target):
+            return False
+        for layer in self.layers():
+            if layer.name in plan.resident:
+                if not layer.is_resident(target) or _is_streaming(layer):
+                    return False
+            elif not (layer.is_resident(HOST) and _is_streaming(layer)):
+                return False
+        return True
 
     # -- loading -----------------------------------------------------------------------------------
 
@@ -454,12 +488,14 @@ class PartialModel:
         target = self.target
         freed = 0
         for layer in self.layers():
-            if target is not None and not same_target(target, HOST) and layer.is_resident(target):
-                hooks.before_leaving(layer)
-                freed += layer.nbytes
+            if target is not None and layer.is_resident(target):
+                hooks.before_leaving(layer)  # patched weights are restored, on the host too
+                if not same_target(target, HOST):
+                    freed += layer.nbytes
             self._to_host(layer)
             _reset_flags(layer)
         self.target = None
+        self.plan = None
         return freed
 
     # -- internals ---------------------------------------------------------------------------------
@@ -476,10 +512,15 @@ class PartialModel:
 
     def _apply(self, plan: Plan, target: Target, hooks: LayerHooks, progress: ProgressCallback | None) -> None:
         layers = self.layers()
-        if self.target is not None and not same_target(self.target, target):
-            for layer in layers:  # a new device: everything leaves the old one first
-                if layer.is_resident(self.target) and not same_target(self.target, HOST):
-                    hooks.before_leaving(layer)
+        self.plan = None  # until the plan is in place, the tree is in between
+        old = self.target
+        switching = old is not None and not same_target(old, target)
+        for layer in layers:
+            # A new device: everything leaves the old one first (patched weights restored, to be patched again
+            # where they go). A layer on a third device (where another loader put it) leaves it too.
+            stranded = not layer.is_resident(target) and not layer.is_resident(HOST)
+            if stranded or (switching and layer.is_resident(old)):
+                hooks.before_leaving(layer)
                 self._to_host(layer)
         self.target = target
         outgoing = [la for la in layers if la.name not in plan.resident and la.is_resident(target)]
@@ -510,6 +551,7 @@ class PartialModel:
             for layer in layers:  # whatever happened, every layer is resident or streams
                 if layer.streamable and not layer.is_resident(target):
                     self._stream(layer, hooks)
+        self.plan = plan
 
     def _make_resident(self, layer: Layer, target: Target, hooks: LayerHooks) -> None:
         _reset_flags(layer)

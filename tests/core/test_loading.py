@@ -21,6 +21,7 @@ from core.loading import (
     partial_model_of,
     plan_layers,
 )
+from core.placement import move_own, own_tensors
 from core.simulated import SimTensor, SimulatedDevice
 
 MiB = 1024**2
@@ -172,7 +173,7 @@ def test_partial_load_streams_the_rest_and_computes_the_same(net, x):
     out = run(net, x, device)
     assert torch.equal(out, reference)
     assert device.allocated() == report.resident_bytes  # the cast copies were released after use
-    assert "streamed (7 layers)" in report.summary()
+    assert "streamed from cpu (7 layers)" in report.summary()
 
 
 def test_a_forgotten_move_fails_like_a_device_mismatch(net, x):
@@ -238,6 +239,59 @@ def test_hooks_see_every_change(net):
     calls.clear()
     engine.unload_all(hooks=Recorder())
     assert set(calls) == {("leaving", name) for name in ("norm", "middle", "fixed", "back")}
+
+
+def test_the_engine_knows_whether_the_tree_is_as_it_left_it(net, x):
+    """Another loader moving the weights (ComfyUI's own, through a clone sharing them) is seen from the tensors."""
+    reference = net(x)
+    device, other = SimulatedDevice(64 * MiB), SimulatedDevice(64 * MiB, ordinal=1)
+    engine = partial_model_of(net)
+    assert not engine.holds(device)  # never loaded
+    engine.load(device, partial_budget(net))
+    assert engine.holds(device) and not engine.holds(other) and not engine.holds(torch.device("cpu"))
+    net.middle.to("cpu")  # a resident layer taken back to the host behind the engine's back
+    assert not engine.holds(device)
+    engine.load(device, partial_budget(net))
+    assert engine.holds(device)
+    net.first.comfy_cast_weights = net.first.prev_comfy_cast_weights  # a streamed layer's cast mark wiped
+    del net.first.prev_comfy_cast_weights
+    assert not engine.holds(device)
+    engine.load(device, partial_budget(net))
+    assert engine.holds(device) and torch.equal(run(net, x, device), reference)
+    engine.unload_all()
+    assert not engine.holds(device) and engine.plan is None
+
+
+def test_layers_another_loader_left_on_another_device_leave_it(net, x):
+    """Weights put on a device by someone else (the engine never loaded them) leave it when the engine places the
+    model elsewhere, instead of staying there while marked as streamed."""
+    reference = net(x)
+    foreign, device = SimulatedDevice(64 * MiB, ordinal=1), SimulatedDevice(64 * MiB)
+    for layer in layers_of(net):
+        for name, _tensor, _is_param in list(own_tensors(layer.module)):
+            move_own(layer.module, name, foreign)
+    assert foreign.allocated() == sum(sizes(net).values())
+    engine = partial_model_of(net)
+    engine.load(device, partial_budget(net))
+    gc.collect()
+    assert foreign.allocated() == 0 and device.allocated() == engine.resident_bytes(device)
+    assert engine.holds(device) and torch.equal(run(net, x, device), reference)
+
+
+def test_leaving_the_host_for_a_device_restores_what_was_patched_there(net):
+    """A model loaded (and patched) on the host, then moved to a device: every layer resident on the host leaves it
+    first, so its owner restores the patched weight before the layer is patched again or streams (a weight
+    patched on the host and then patched again on the fly would carry its LoRA twice)."""
+    left: list[str] = []
+
+    class Recorder(LayerHooks):
+        def before_leaving(self, layer):
+            left.append(layer.name)
+
+    engine = partial_model_of(net)
+    engine.load(torch.device("cpu"), 0, hooks=Recorder())
+    engine.load(SimulatedDevice(64 * MiB), partial_budget(net), hooks=Recorder())
+    assert sorted(left) == sorted(sizes(net))
 
 
 def test_a_hundred_cycles_leave_no_drift(net):
