@@ -11,7 +11,7 @@ import functools
 import importlib.util
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import psutil
@@ -26,7 +26,9 @@ class DeviceInfo:
     (``cuda:0``, ``xpu:0``, ``mps``, ``privateuseone:0``, ``sim:0``).
     Memory figures are bytes, or ``None`` where the backend cannot tell. ``free`` is what the driver
     reports free; memory torch has reserved but not allocated (its cache) is counted in
-    ``torch_reserved`` and can be given back with ``empty_cache``.
+    ``torch_reserved`` and can be given back with ``empty_cache``. ``peak_allocated`` is the most torch
+    held at once since the peaks were last reset (:meth:`DeviceInventory.reset_peaks`, which the VRAM
+    Report calls, so it reads "since the previous report").
     """
 
     id: str
@@ -40,6 +42,7 @@ class DeviceInfo:
     used_by_others: int | None = None
     dtypes: tuple[str, ...] = ("fp32",)
     error: str | None = None
+    peak_allocated: int | None = None
 
     @property
     def used(self) -> int | None:
@@ -70,6 +73,10 @@ class Backend(Protocol):
 
     def devices(self) -> list[DeviceInfo]:
         """Query every device of this backend now (ids are assigned later by the inventory)."""
+        ...
+
+    def reset_peaks(self) -> None:
+        """Start measuring each device's peak allocation again from now (a no-op where there is none)."""
         ...
 
 
@@ -141,9 +148,17 @@ class TorchModuleBackend:
                 free = total - reserved
             others = max(0, total - free - reserved)
             dtypes = _dtypes(*self._capabilities(mod, index))
+            peak = int(mod.max_memory_allocated(index)) if hasattr(mod, "max_memory_allocated") else None
         except Exception as exc:
             return DeviceInfo("", self.name, name, torch_device, None, None, error=_describe(exc))
-        return DeviceInfo("", self.name, name, torch_device, total, free, allocated, reserved, others, dtypes)
+        info = DeviceInfo("", self.name, name, torch_device, total, free, allocated, reserved, others, dtypes)
+        return replace(info, peak_allocated=peak)
+
+    def reset_peaks(self) -> None:
+        mod = self._torch_module()
+        if hasattr(mod, "reset_peak_memory_stats"):
+            for index in range(mod.device_count()):
+                mod.reset_peak_memory_stats(index)
 
 
 def _cuda_capabilities(mod: Any, index: int) -> tuple[bool, bool, bool]:
@@ -184,6 +199,9 @@ class MpsBackend:
         dtypes = _dtypes(True, True, False)
         return [DeviceInfo("", "mps", "Apple MPS", "mps", total, free, allocated, reserved, None, dtypes)]
 
+    def reset_peaks(self) -> None:
+        """MPS keeps no peak statistics."""
+
 
 class DirectMLBackend:
     """DirectML on Windows (``torch-directml``); it cannot report memory, so figures stay unknown."""
@@ -203,6 +221,9 @@ class DirectMLBackend:
             found.append(DeviceInfo("", "directml", name, native, None, None, dtypes=_dtypes(True, False, False)))
         return found
 
+    def reset_peaks(self) -> None:
+        """DirectML reports no memory figures at all."""
+
 
 class CpuBackend:
     """The host: system RAM, with this process's resident set counted as 'used by this process'."""
@@ -218,6 +239,9 @@ class CpuBackend:
         others = max(0, memory.total - memory.available - rss)
         name = f"CPU ({psutil.cpu_count(logical=True)} threads)"
         return [DeviceInfo("cpu", "cpu", name, "cpu", memory.total, memory.available, None, None, others)]
+
+    def reset_peaks(self) -> None:
+        """The host's figures are the system's; there is no allocator peak to reset."""
 
 
 def default_backends() -> list[Backend]:

@@ -11,6 +11,7 @@ Device strings accepted from users: ``auto``, ``cpu``, ``gpu:N``, and the backen
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from .backends import Backend, DeviceInfo, default_backends, this_process
 from .errors import DeviceNotFoundError, InvalidDeviceSpecError
 from .simulated import SimulatedDevice, SimulatedSpec
 from .units import parse_size
+
+log = logging.getLogger("device_control")
 
 __all__ = [
     "BackendStatus",
@@ -164,6 +167,18 @@ class DeviceInventory:
             statuses.append(BackendStatus("simulated", True, len(self.simulated)))
         return InventorySnapshot(tuple(devices), tuple(statuses), host_memory())
 
+    def reset_peaks(self) -> None:
+        """Start measuring every device's peak allocation again from now. Never raises: a backend that fails
+        keeps its old peak, which only makes the next figure larger, never wrong the other way."""
+        for backend in self.backends:
+            try:
+                if backend.available():
+                    backend.reset_peaks()
+            except Exception as exc:  # a broken driver query must not fail a report
+                log.debug("[Device Control] could not reset the peaks of %s: %s", backend.name, exc)
+        for sim in self.simulated:
+            sim.reset_peak()
+
     def simulated_device(self, device_id: str, snapshot: InventorySnapshot | None = None) -> SimulatedDevice | None:
         """The :class:`SimulatedDevice` behind ``device_id`` (``"gpu:N"``), or ``None`` for a real one."""
         snapshot = snapshot or self.snapshot()
@@ -232,6 +247,7 @@ def _simulated_info(sim: SimulatedDevice, device_id: str) -> DeviceInfo:
         stats["torch_reserved"],
         stats["used_by_others"],
         ("fp32", "fp16", "bf16"),
+        peak_allocated=stats["peak_allocated"],
     )
 
 

@@ -38,6 +38,7 @@ class ModelResidency:
         key: a stable name for this model while it is loaded (the panel's actions refer to it).
         kept: placed with keep-resident: it is not evicted to make room.
         budget: the VRAM budget it was placed with (``"all"``, ``"1.50 GiB"``, ``"50%"``), if any.
+        note: a placement this value carries that is not in force now, and when it will be.
     """
 
     name: str
@@ -53,6 +54,7 @@ class ModelResidency:
     key: str = ""
     kept: bool = False
     budget: str | None = None
+    note: str | None = None
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,8 @@ def _device_line(device: DeviceInfo) -> str:
     if device.torch_allocated is not None:
         allocated, reserved = format_bytes(device.torch_allocated), format_bytes(device.torch_reserved)
         parts.append(f"torch allocated {allocated} / reserved {reserved}")
+    if device.peak_allocated is not None:
+        parts.append(f"peak since the previous report {format_bytes(device.peak_allocated)}")
     if device.used_by_others:
         parts.append(f"other processes {format_bytes(device.used_by_others)}")
     if device.is_accelerator:
@@ -173,7 +177,8 @@ def _model_line(model: ModelResidency) -> str:
     if not model.in_use:
         extras.append("idle")
     head = f"  {model.component:<5} {model.name} ({model.model_class}), {format_bytes(model.total_bytes)}"
-    return f"{head}: {where or 'nothing resident'} [{', '.join(extras)}]"
+    line = f"{head}: {where or 'nothing resident'} [{', '.join(extras)}]"
+    return line + (f"\n        {model.note}" if model.note else "")
 
 
 def build_report(

@@ -177,6 +177,7 @@ class SimulatedDevice:
                 "torch_allocated": self._allocated,
                 "torch_reserved": self._allocated,
                 "used_by_others": 0 if "unreported_others" in self.faults else self.used_by_others,
+                "peak_allocated": self._peak,
             }
 
     def _register(self, tensor: torch.Tensor) -> None:

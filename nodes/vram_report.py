@@ -120,6 +120,7 @@ class VRAMReport(io.ComfyNode):
     @classmethod
     def execute(cls, label: str = "", devices: str = ALL_DEVICES, value: Any = None) -> io.NodeOutput:
         report = make_report(value, label, devices)
+        inventory.reset_peaks()  # the next report's peaks are those since this one (a sampler's, say)
         text, as_json = report.to_text(), report.to_json()
         log.info("[Device Control] VRAM Report (node %s)\n%s", cls.hidden.unique_id if cls.hidden else "?", text)
         return io.NodeOutput(value, text, as_json, ui={"text": (text,), "device_control_report": (as_json,)})

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+
+import torch
 
 from core.backends import CpuBackend, DeviceInfo
 from core.devices import DeviceInventory
@@ -61,6 +64,25 @@ def test_text_report_has_every_section_and_figure():
         "[computes on gpu:1, partial, float16, managed by Device Control, idle]" in text
     )
     assert "Notes:\n  - something to know" in text
+
+
+def test_a_device_s_peak_since_the_previous_report_is_shown_and_reset_by_the_inventory():
+    sim = SimulatedDevice(8 * GiB)
+    inventory = DeviceInventory(backends=[CpuBackend()], simulated=[sim])
+    kept = sim.place(torch.zeros(256, 1024))  # 1 MiB that stays
+    scratch = sim.place(torch.zeros(1024, 1024))  # 4 MiB, gone before the report: the peak remembers it
+    del scratch
+    text = build_report(inventory.snapshot(), [], MODE).to_text()
+    assert "peak since the previous report 5.00 MiB" in text
+    inventory.reset_peaks()  # the VRAM Report node does this after each report
+    assert inventory.snapshot().get("gpu:0").peak_allocated == sim.allocated() == 1024**2
+    del kept
+
+
+def test_a_placement_not_in_force_is_said_on_a_line_of_its_own():
+    pending = dataclasses.replace(UNET, managed_by="ComfyUI", note="placed by Device Control (gpu:0, budget 1.00 GiB)")
+    text = build_report(make_snapshot(), [pending], MODE).to_text()
+    assert "managed by ComfyUI, idle]\n        placed by Device Control (gpu:0, budget 1.00 GiB)" in text
 
 
 def test_json_report_keeps_exact_bytes():
