@@ -216,3 +216,12 @@ class ComfyServer:
     def run(self, prompt: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
         """Queue a prompt and wait for it; return its history entry."""
         return self.wait(self.queue(prompt), timeout)
+
+    def free(self) -> None:
+        """Unload every model and forget every cached output, as the frontend's "Free model and node cache"
+        does: the next prompt loads its models from disk, as on a fresh server.
+
+        ComfyUI acts on ``POST /free`` between two prompts; a prompt run after it (a VRAM Report) makes sure it has.
+        """
+        self.post("/free", {"unload_models": True, "free_memory": True})
+        self.run({"1": {"class_type": "DeviceControl_VRAMReport", "inputs": {"label": "", "devices": "all"}}})

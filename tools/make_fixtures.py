@@ -1,4 +1,5 @@
-"""Make the synthetic test checkpoints: an architecturally real SD1.5 checkpoint and a LoRA for it.
+"""Make the synthetic test models: an architecturally real SD1.5 checkpoint, a LoRA for it, the same SD1.5
+as the split files ComfyUI's own split loaders read, and a small SD3.5-layout diffusion model.
 
 No model hub is reachable from CI, and real weights must never be committed. So we build ComfyUI's own
 SD1.5 classes on torch's ``meta`` device (no memory), take the key layout ComfyUI itself writes when it
@@ -6,6 +7,12 @@ saves a checkpoint (``state_dict_for_saving``), fill it with small seeded random
 matrices and kernels, 1 for norm scales, 0 for biases: pure zeros would give degenerate images), check
 with ComfyUI's detection that it is SD1.5, and write fp16 safetensors. The LoRA is rank 4, in kohya
 naming, built from ComfyUI's own LoRA key maps for that model and checked to load every key.
+
+The split files are the checkpoint's own tensors under the names ComfyUI's ``UNETLoader``, ``CLIPLoader``
+and ``VAELoader`` read (what model hubs ship as separate files). The SD3.5-layout model is ComfyUI's own SD3
+class (the one that builds SD3.5 Large) with the hidden size shrunk to 512 (8 joint blocks), so a DiT family
+loads through the stock ``UNETLoader`` and samples in seconds; its text conditioning is SD1.5's CLIP-L (768
+features, pooled and per token), which its input layers are sized for.
 
 Files are cached in the runtime's ``fixtures/`` folder and rebuilt only when :data:`FIXTURE_VERSION`
 changes. Run with the runtime's Python: ``.runtime/venv/bin/python -m tools.make_fixtures``.
@@ -32,10 +39,39 @@ SD15_CHECKPOINT = "device_control_sd15_synthetic.safetensors"
 SD15_LORA = "device_control_sd15_lora_r4.safetensors"
 #: A second checkpoint name for two-model workflows: a hard link to the first (two models in memory, one file).
 SD15_CHECKPOINT_B = "device_control_sd15_synthetic_b.safetensors"
+#: The checkpoint's parts, as separate files in ComfyUI's ``diffusion_models``, ``text_encoders`` and ``vae``.
+SD15_UNET = "device_control_sd15_unet.safetensors"
+SD15_CLIP_L = "device_control_sd15_clip_l.safetensors"
+SD15_VAE = "device_control_sd15_vae.safetensors"
+#: A small diffusion model in SD3.5 Large's layout (ComfyUI class ``SD3``), for the stock ``UNETLoader``.
+SD35_TINY = "device_control_sd35_tiny.safetensors"
 LORA_RANK = 4
 
+#: What ComfyUI's detection reports for the SD3.5-layout file: SD3.5 Large's layout (RMS-normalised attention
+#: queries and keys, no second attention in the image blocks) at a hidden size of 64 x depth = 512.
+SD35_TINY_UNET = {
+    "in_channels": 16,
+    "patch_size": 2,
+    "out_channels": 16,
+    "depth": 8,
+    "input_size": None,
+    "adm_in_channels": 768,
+    "context_embedder_config": {"target": "torch.nn.Linear", "params": {"in_features": 768, "out_features": 512}},
+    "num_patches": 4096,
+    "pos_embed_max_size": 64,
+    "qk_norm": "rms",
+    "pos_embed_scaling_factor": None,
+    "x_block_self_attn_layers": [],
+}
+#: Where each split file's tensors come from in the checkpoint (prefix there -> prefix in the file).
+SPLIT_PARTS = {
+    SD15_UNET: ("diffusion_models", "model.diffusion_model.", ""),
+    SD15_CLIP_L: ("text_encoders", "cond_stage_model.transformer.", ""),
+    SD15_VAE: ("vae", "first_stage_model.", ""),
+}
+
 # The published SD1.5 UNet hyperparameters (as ComfyUI's detection reports them for real SD1.5 files).
-SD15_UNET = {
+SD15_UNET_CONFIG = {
     "use_checkpoint": False,
     "image_size": 32,
     "out_channels": 4,
@@ -74,7 +110,7 @@ def _sd15_on_meta() -> tuple[object, object, object]:
     import comfy.model_detection
 
     with torch.device("meta"):
-        config = comfy.model_detection.model_config_from_unet_config(dict(SD15_UNET))
+        config = comfy.model_detection.model_config_from_unet_config(dict(SD15_UNET_CONFIG))
         if config is None or type(config).__name__ != "SD15":
             raise RuntimeError(f"ComfyUI did not recognise the SD1.5 UNet hyperparameters (got {config!r})")
         model = config.get_model({}, "model.diffusion_model.", device=torch.device("meta"))
@@ -117,11 +153,7 @@ def make_sd15_checkpoint(target: Path, seed: int = 0) -> Path:
         raise RuntimeError(f"ComfyUI detects the synthetic layout as {type(detected).__name__}, not SD15")
     generator = torch.Generator().manual_seed(seed)
     tensors = {key: _materialise(key, layout[key], generator).contiguous() for key in sorted(layout)}
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_suffix(".partial")
-    save_file(tensors, str(partial), metadata={"device_control_fixture": FIXTURE_VERSION, "family": "SD15"})
-    partial.replace(target)
-    log.info("[Device Control] wrote %s (%d tensors)", target, len(tensors))
+    _write(target, tensors, {"device_control_fixture": FIXTURE_VERSION, "family": "SD15"})
     return target
 
 
@@ -165,15 +197,63 @@ def make_sd15_lora(target: Path, seed: int = 1, rank: int = LORA_RANK) -> Path:
     return target
 
 
+def make_split_part(checkpoint: Path, target: Path, prefix: str, renamed: str) -> Path:
+    """Write the tensors of ``checkpoint`` under ``prefix`` to ``target``, named with ``renamed`` instead."""
+    if _up_to_date(target):
+        return target
+    with safe_open(str(checkpoint), "pt") as handle:
+        names = [k for k in handle.keys() if k.startswith(prefix)]  # noqa: SIM118 (a safetensors handle, not a dict)
+        tensors = {renamed + k[len(prefix) :]: handle.get_tensor(k) for k in names}
+    if not tensors:
+        raise RuntimeError(f"{checkpoint.name} has no tensor under {prefix!r}")
+    _write(target, tensors, {"device_control_fixture": FIXTURE_VERSION, "part_of": checkpoint.name})
+    return target
+
+
+def make_sd35_tiny(target: Path, seed: int = 2) -> Path:
+    """Write the small SD3.5-layout diffusion model, checked against ComfyUI's detection first."""
+    import comfy.model_detection
+
+    if _up_to_date(target):
+        return target
+    with torch.device("meta"):
+        config = comfy.model_detection.model_config_from_unet_config(dict(SD35_TINY_UNET))
+        model = config.get_model({}, "", device=torch.device("meta"))
+    layout = model.diffusion_model.state_dict()
+    detected = comfy.model_detection.model_config_from_unet(layout, "")
+    if type(detected).__name__ != "SD3" or detected.unet_config != config.unet_config:
+        raise RuntimeError(f"ComfyUI detects the SD3.5-layout file as {type(detected).__name__}, not this SD3")
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {key: _materialise(key, layout[key], generator).contiguous() for key in sorted(layout)}
+    _write(target, tensors, {"device_control_fixture": FIXTURE_VERSION, "family": "SD3"})
+    return target
+
+
+def _write(target: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".partial")
+    save_file(tensors, str(partial), metadata=metadata)
+    partial.replace(target)
+    log.info("[Device Control] wrote %s (%d tensors)", target, len(tensors))
+
+
 def make_all() -> dict[str, Path]:
     """Make every fixture (cached); return their paths by kind."""
     import_comfy()
     root = fixtures_dir()
     checkpoint = make_sd15_checkpoint(root / "checkpoints" / SD15_CHECKPOINT)
+    parts = {
+        name: make_split_part(checkpoint, root / folder / name, prefix, renamed)
+        for name, (folder, prefix, renamed) in SPLIT_PARTS.items()
+    }
     return {
         "checkpoint": checkpoint,
         "checkpoint_b": second_name(checkpoint, root / "checkpoints" / SD15_CHECKPOINT_B),
         "lora": make_sd15_lora(root / "loras" / SD15_LORA),
+        "unet": parts[SD15_UNET],
+        "clip_l": parts[SD15_CLIP_L],
+        "vae": parts[SD15_VAE],
+        "sd35_tiny": make_sd35_tiny(root / "diffusion_models" / SD35_TINY),
     }
 
 

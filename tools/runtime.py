@@ -240,7 +240,7 @@ def make_base_directory(base: Path, version: str = DEFAULT_VERSION) -> Path:
     link = nodes / "custom_nodes" / PACK_FOLDER
     if not link.exists():
         link.symlink_to(REPO, target_is_directory=True)
-    for kind in ("checkpoints", "loras"):
+    for kind in ("checkpoints", "loras", "diffusion_models", "text_encoders", "vae"):
         models = base / "models" / kind
         source = fixtures_dir() / kind
         source.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import threading
+import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from ...core.loading import Eviction, Placement, engine_of, make_room, same_target
@@ -49,7 +52,18 @@ def note_displacement() -> None:
 
 
 def displacements() -> int:
-    """How many times a model left a device since ComfyUI started (Move To GPU's cache key)."""
+    """How many times a model left a device since ComfyUI started (Move To GPU's cache key).
+
+    A placement undone behind our back counts too: ComfyUI loading a clone of a placed model its own way (a
+    branch of the graph without Move To GPU) moves the shared weights without telling us, so the trees we
+    placed are checked here, and one that is no longer as we left it counts as displaced.
+    """
+    with _placed_lock:
+        undone = [root for root in list(_placed) if holding_of(root) is None]
+        for root in undone:
+            _placed.discard(root)
+    for _root in undone:
+        note_displacement()
     return _displacements
 
 
@@ -58,14 +72,59 @@ def placement_of(patcher: Any) -> Placement | None:
     return getattr(patcher, "device_control_placement", None)
 
 
+_LOADED_FOR = "device_control_loaded_for"
+_placed: weakref.WeakSet[Any] = weakref.WeakSet()
+_placed_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Holding:
+    """A module tree that Device Control's engine holds as it left it: where, and under which placement
+    (``None``: ComfyUI chose the device and the budget)."""
+
+    target: Target
+    placement: Placement | None
+
+
+def note_loaded(root: Any, placement: Placement | None) -> None:
+    """Our engine has just loaded ``root`` (a model's module tree) for ``placement``."""
+    root.__dict__[_LOADED_FOR] = placement
+    if placement is not None:
+        with _placed_lock:
+            _placed.add(root)
+
+
+def forget_loaded(root: Any) -> None:
+    """``root`` left its device: no placement of ours is in force on it."""
+    root.__dict__.pop(_LOADED_FOR, None)
+    with _placed_lock:
+        _placed.discard(root)
+
+
+def holding_of(root: Any) -> Holding | None:
+    """Where and how our engine holds ``root`` now, or ``None`` when it does not (never loaded by us, offloaded,
+    or moved since by someone else: then ComfyUI's own books say where it is)."""
+    engine = engine_of(root)
+    if engine is None or _LOADED_FOR not in root.__dict__ or not engine.holds(engine.target):
+        return None
+    return Holding(engine.target, root.__dict__[_LOADED_FOR])
+
+
+def in_force(patcher: Any) -> bool:
+    """Whether ``patcher``'s own placement is the one its weights are held under now."""
+    holding = holding_of(patcher.model)
+    return holding is not None and holding.placement == placement_of(patcher)
+
+
 def where(entry: Any) -> Target | None:
-    """The device an entry's model is on: where our engine put it, else ComfyUI's load device."""
+    """The device an entry's model is on: where our engine holds it, else ComfyUI's load device (our engine's
+    last target is not enough: ComfyUI may have loaded the weights its own way since, through a clone)."""
     patcher = getattr(entry, "model", None)
     if patcher is None:
         return None
-    engine = engine_of(patcher.model)
-    if engine is not None and engine.target is not None:
-        return engine.target
+    holding = holding_of(patcher.model)
+    if holding is not None:
+        return holding.target
     return getattr(entry, "device", None)
 
 

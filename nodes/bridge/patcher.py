@@ -34,7 +34,16 @@ from ...core.placement import Target, label_of, own_tensors
 from ...core.simulated import SimulatedDevice
 from ...core.units import format_bytes
 from .. import surface
-from .books import make_room_for, model_name, note_displacement, placement_of
+from .books import (
+    Holding,
+    forget_loaded,
+    holding_of,
+    make_room_for,
+    model_name,
+    note_displacement,
+    note_loaded,
+    placement_of,
+)
 
 log = logging.getLogger("device_control")
 
@@ -128,6 +137,10 @@ def _interrupt_check(_done: int, _total: int) -> None:
     surface.throw_if_interrupted()
 
 
+#: ComfyUI's own unpatch, for weights its loader left (see ``DeviceControlPatcher._take_over``).
+_COMFY_UNPATCH = surface.model_patcher_class().unpatch_model
+
+
 class DeviceControlPatcher(surface.model_patcher_class()):
     """ComfyUI's ModelPatcher, loaded and unloaded by ``core.loading`` under a placement."""
 
@@ -180,6 +193,7 @@ class DeviceControlPatcher(surface.model_patcher_class()):
             finally:
                 self._sync_books(device_to)
             self.model.device_control_last_load = report
+            note_loaded(self.model, placement)
             for callback in self.get_all_callbacks(surface.on_load_callback_kind()):
                 callback(self, device_to, lowvram_model_memory, force_patch_weights, full_load)
             self.apply_hooks(self.forced_hooks, force_apply=True)
@@ -191,14 +205,28 @@ class DeviceControlPatcher(surface.model_patcher_class()):
         )
 
     def partially_load(self, device_to: Any, extra_memory: int = 0, force_patch_weights: bool = False) -> int:
-        engine = partial_model_of(self.model)
         placement = placement_of(self)
         wanted = placement.target if placement is not None else device_to
-        if engine.target is not None and not same_target(engine.target, wanted):
-            # Loaded for another placement (a clone's, on another device): ComfyUI would take the model as
-            # loaded here and skip the load. Marking it partial makes ComfyUI call load(), which moves it.
-            self.model.model_lowvram = True
+        holding = holding_of(self.model)
+        if holding is None or not same_target(holding.target, wanted) or holding.placement != placement:
+            self._take_over(holding)
         return super().partially_load(device_to, extra_memory, force_patch_weights)
+
+    def _take_over(self, holding: Holding | None) -> None:
+        """Make ComfyUI call :meth:`load`, which places the model as this patcher says, whatever state it is in.
+
+        ComfyUI skips the load of a model it believes loaded in full, and its books cannot tell our placement
+        from another: the weights may have been loaded by ComfyUI itself (an earlier run with its own nodes, a
+        clone used by another branch of the graph, in full or in low-VRAM mode), or by us for another device or
+        budget. Marking the model partial makes ComfyUI call ``load()``. When our engine does not hold the weights
+        as it left them, ComfyUI's own unpatch first undoes what ComfyUI's loader did to them (patched weights
+        restored from its backups, low-VRAM casts wiped), leaving every weight where it is, so the load moves
+        only what must move.
+        """
+        if holding is None:
+            self.model.model_lowvram = True  # so ComfyUI's unpatch wipes the cast marks of every layer
+            _COMFY_UNPATCH(self, None, unpatch_weights=True)
+        self.model.model_lowvram = True
 
     def partially_unload(self, device_to: Any, memory_to_free: int = 0, force_patch_weights: bool = False) -> int:
         engine = partial_model_of(self.model)
@@ -214,6 +242,7 @@ class DeviceControlPatcher(surface.model_patcher_class()):
             engine = partial_model_of(self.model)
             if engine.unload_all(hooks=_Hooks(self, None, False)):
                 note_displacement()
+            forget_loaded(self.model)
             self.model.model_lowvram = True  # ComfyUI's own unpatch then resets every layer's cast flags too
         super().unpatch_model(device_to, unpatch_weights)
 

@@ -17,7 +17,7 @@ from ...core.loading import engine_of
 from ...core.report import MemoryMode, ModelResidency
 from ...core.simulated import SimulatedDevice
 from .. import surface
-from .patcher import DeviceControlPatcher
+from .books import holding_of, placement_of
 
 _VRAM_STATES = {
     "DISABLED": "CPU only: ComfyUI manages no GPU memory (started with --cpu, or no GPU found)",
@@ -76,10 +76,10 @@ def residency_of(patcher: Any, snapshot: InventorySnapshot, *, in_use: bool = Tr
     total = int(patcher.model_size())
     loaded = int(patcher.loaded_size())
     compute = device_id(patcher.load_device, snapshot)
-    engine = engine_of(model)
-    if engine is not None and engine.target is not None:  # ours: where the weights are, not what ComfyUI assumes
-        loaded = min(engine.resident_bytes(), total)
-        compute = target_id(engine.target, snapshot)  # a simulated GPU's load device is the host for ComfyUI
+    holding = holding_of(model)
+    if holding is not None:  # ours: where the weights are, not what ComfyUI assumes
+        loaded = min(engine_of(model).resident_bytes(holding.target), total)
+        compute = target_id(holding.target, snapshot)  # a simulated GPU's load device is the host for ComfyUI
     offload = device_id(patcher.offload_device, snapshot)
     resident = [(compute, loaded)]
     if total > loaded:
@@ -89,7 +89,7 @@ def residency_of(patcher: Any, snapshot: InventorySnapshot, *, in_use: bool = Tr
             resident.append((offload, total - loaded))
     dtype = _storage_dtype(patcher)
     partial = bool(getattr(model, "model_lowvram", False)) or (0 < loaded < total)
-    placement = getattr(patcher, "device_control_placement", None)
+    placement = holding.placement if holding is not None else None
     return ModelResidency(
         name=_display_name(model, component),
         component=component,
@@ -99,11 +99,27 @@ def residency_of(patcher: Any, snapshot: InventorySnapshot, *, in_use: bool = Tr
         compute_device=compute,
         partial=partial,
         dtype=str(dtype).replace("torch.", "") if dtype is not None else None,
-        managed_by="Device Control" if isinstance(patcher, DeviceControlPatcher) else "ComfyUI",
+        managed_by="Device Control" if holding is not None else "ComfyUI",
         in_use=in_use,
         key=model_key(patcher),
         kept=bool(placement and placement.keep_resident),
         budget=str(placement.budget) if placement is not None else None,
+        note=_pending_note(patcher, holding, loaded),
+    )
+
+
+def _pending_note(patcher: Any, holding: Any, loaded: int) -> str | None:
+    """What a VRAM Report says of a placement that this value carries but that is not in force now."""
+    own = placement_of(patcher)
+    if own is None or (holding is not None and holding.placement == own):
+        return None
+    where = f"{own.name}, budget {own.budget}" + (", kept resident" if own.keep_resident else "")
+    if holding is None and loaded <= 0:
+        return f"placed by Device Control ({where}): not loaded now; loads there when a node next uses it"
+    return (
+        f"placed by Device Control ({where}), not in force now: these weights were loaded another way since "
+        "(ComfyUI's own nodes, another branch of the graph, or another move); the placement applies again when a "
+        "node next uses this model"
     )
 
 

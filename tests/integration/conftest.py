@@ -6,6 +6,7 @@ Helpers reach the tests as fixtures (``api``), because test folders are not pack
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from core.units import format_bytes
 from tools.comfy_server import ComfyServer
 from tools.workflow_api import ui_to_api
 
@@ -52,6 +54,34 @@ def image_of(server: ComfyServer, entry: dict[str, Any]) -> np.ndarray:
     image = next(v for v in entry["outputs"].values() if "images" in v)["images"][0]
     with Image.open(server.base / "output" / image["subfolder"] / image["filename"]) as picture:
         return np.asarray(picture.convert("RGB"), dtype=np.int16)
+
+
+_RESIDENT = re.compile(r"([0-9.]+ [KMGT]?i?B) resident on (\S+?)[,;\n ]")
+
+
+def moves_hold(entry: dict[str, Any], prompt: dict[str, Any]) -> list[str]:
+    """Check every Move To GPU of ``prompt`` against the bytes measured after it; return the nodes checked.
+
+    A move is checked through the VRAM Report that takes its output: the model must be resident on the device
+    the move's summary names, with exactly the bytes it states, under Device Control's placement. (A summary
+    alone is the node's claim; the report reads where the weights are.)
+    """
+    checked = []
+    for node_id, node in prompt.items():
+        if node["class_type"] != "DeviceControl_MoveToGPU":
+            continue
+        summary = entry["outputs"][node_id]["text"][0]
+        claimed = _RESIDENT.search(summary)
+        assert claimed, f"Move To GPU {node_id} does not say where the model is: {summary}"
+        size, device = claimed.groups()
+        for report_id, report in prompt.items():
+            if report["class_type"] != "DeviceControl_VRAMReport" or report["inputs"].get("value") != [node_id, 0]:
+                continue
+            subject = report_json(entry, report_id)["subject"]
+            assert format_bytes(subject["resident"].get(device, 0)) == size, (summary, subject["resident"])
+            assert subject["compute_device"] == device and subject["managed_by"] == "Device Control", subject
+            checked.append(node_id)
+    return checked
 
 
 #: Our nodes that only pass a value on (output slot -> the input it passes): gone in a stock equivalent.
@@ -119,6 +149,7 @@ def api() -> SimpleNamespace:
         report_json=report_json,
         image_of=image_of,
         stock_equivalent=stock_equivalent,
+        moves_hold=moves_hold,
         workflows=sorted((REPO / "workflows").glob("*.json")),
         our_nodes={
             "DeviceControl_VRAMReport": "VRAM Report",

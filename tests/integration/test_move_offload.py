@@ -18,6 +18,7 @@ MOVE = REPO / "workflows" / "sd15_move_to_gpu_and_offload.json"
 LOW_VRAM = REPO / "workflows" / "sd15_low_vram_lora_budget.json"
 TWO = REPO / "workflows" / "two_checkpoints_offload_between.json"
 GiB = 1024**3
+REPORT = {"label": "", "devices": "all"}
 
 
 def gpu(entry: dict, api, node: str) -> dict:
@@ -55,7 +56,9 @@ def test_move_puts_the_unet_on_the_gpu_and_offload_gives_it_all_back(server, api
 def test_every_example_workflow_gives_the_image_of_its_stock_equivalent(server, api):
     for workflow in (MOVE, LOW_VRAM, TWO):
         prompt = api.load_prompt(server, workflow)
-        ours = api.image_of(server, server.run(prompt))
+        entry = server.run(prompt)
+        assert api.moves_hold(entry, prompt), f"{workflow.name}: no move was checked against the books"
+        ours = api.image_of(server, entry)
         stock = api.image_of(server, server.run(api.stock_equivalent(prompt)))
         assert np.array_equal(ours, stock), f"{workflow.name}: the image differs from ComfyUI's own nodes"
 
@@ -138,11 +141,16 @@ def test_clip_and_vae_move_too_and_the_image_is_the_same(server, api):
         "class_type": "DeviceControl_MoveToGPU",
         "inputs": {"model": ["1", 2], "device": "gpu:0", "vram_budget": "150MB", "keep_resident": False},
     }
+    prompt["22"] = {"class_type": "DeviceControl_VRAMReport", "inputs": {"value": ["20", 0], **REPORT}}
+    prompt["23"] = {"class_type": "DeviceControl_VRAMReport", "inputs": {"value": ["21", 0], **REPORT}}
     for node in ("5", "6"):
-        prompt[node]["inputs"]["clip"] = ["20", 0]
-    prompt["11"]["inputs"]["vae"] = ["21", 0]
+        prompt[node]["inputs"]["clip"] = ["22", 0]
+    prompt["11"]["inputs"]["vae"] = ["23", 0]
     entry = server.run(prompt)
     assert "streamed" in text(entry, "20") and "streamed" in text(entry, "21")
+    assert sorted(api.moves_hold(entry, prompt)) == ["20", "21", "3"]
+    assert 0 < api.report_json(entry, "22")["subject"]["resident"]["gpu:0"] <= 100 * 1024**2
+    assert 0 < api.report_json(entry, "23")["subject"]["resident"]["gpu:0"] <= 150 * 1024**2
     assert np.array_equal(api.image_of(server, entry), api.image_of(server, server.run(api.stock_equivalent(prompt))))
 
 
@@ -157,6 +165,8 @@ def test_bad_budgets_and_devices_are_clear_and_the_server_keeps_serving(server, 
     prompt["3"]["inputs"].update(vram_budget="all", device="gpu:7")
     entry = server.run(prompt)
     assert "device 'gpu:7' does not exist on this machine" in text(entry, "3")
+    assert api.moves_hold(entry, prompt) == ["3"]  # it fell back to gpu:0, and is there
+    assert unet(entry, api, "4")["resident"] == {"gpu:0": unet(entry, api, "4")["total_bytes"]}
     assert server.get("/system_stats")["system"]  # still serving
 
 
@@ -227,7 +237,8 @@ def test_out_of_memory_lowers_the_budget_and_the_run_completes(crowded_server, a
     prompt = api.load_prompt(crowded_server, MOVE)
     entry = crowded_server.run(prompt)
     assert "out of memory" in text(entry, "3") and "budget lowered" in text(entry, "3")
-    assert unet(entry, api, "4")["partial"]
+    assert unet(entry, api, "4")["partial"] and api.moves_hold(entry, prompt) == ["3"]
+    assert 0 < unet(entry, api, "4")["resident"]["gpu:0"] <= 2 * GiB  # what the other program left
     expected = api.image_of(crowded_server, crowded_server.run(api.stock_equivalent(prompt)))
     assert np.array_equal(api.image_of(crowded_server, entry), expected)
 

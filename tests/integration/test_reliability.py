@@ -93,6 +93,7 @@ def test_two_prompts_queued_back_to_back_both_run_and_give_back_their_vram(serve
     second = server.queue(fresh(example_prompt(server)))
     for prompt_id in (first, second):
         entry = server.wait(prompt_id)
+        assert api.moves_hold(entry, example_prompt(server)) == ["3"]
         assert "3.20 GiB freed" in text(entry, "9")
         assert gpu_allocated(entry, api, AFTER_OFFLOAD) == 0
 

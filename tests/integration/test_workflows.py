@@ -72,4 +72,6 @@ def test_example_workflow_runs_end_to_end(fresh_server, api, workflow):
             data = api.report_json(entry, node_id)
             assert data["label"] == label and data["devices"]
     assert saved >= 1, f"{workflow.name} saved no image"
+    moves = [node_id for node_id, node in prompt.items() if node["class_type"] == "DeviceControl_MoveToGPU"]
+    assert sorted(api.moves_hold(entry, prompt)) == sorted(moves), "a move with no VRAM Report after it"
     assert json.loads(workflow.read_text())["nodes"], "workflow has no nodes"

@@ -36,7 +36,7 @@ export function memoryReport(snapshot, timeline, frontendVersion) {
     const where = Object.entries(m.resident)
       .map(([id, size]) => `${formatBytes(size)} on ${id}`)
       .join(", ");
-    const placement = [m.managed_by, m.budget ? `budget ${m.budget}` : "", m.kept ? "kept resident" : ""]
+    const placement = [m.managed_by, m.budget ? `budget ${m.budget}` : "", m.kept ? "kept resident" : "", m.note ?? ""]
       .filter(Boolean)
       .join(", ");
     lines.push(

@@ -182,7 +182,9 @@ export class PanelView {
         element("span", "dc-model-share", `${resident} on ${model.compute_device} `),
         button("Offload", "dc-offload", () => this.actions.offload(model.key, model.name), "Move it back to RAM"),
       );
-      row.append(head, bar([["dc-resident", share, "#2196f3"]]), line, controls);
+      row.append(head, bar([["dc-resident", share, "#2196f3"]]), line);
+      if (model.note) row.append(element("div", "dc-model-note", model.note));
+      row.append(controls);
       row.style.marginBottom = "8px";
       this.models.append(row);
     }
