@@ -39,3 +39,25 @@ class UnknownModelError(DeviceControlError, LookupError):
 
 class PatchError(DeviceControlError, ValueError):
     """A weight patch of a kind we do not apply, or one that cannot apply to its weight."""
+
+
+#: The module name our exception types show: ComfyUI imports the pack under its folder's path, so its error
+#: dialog would otherwise print ``/home/.../custom_nodes/comfyui-device-control.core.errors.ModelFileError``.
+PUBLIC_MODULE = "device_control"
+for _error in (
+    DeviceControlError,
+    InvalidDeviceSpecError,
+    DeviceNotFoundError,
+    InvalidSizeError,
+    ModelFileError,
+    UnsafePickleError,
+    UnknownModelError,
+    PatchError,
+):
+    _error.__module__ = PUBLIC_MODULE
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message (its type when it has none), for messages that quote it."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

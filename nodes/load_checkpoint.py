@@ -15,8 +15,10 @@ from typing import Any
 
 import torch
 
-from ..core.detection import Detection, detect_header
-from ..core.devices import InventorySnapshot, parse_device_spec
+from ..core.detection.detect import Detection, detect_header
+from ..core.detection.headers import read_header
+from ..core.devices.backends import DeviceInfo
+from ..core.devices.inventory import InventorySnapshot, parse_device_spec
 from ..core.errors import (
     DeviceControlError,
     DeviceNotFoundError,
@@ -24,14 +26,13 @@ from ..core.errors import (
     ModelFileError,
     UnknownModelError,
 )
-from ..core.fit import Choice, FitPlan, plan_fit
-from ..core.headers import read_header
-from ..core.loading import Placement
+from ..core.placement.budget import Placement
+from ..core.placement.fit import Choice, FitPlan, plan_fit
 from ..core.units import format_bytes
 from . import surface
 from .bridge import device_id
 from .bridge.checkpoint import BuiltCheckpoint, ComponentPlan, build_checkpoint, built_dtypes, default_dtype
-from .state import inventory
+from .state import device_options, inventory
 
 log = logging.getLogger("device_control")
 
@@ -53,10 +54,6 @@ _CANDIDATE = {
 }
 
 
-def _device_options() -> list[str]:
-    return ["auto", "cpu", *(d.id for d in inventory.snapshot().devices if d.is_accelerator and d.id)]
-
-
 def _comfy_default_device(role: str) -> torch.device:
     mm = surface.model_management()
     return {"diffusion_model": mm.get_torch_device, "text_encoder": mm.text_encoder_device, "vae": mm.vae_device}[
@@ -64,34 +61,42 @@ def _comfy_default_device(role: str) -> torch.device:
     ]()
 
 
-def resolve_placement(
-    role: str, spec: str, dtype_name: str, detection: Detection, snapshot: InventorySnapshot, notes: list[str]
-) -> tuple[ComponentPlan, Choice]:
-    """Turn the node's device and dtype choice for one role into a placement and a fit-plan choice."""
-    info = None
+def _chosen_device(
+    role: str, spec: str, snapshot: InventorySnapshot, notes: list[str]
+) -> tuple[DeviceInfo, torch.device, bool]:
+    """The device for ``role``, its torch device, and whether the user chose it (``auto`` and a device this
+    machine lacks leave the choice to ComfyUI; the latter says so in ``notes``)."""
     if spec.strip().lower() != "auto":
         try:
             info = inventory.resolve(spec, snapshot=snapshot).device
+            return info, torch.device(info.torch_device or "cpu"), True
         except DeviceNotFoundError as exc:  # a workflow from another machine: run anyway, and say so
-            notes.append(
-                f"{role.replace('_', ' ')}: {str(exc).split('; pick')[0]}; using auto (ComfyUI's choice) instead"
-            )
-    if info is None:
-        torch_device = _comfy_default_device(role)
-        info = snapshot.get(device_id(torch_device, snapshot)) or snapshot.get("cpu")
-    else:
-        torch_device = torch.device(info.torch_device or "cpu")
-    simulated = inventory.simulated_device(info.id, snapshot)
-    compute = torch.device("cpu") if simulated is not None else torch_device
-    dtype = DTYPES[dtype_name]
+            what = role.replace("_", " ")
+            notes.append(f"{what}: {str(exc).split('; pick')[0]}; using auto (ComfyUI's choice) instead")
+    torch_device = _comfy_default_device(role)
+    return snapshot.get(device_id(torch_device, snapshot)) or snapshot.get("cpu"), torch_device, False
+
+
+def _storage_dtype(role: str, name: str) -> torch.dtype | None:
+    dtype = DTYPES[name]
     if role == "vae" and dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise DeviceControlError(
             "the VAE cannot be stored in fp8: ComfyUI's VAE has no cast path; "
             "choose fp32, fp16, bf16 or auto for vae_dtype."
         )
-    managed = None
-    if spec.strip().lower() != "auto" and info.id:  # the user chose this device: the placement goes with the model
-        managed = Placement(simulated or torch_device, device_id=info.id)
+    return dtype
+
+
+def resolve_placement(
+    role: str, spec: str, dtype_name: str, detection: Detection, snapshot: InventorySnapshot, notes: list[str]
+) -> tuple[ComponentPlan, Choice]:
+    """Turn the node's device and dtype choice for one role into a placement and a fit-plan choice."""
+    info, torch_device, chosen = _chosen_device(role, spec, snapshot, notes)
+    dtype = _storage_dtype(role, dtype_name)
+    simulated = inventory.simulated_device(info.id, snapshot)
+    compute = torch.device("cpu") if simulated is not None else torch_device
+    # The user chose this device: the placement goes with the model. (auto: ComfyUI decides, as its loader does.)
+    managed = Placement(simulated or torch_device, device_id=info.id) if chosen and info.id else None
     place = ComponentPlan(compute if simulated is not None else torch_device, simulated, dtype, placement=managed)
     return place, Choice(info, _CANDIDATE[dtype or default_dtype(role, compute, detection)])
 
@@ -102,7 +107,7 @@ class LoadCheckpointWithDevice(surface.io.ComfyNode):
     @classmethod
     def define_schema(cls) -> Any:
         io = surface.io
-        devices = _device_options()
+        devices = device_options()
         dtypes = list(DTYPES)
 
         def device_input(name: str, what: str) -> Any:

@@ -5,22 +5,16 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..core.budget import Budget
-from ..core.devices import parse_device_spec
-from ..core.errors import InvalidDeviceSpecError, InvalidSizeError
+from ..core.devices.inventory import parse_device_spec
+from ..core.errors import InvalidDeviceSpecError
 from . import surface
 from .bridge.books import displacements
 from .bridge.moves import move
-from .state import inventory
+from .state import device_options, inventory
 
 log = logging.getLogger("device_control")
 
 MODEL_TYPES = "the MODEL, CLIP or VAE"
-
-
-def device_options() -> list[str]:
-    """``auto``, every accelerator (``gpu:N``), and ``cpu``."""
-    return ["auto", *(d.id for d in inventory.snapshot().devices if d.is_accelerator and d.id), "cpu"]
 
 
 def model_input(optional: bool = False) -> Any:
@@ -112,11 +106,13 @@ class MoveToGPU(surface.io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, device: str, vram_budget: str) -> bool | str:
+    def validate_inputs(cls, device: str) -> bool | str:
+        # Only the device is validated here: ComfyUI reports a validation error against every input this
+        # method takes, so the budget (checked first thing when the node runs, before anything moves) is not.
+        # A device this machine lacks is not an error: it falls back at run time, with a warning.
         try:
             parse_device_spec(device)
-            Budget.parse(vram_budget)
-        except (InvalidDeviceSpecError, InvalidSizeError) as exc:
+        except InvalidDeviceSpecError as exc:
             return str(exc)
         return True
 

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..core.errors import InvalidSizeError
-from ..core.units import parse_size
 from . import surface
-from .bridge.moves import OFFLOAD_MODES, offload
+from .bridge.offloads import OFFLOAD_MODES, offload
 from .move_to_gpu import model_input, trigger_input, trigger_output
 from .state import inventory
 
 
 class OffloadToCPU(surface.io.ComfyNode):
-    """Thin node: the unloading is ``bridge.moves.offload`` over ComfyUI's own list of loaded models."""
+    """Thin node: the unloading is ``bridge.offloads.offload`` over ComfyUI's own list of loaded models."""
 
     @classmethod
     def define_schema(cls) -> Any:
@@ -58,15 +56,6 @@ class OffloadToCPU(surface.io.ComfyNode):
             is_output_node=True,
             not_idempotent=True,
         )
-
-    @classmethod
-    def validate_inputs(cls, mode: str, free_amount: str) -> bool | str:
-        if mode == "free N GB":
-            try:
-                parse_size(free_amount)
-            except InvalidSizeError as exc:
-                return f"free_amount: {exc}"
-        return True
 
     @classmethod
     def fingerprint_inputs(cls, **kwargs: Any) -> float:

@@ -6,13 +6,15 @@ path or a URL):
 * ``GET snapshot``: every device, RAM, every loaded model (with its placement), ComfyUI's memory mode, the
   queue and the node executing now; the same record the push sends;
 * ``POST subscribe`` ``{"interval": 1, "client": "<id>"}``: a panel is open and wants a push every
-  ``interval`` seconds as the ``device_control.vram`` event (``0``: it closed). Subscriptions are leases, one
-  per client, that the panel renews; when none is alive the push thread sleeps;
+  ``interval`` seconds as the ``device_control.vram`` event (``0``: it closed), sent to that websocket client
+  only, at its own rate. Subscriptions are leases, one per client, that the panel renews; when none is alive
+  the push thread sleeps;
 * ``POST offload`` ``{"model": "<key>"}`` or ``{"all": true}``: move models back to RAM, as Offload To CPU does;
 * ``POST free_caches`` ``{}``: give memory the allocators keep cached back to the devices.
 
-Actions wait for no prompt: they are refused (409) while one runs, and while they run no prompt can start
-(they hold ComfyUI's queue lock), so a model is never moved under a running sampler.
+Actions wait for no prompt: they are refused (409) while one runs, and while they run no prompt can start, so
+a model is never moved under a running sampler; prompts queued meanwhile wait their turn, and the server keeps
+serving (see :func:`_while_idle`).
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from typing import Any
 
 from aiohttp import web
 
-from ..core.push import Pusher
-from ..core.transfer import pinned_memory
+from ..core.devices.transfer import pinned_memory
+from ..core.monitor.push import Pusher, check_interval
 from . import surface
 from .bridge import books
 from .bridge.reading import model_key, target_id
@@ -83,24 +85,38 @@ def snapshot() -> dict[str, Any]:
     }
 
 
-def _send(data: dict[str, Any]) -> None:
-    surface.prompt_server().send_sync(EVENT, data)
+def _send(data: dict[str, Any], client: str) -> None:
+    surface.prompt_server().send_sync(EVENT, data, client)  # to that client's websocket only
 
 
 pusher = Pusher(snapshot, _send)
 
 
-def _while_idle(action: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """Run ``action`` with ComfyUI's queue held, unless a prompt is running."""
+_actions = asyncio.Lock()
+
+
+async def _while_idle(action: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run ``action`` unless a prompt is running; while it runs, no prompt starts, and the server keeps serving.
+
+    ComfyUI's queue lock is re-entrant (an ``RLock``). The server's own thread (this coroutine's) takes it and
+    holds it until the action is done: the prompt worker, another thread, cannot take a prompt meanwhile,
+    while handlers on the server's thread (``POST /prompt``, ``GET /queue``) re-enter the lock and run as
+    usual, so a prompt queued now waits its turn instead of stalling the server. The action itself runs in a
+    helper thread; actions run one at a time.
+    """
     queue = surface.prompt_server().prompt_queue
-    with queue.mutex:  # no prompt starts while the action runs
-        if queue.currently_running:
-            raise ActionRefusedError(
-                409,
-                "a prompt is running; models are not moved under it. Wait for it to finish (or cancel it) and try "
-                "again, or put an Offload To CPU node in the workflow.",
-            )
-        return action()
+    async with _actions:
+        queue.mutex.acquire()  # held by the worker only for instants (taking a prompt, marking it done)
+        try:
+            if queue.currently_running:
+                raise ActionRefusedError(
+                    409,
+                    "a prompt is running; models are not moved under it. Wait for it to finish (or cancel it) and "
+                    "try again, or put an Offload To CPU node in the workflow.",
+                )
+            return await asyncio.to_thread(action)
+        finally:
+            queue.mutex.release()
 
 
 def _offload(key: str | None, everything: bool) -> dict[str, Any]:
@@ -167,20 +183,27 @@ async def post_subscribe(request: web.Request) -> web.Response:
     """``POST /device_control/subscribe`` ``{"interval": seconds, "client": id}``."""
     try:
         body = await _body(request)
-        interval, client = body.get("interval", 1.0), body.get("client", "")
-        if isinstance(interval, bool) or not isinstance(interval, (int, float)):
+        interval, client = _interval(body.get("interval", 1.0)), body.get("client", "")
+        if not isinstance(client, str) or not client or len(client) > MAX_CLIENT_ID:
             raise ActionRefusedError(
-                400, f"interval {interval!r} must be a number of seconds (0 turns the updates off)."
+                400,
+                f"client must be your websocket's client id (the clientId of /ws), a string of 1 to {MAX_CLIENT_ID} "
+                "characters: updates go to that client only.",
             )
-        if not isinstance(client, str) or len(client) > MAX_CLIENT_ID:
-            raise ActionRefusedError(400, f"client must be a string of at most {MAX_CLIENT_ID} characters.")
-        try:
-            pusher.subscribe(float(interval), client)
-        except ValueError as exc:
-            raise ActionRefusedError(400, str(exc)) from exc
+        pusher.subscribe(interval, client)
     except ActionRefusedError as refused:
         return _error(refused)
     return web.json_response({"interval": pusher.interval, "listening": pusher.listening(), "event": EVENT})
+
+
+def _interval(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ActionRefusedError(400, f"interval {value!r} must be a number of seconds (0 turns the updates off).")
+    try:
+        check_interval(float(value))
+    except ValueError as exc:
+        raise ActionRefusedError(400, str(exc)) from exc
+    return float(value)
 
 
 async def post_offload(request: web.Request) -> web.Response:
@@ -190,7 +213,7 @@ async def post_offload(request: web.Request) -> web.Response:
         key, everything = body.get("model"), body.get("all") is True
         if not everything and not isinstance(key, str):
             raise ActionRefusedError(400, 'send {"model": "<key from the snapshot>"} or {"all": true}.')
-        return web.json_response(await asyncio.to_thread(_while_idle, lambda: _offload(key, everything)))
+        return web.json_response(await _while_idle(lambda: _offload(key, everything)))
     except ActionRefusedError as refused:
         return _error(refused)
 
@@ -199,7 +222,7 @@ async def post_free_caches(request: web.Request) -> web.Response:
     """``POST /device_control/free_caches`` ``{}``."""
     try:
         await _body(request)
-        return web.json_response(await asyncio.to_thread(_while_idle, _free_caches))
+        return web.json_response(await _while_idle(_free_caches))
     except ActionRefusedError as refused:
         return _error(refused)
 

@@ -1,16 +1,19 @@
-"""The pack's process-wide state inside ComfyUI: the device inventory, simulated devices included.
+"""The pack's process-wide state inside ComfyUI: the device inventory (simulated devices included) and the
+settings read from the environment at start.
 
-Simulated devices exist only when ``DEVICE_CONTROL_SIMULATE_GPU`` is set (see ``core.devices``). A value
-that cannot be parsed is logged with the fix and ignored: a typo in an environment variable must never
-keep ComfyUI or the pack from starting.
+Simulated devices exist only when ``DEVICE_CONTROL_SIMULATE_GPU`` is set (see ``core.devices``); pinned host
+memory is capped by ``DEVICE_CONTROL_MAX_PINNED_FRACTION``. A value that cannot be parsed is logged with the
+fix and ignored: a typo in an environment variable must never keep ComfyUI or the pack from starting.
 """
 
 from __future__ import annotations
 
 import logging
 
-from ..core.devices import SIMULATE_ENV, DeviceInventory, simulated_devices_from_env
-from ..core.simulated import SimulatedDevice
+from ..core.devices.inventory import SIMULATE_ENV, DeviceInventory, simulated_devices_from_env
+from ..core.devices.simulated import SimulatedDevice
+from ..core.devices.transfer import DEFAULT_PINNED_FRACTION, pinned_fraction_from_env, use_pinned_fraction
+from ..core.errors import InvalidSizeError
 from ..core.units import format_bytes
 
 log = logging.getLogger("device_control")
@@ -37,4 +40,22 @@ def _simulated_from_env() -> list[SimulatedDevice]:
     return devices
 
 
+def _pinning_from_env() -> None:
+    try:
+        use_pinned_fraction(pinned_fraction_from_env())
+    except InvalidSizeError as exc:
+        log.error(
+            "[Device Control] %s Pinned host memory stays capped at %d %% of RAM this run.",
+            exc,
+            round(DEFAULT_PINNED_FRACTION * 100),
+        )
+        use_pinned_fraction(DEFAULT_PINNED_FRACTION)
+
+
 inventory = DeviceInventory(simulated=_simulated_from_env())
+_pinning_from_env()
+
+
+def device_options() -> list[str]:
+    """The devices a node offers: ``auto`` (ComfyUI's choice), ``cpu``, then every accelerator (``gpu:N``)."""
+    return ["auto", "cpu", *(d.id for d in inventory.snapshot().devices if d.is_accelerator and d.id)]

@@ -5,20 +5,11 @@ other module of the pack imports ComfyUI: they import from here. Each symbol is 
 (does the attribute exist?), never by version number, and a missing optional feature reads as ``None``
 or ``False`` so callers can say "not available in this ComfyUI" instead of crashing.
 
-ComfyUI module symbols used: :data:`COMFY_SYMBOLS` below (a test keeps it complete). Besides them, the
-objects ComfyUI hands us are used by attribute (duck-typed, each read with a fallback where it is optional):
-
-* ModelPatcher objects (duck-typed): ``model``, ``load_device``, ``offload_device``, ``model_size()``,
-  ``loaded_size()``, ``model_dtype()``, ``is_dynamic()`` (optional), ``clone(disable_dynamic=True)``
-  (optional), ``is_clone()``, ``partially_unload()``, ``patches``, ``patches_uuid``, ``backup``,
-  ``weight_wrapper_patches``, ``use_ejected()``, ``unpatch_hooks()``, ``apply_hooks()``, ``forced_hooks``,
-  ``get_all_callbacks()``; the model's ``model_loaded_weight_memory``, ``model_lowvram``,
-  ``lowvram_patch_counter``, ``model_offload_buffer_memory`` (optional), ``current_weight_patches_uuid``,
-  ``device``; ``LoadedModel.model``, ``LoadedModel.device``, ``LoadedModel.currently_used``,
-  ``LoadedModel.model_unload()``; CLIP ``patcher``, ``cond_stage_model``,
-  ``load_sd``; VAE ``patcher``, ``first_stage_model``, ``device``, ``vae_dtype``; model configs
-  ``set_inference_dtype``, ``get_model``, ``supported_inference_dtypes``, ``vae_key_prefix``,
-  ``process_vae_state_dict``, ``clip_target``, ``process_clip_state_dict``; ``BaseModel.load_model_weights``
+ComfyUI module symbols used: :data:`COMFY_SYMBOLS` below (a test keeps it complete). The attributes of the
+objects ComfyUI hands us (patchers, loaded-model entries, CLIP, VAE, model configs, the server), used by
+attribute, are :data:`COMFY_ATTRIBUTES`, by the class that defines them; :data:`OPTIONAL` names those looked
+up by feature, which a ComfyUI may lack. ``python -m tools.surface_check PATH`` checks both tables against
+any ComfyUI source tree, without running it.
 """
 
 from __future__ import annotations
@@ -43,6 +34,7 @@ MODULE_ACCESSORS = {
     "supported_models": "comfy.supported_models",
     "comfy_sd": "comfy.sd",
     "comfy_utils": "comfy.utils",
+    "comfy_lora": "comfy.lora",
     "folder_paths": "folder_paths",
     "prompt_server": "server.PromptServer.instance",
 }
@@ -66,6 +58,7 @@ COMFY_SYMBOLS: dict[str, tuple[str, ...]] = {
         "String",
         "Vae",
     ),
+    "comfy.lora": ("model_lora_keys_clip", "model_lora_keys_unet"),
     "comfy.memory_management": ("aimdo_enabled",),
     "comfy.model_base": ("BaseModel",),
     "comfy.model_detection": ("model_config_from_unet", "unet_prefix_from_state_dict"),
@@ -100,11 +93,80 @@ COMFY_SYMBOLS: dict[str, tuple[str, ...]] = {
     "server.PromptServer.instance.routes": ("get", "post"),
 }
 
+#: Attributes of ComfyUI's objects, by ``module:Class`` (``Class.attr`` for an attribute ComfyUI sets on an
+#: object the class holds, such as the model a patcher wraps). ``server.PromptServer.instance`` is a
+#: ``PromptServer``, its ``prompt_queue`` a ``PromptQueue``; its ``routes`` are aiohttp's, not ComfyUI's.
+COMFY_ATTRIBUTES: dict[str, tuple[str, ...]] = {
+    "comfy.model_patcher:ModelPatcher": (
+        "add_patches",
+        "apply_hooks",
+        "backup",
+        "clone",
+        "detach",
+        "forced_hooks",
+        "get_all_callbacks",
+        "is_clone",
+        "is_dynamic",
+        "load",
+        "load_device",
+        "loaded_size",
+        "model",
+        "model_dtype",
+        "model_size",
+        "offload_device",
+        "partially_load",
+        "partially_unload",
+        "patch_weight_to_device",
+        "patches",
+        "patches_uuid",
+        "unpatch_hooks",
+        "unpatch_model",
+        "use_ejected",
+        "weight_inplace_update",
+        "weight_wrapper_patches",
+        "model.current_weight_patches_uuid",
+        "model.device",
+        "model.lowvram_patch_counter",
+        "model.model_loaded_weight_memory",
+        "model.model_lowvram",
+        "model.model_offload_buffer_memory",
+    ),
+    "comfy.model_base:BaseModel": ("get_dtype", "load_model_weights", "manual_cast_dtype", "model_config"),
+    "comfy.model_management:LoadedModel": ("currently_used", "device", "model", "model_unload"),
+    "comfy.sd:CLIP": ("clone", "cond_stage_model", "load_sd", "patcher"),
+    "comfy.sd:VAE": ("device", "first_stage_model", "patcher", "vae_dtype"),
+    "comfy.supported_models:SD15": ("clip_target",),  # each family defines its own: SD15 stands for them
+    "comfy.supported_models_base:BASE": (
+        "get_model",
+        "process_clip_state_dict",
+        "process_vae_state_dict",
+        "set_inference_dtype",
+        "supported_inference_dtypes",
+        "vae_key_prefix",
+    ),
+    "server:PromptServer": ("last_node_id", "prompt_queue", "routes", "send_sync"),
+    "execution:PromptQueue": ("currently_running", "get_current_queue_volatile", "mutex"),
+}
+
+#: What a ComfyUI may lack: each is looked up by feature, and its absence reads as "not available".
+OPTIONAL: frozenset[str] = frozenset(
+    {
+        "comfy.memory_management.aimdo_enabled",
+        "comfy.model_management.TOTAL_PINNED_MEMORY",
+        "comfy.model_patcher:ModelPatcher.is_dynamic",
+        "comfy.model_patcher:ModelPatcher.model.model_offload_buffer_memory",
+        "comfy.patcher_extension.CallbacksMP",
+    }
+)
+
 __all__ = [
+    "COMFY_ATTRIBUTES",
     "COMFY_SYMBOLS",
     "NODE_API_MISSING",
+    "OPTIONAL",
     "ComfyExtension",
     "base_model_class",
+    "comfy_lora",
     "comfy_sd",
     "comfy_utils",
     "comfyui_version",
@@ -159,6 +221,11 @@ def comfy_sd() -> ModuleType:
 def comfy_utils() -> ModuleType:
     """``comfy.utils``."""
     return importlib.import_module("comfy.utils")
+
+
+def comfy_lora() -> ModuleType:
+    """``comfy.lora``: the key maps that say which LoRA layer names patch which weights of a model."""
+    return importlib.import_module("comfy.lora")
 
 
 def model_patcher_class() -> type:

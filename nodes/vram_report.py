@@ -7,7 +7,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..core.errors import DeviceControlError
-from ..core.report import MemoryReport, build_report
+from ..core.monitor.report import MemoryReport, build_report
 from . import bridge
 from .state import inventory
 from .surface import comfyui_version, io
@@ -29,10 +29,10 @@ def make_report(value: Any = None, label: str = "", devices: str = ALL_DEVICES) 
         mode = None
         notes.append(f"could not read ComfyUI's memory mode: {type(exc).__name__}: {exc}")
     subject = None
-    patcher = bridge.patcher_of(value)
-    if patcher is not None:
+    given = bridge.subject_of(value)
+    if given is not None:
         try:
-            subject = bridge.residency_of(patcher, snapshot)
+            subject = bridge.residency_of(given.patcher, snapshot)
         except Exception as exc:
             notes.append(f"could not describe the input: {type(exc).__name__}: {exc}")
     report = build_report(

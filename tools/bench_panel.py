@@ -36,7 +36,7 @@ from tools.stress import Workflows, example_prompt, fresh, snapshot_load
 REQUESTS = 1000
 LOAD_REQUESTS = 10_000
 LOAD_CLIENTS = 100
-RUNS = 10  # per side, for the open/closed comparison
+RUNS = 6  # per side, for the open/closed comparison (each benchmark run; tools/bench.py repeats the runs)
 STEPS = 4
 
 
@@ -99,11 +99,19 @@ def _latencies(server: ComfyServer) -> dict[str, dict[str, float]]:
 
 
 def main() -> int:
+    """``python -m tools.bench_panel [costs|load]``: the route, push and workflow costs (default), or only the
+    load test (10,000 requests, 100 listeners), which is one long run of its own."""
+    what = sys.argv[1] if len(sys.argv) > 1 else "costs"
     with tempfile.TemporaryDirectory(prefix="dc-bench-panel-") as base:
         server = ComfyServer(Path(base), env={"DEVICE_CONTROL_SIMULATE_GPU": "8GiB"}).start()
         try:
             prompt = example_prompt(server, steps=STEPS)
             server.run(prompt)  # warm: the checkpoint is in the OS cache, ComfyUI's caches are filled
+            if what == "load":
+                sys.stdout.write(
+                    json.dumps({"load": snapshot_load(server, requests=LOAD_REQUESTS, clients=LOAD_CLIENTS)}) + "\n"
+                )
+                return 0
             idle = _latencies(server)  # the example's models loaded, nothing running
 
             # Workflow time, panel closed vs open (alternating).
@@ -130,17 +138,15 @@ def main() -> int:
                 time.sleep(20)  # about 20 more pushes while workflows run
                 after = server.get("/device_control/snapshot")["push"]
                 server.post("/device_control/subscribe", {"interval": 0, "client": client})
-            load = snapshot_load(server, requests=LOAD_REQUESTS, clients=LOAD_CLIENTS)
             cpu = after["cpu_seconds"] - before["cpu_seconds"]
             active = after["active_seconds"] - before["active_seconds"]
             pushes = after["pushes"] - before["pushes"]
-            print(
+            sys.stdout.write(
                 json.dumps(
                     {
                         "latency": latencies,
                         "idle_latency": idle,
                         "workflow_runs_during_latency": workflows.runs,
-                        "load": load,
                         "push": {
                             "cpu_seconds": cpu,
                             "active_seconds": active,
@@ -158,6 +164,7 @@ def main() -> int:
                         },
                     }
                 )
+                + "\n"
             )
         finally:
             server.stop()

@@ -23,7 +23,7 @@ def main() -> int:
         server = ComfyServer(Path(base), env={"DEVICE_CONTROL_SIMULATE_GPU": "8GiB"}).start()
         try:
             result = soak(server, cycles)
-            print(json.dumps({**result.to_dict(), "rss": result.rss}))
+            sys.stdout.write(json.dumps({**result.to_dict(), "rss": result.rss, "seconds": result.seconds}) + "\n")
         finally:
             server.stop()
     return 0

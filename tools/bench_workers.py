@@ -68,7 +68,7 @@ def load(loader: str, path: Path) -> dict:
 def detect(detector: str, path: Path, repeats: int = 5) -> dict:
     """How long it takes to know what a file is: our header-only detection, or ComfyUI's (whole state dict)."""
     if detector == "ours":
-        from core.detection import detect as ours
+        from core.detection.detect import detect as ours
 
         def run() -> str:
             return ours(path).comfy_class
@@ -107,7 +107,7 @@ def cast_ops(repeats: int = 40) -> dict:
     import comfy.ops
     import torch
 
-    from core import ops
+    from core.weights import ops
 
     torch.manual_seed(0)
     cases = {  # SD1.5-sized: an attention projection at 32x32 latents, a 3x3 convolution of the first level
@@ -180,7 +180,7 @@ def patching(checkpoint: Path, lora: Path, repeats: int = 9) -> dict:
     }
 
 
-def policy(checkpoint: Path, repeats: int = 3) -> dict:
+def policy(checkpoint: Path, repeats: int = 1) -> dict:
     """The SD1.5 UNet (fp16 storage, fp32 compute) under budgets on a simulated GPU, with each policy."""
     _comfy(checkpoint.parent)
     import torch
@@ -189,8 +189,9 @@ def policy(checkpoint: Path, repeats: int = 3) -> dict:
 
     pack = import_pack().__name__
     node = __import__(f"{pack}.nodes.load_checkpoint", fromlist=["x"])
-    loading = __import__(f"{pack}.core.loading", fromlist=["x"])
-    simulated = __import__(f"{pack}.core.simulated", fromlist=["x"])
+    loading = __import__(f"{pack}.core.placement.engine", fromlist=["x"])
+    plans = __import__(f"{pack}.core.placement.plan", fromlist=["x"])
+    simulated = __import__(f"{pack}.core.devices.simulated", fromlist=["x"])
     model = node.LoadCheckpointWithDevice.execute(checkpoint.name, "cpu", "cpu", "cpu", "fp16", "auto", "auto").args[0]
     unet = model.model.diffusion_model
     device = simulated.SimulatedDevice(64 * 1024**3)
@@ -203,7 +204,7 @@ def policy(checkpoint: Path, repeats: int = 3) -> dict:
     results = {}
     with torch.inference_mode():
         for share in (0.25, 0.5, 0.75):
-            for chosen in loading.Policy:
+            for chosen in plans.Policy:
                 report = engine.load(device, int(total * share), policy=chosen)
                 times = []
                 for _ in range(repeats):

@@ -8,6 +8,7 @@ Every tier must run: a tier that cannot (no ComfyUI, no Chromium) fails instead 
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import subprocess
@@ -22,7 +23,23 @@ from tools.runtime import RELEASES, REPO, TESTED_VERSIONS, provision
 log = logging.getLogger("device_control.tools")
 
 
+def arguments(argv: list[str]) -> list[str]:
+    """The arguments for pytest; ``--help`` prints how to use this command (and provisions nothing)."""
+    parser = argparse.ArgumentParser(
+        prog="python3 tools/run_tests.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+        epilog=(
+            "Any other argument goes to pytest, in each pass: a tier (tests/core), a test (-k soak), or this "
+            "repository's own options: --soak-cycles N (the long soak runs 200)."
+        ),
+    )
+    return parser.parse_known_args(argv)[1]
+
+
 def main() -> int:
+    pytest_args = arguments(sys.argv[1:])
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     started = time.monotonic()
     python = provision(browser=True, versions=tuple(RELEASES))
@@ -31,10 +48,10 @@ def main() -> int:
     steps: list[tuple[str, list[str]]] = [
         ("", [str(python), "-m", "ruff", "check", "."]),
         ("", [str(python), "-m", "ruff", "format", "--check", "."]),
-        (newest, [str(python), "-m", "pytest", *sys.argv[1:]]),
+        (newest, [str(python), "-m", "pytest", *pytest_args]),
     ]
     # The tiers that run ComfyUI, again on each older version (core/ does not depend on ComfyUI).
-    tiers = sys.argv[1:] or ["tests/integration", "tests/browser"]
+    tiers = pytest_args or ["tests/integration", "tests/browser"]
     steps += [(version, [str(python), "-m", "pytest", *tiers]) for version in older]
     for version, step in steps:
         label = " ".join(step[2:]) + (f" (ComfyUI {version})" if version else "")

@@ -1,11 +1,13 @@
 """The only place that touches ComfyUI's model objects (ModelPatcher, LoadedModel, CLIP, VAE, model configs).
 
-``reading`` describes what ComfyUI has loaded; ``checkpoint`` builds a checkpoint's models with ComfyUI's
-classes and fills them our way; ``patcher`` loads and unloads models with ``core.loading`` under their
+``subjects`` tells a MODEL, CLIP and VAE apart and names them; ``reading`` describes what ComfyUI has loaded;
+``checkpoint`` builds a checkpoint's models with ComfyUI's
+classes and fills them our way; ``patcher`` loads and unloads models with ``core.placement`` under their
 placement, through ComfyUI's own entry points; ``books`` sees ComfyUI's list of loaded models as the models
-``core.loading`` can evict, and keeps models resident; ``moves`` is Move To GPU and Offload To CPU.
+``core.placement`` can evict, and keeps models resident; ``moves`` is Move To GPU and Offload To CPU.
 """
 
-from .reading import component_of, device_id, loaded_models, memory_mode, patcher_of, residency_of
+from .reading import device_id, loaded_models, memory_mode, residency_of
+from .subjects import component_of, subject_of
 
-__all__ = ["component_of", "device_id", "loaded_models", "memory_mode", "patcher_of", "residency_of"]
+__all__ = ["component_of", "device_id", "loaded_models", "memory_mode", "residency_of", "subject_of"]

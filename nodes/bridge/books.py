@@ -18,14 +18,17 @@ import contextvars
 import logging
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ...core.loading import Eviction, Placement, engine_of, make_room, same_target
-from ...core.placement import Target
+from ...core.devices.tensors import HOST, Target, label_of, same_target
+from ...core.placement.budget import Placement
+from ...core.placement.engine import engine_of
+from ...core.placement.eviction import Eviction, make_room
 from ...core.units import format_bytes
 from .. import surface
+from .subjects import model_label
 
 log = logging.getLogger("device_control")
 
@@ -137,30 +140,33 @@ def resident_on(patcher: Any, target: Target) -> int:
     return int(patcher.loaded_size()) if same_target(device, target) else 0
 
 
-def model_name(patcher: Any) -> str:
-    """``SD15 diffusion model``, ``SD1ClipModel``: a short name for messages."""
-    model = patcher.model
-    config = getattr(model, "model_config", None)
-    if config is not None:
-        return f"{type(config).__name__} diffusion model"
-    return type(model).__name__
-
-
 class ComfyEntry:
-    """One of ComfyUI's ``LoadedModel`` entries as a :class:`core.loading.Managed` model."""
+    """One of ComfyUI's ``LoadedModel`` entries as a :class:`core.placement.eviction.Managed` model.
 
-    def __init__(self, entry: Any) -> None:
+    Args:
+        entry: the entry.
+        namer: how to name a device for the user (default: the backend's name, ``sim:0``).
+    """
+
+    def __init__(self, entry: Any, namer: Callable[[Target], str] = label_of) -> None:
         self.entry = entry
         patcher = entry.model
         placement = placement_of(patcher)
-        self.name = model_name(patcher)
+        self.name = model_label(patcher)
         self.keep_resident = bool(placement and placement.keep_resident)
+        here = where(entry)
+        self.device = namer(here) if here is not None else "an unknown device"
 
-    def resident_on(self, target: Target) -> int:
+    def resident_on(self, target: Target | None) -> int:
         patcher = self.entry.model
-        return 0 if patcher is None else resident_on(patcher, target)
+        if patcher is None:
+            return 0
+        if target is None:  # wherever it is; in host memory it holds no device memory
+            here = where(self.entry)
+            return 0 if here is None or same_target(here, HOST) else resident_on(patcher, here)
+        return resident_on(patcher, target)
 
-    def give_back(self, target: Target, nbytes: int | None) -> int:
+    def give_back(self, target: Target | None, nbytes: int | None) -> int:
         patcher = self.entry.model
         before = self.resident_on(target)
         if nbytes is not None and nbytes < before:
@@ -203,7 +209,7 @@ class KeptEntry(surface.loaded_model_class()):
         if placement is not None and placement.keep_resident and not _USER_REQUEST.get():
             log.info(
                 "[Device Control] %s stays on %s (keep resident); ComfyUI wanted %s for another model",
-                model_name(self.model),
+                model_label(self.model),
                 placement.name,
                 format_bytes(memory_to_free) if memory_to_free is not None else "all of it",
             )

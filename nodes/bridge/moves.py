@@ -15,63 +15,26 @@ from typing import Any
 
 import torch
 
-from ...core.budget import Budget
-from ...core.devices import DeviceInventory, InventorySnapshot
+from ...core.devices.inventory import DeviceInventory, InventorySnapshot
+from ...core.devices.simulated import SimulatedDevice
+from ...core.devices.tensors import Target, label_of
 from ...core.errors import DeviceControlError
-from ...core.loading import Placement, partial_model_of
-from ...core.placement import HOST, Target, label_of
-from ...core.simulated import SimulatedDevice
-from ...core.units import format_bytes, parse_size
+from ...core.placement.budget import Budget, Placement
+from ...core.placement.engine import partial_model_of
+from ...core.placement.eviction import Eviction
+from ...core.units import format_bytes
 from .. import surface
 from .books import (
     clone_entries,
-    entries,
     in_force,
     keep_entries,
     make_room_for,
-    model_name,
-    unload_entries,
-    where,
 )
 from .patcher import DeviceControlPatcher, adopt, last_load
-from .reading import component_of, residency_of, target_id
+from .reading import residency_of
+from .subjects import Subject, require_subject
 
 log = logging.getLogger("device_control")
-
-
-@dataclass
-class Subject:
-    """A MODEL, CLIP or VAE value and the patcher behind it."""
-
-    kind: str
-    value: Any
-    patcher: Any
-
-    @property
-    def name(self) -> str:
-        """``SD15 diffusion model``, ``text encoder (SD1ClipModel)``, ``VAE (AutoencoderKL)``."""
-        if self.kind == "MODEL":
-            return model_name(self.patcher)
-        noun = {"CLIP": "text encoder", "VAE": "VAE"}[self.kind]
-        return f"{noun} ({type(self.patcher.model).__name__})"
-
-
-def subject_of(value: Any) -> Subject:
-    """Tell a MODEL, a CLIP and a VAE apart.
-
-    Raises:
-        DeviceControlError: the value is none of them.
-    """
-    if hasattr(value, "model_size") and hasattr(value, "loaded_size") and hasattr(value, "model"):
-        return Subject("MODEL", value, value)
-    patcher = getattr(value, "patcher", None)
-    if patcher is not None and hasattr(value, "cond_stage_model"):
-        return Subject("CLIP", value, patcher)
-    if patcher is not None and hasattr(value, "first_stage_model"):
-        return Subject("VAE", value, patcher)
-    raise DeviceControlError(
-        f"a {type(value).__name__} cannot be moved: connect a MODEL, a CLIP or a VAE to the model input."
-    )
 
 
 def _classic_clone(patcher: Any) -> Any:
@@ -139,47 +102,69 @@ def move(value: Any, device: str, vram_budget: str, keep_resident: bool, invento
             room even for the layers that cannot stream (the model stays in RAM), or a load that did not go
             through Device Control.
     """
-    subject = subject_of(value)
+    subject = require_subject(value)
     snapshot = inventory.snapshot()
     target, chosen_id, warning = resolve_target(inventory, device, snapshot)
     placement = Placement(target, Budget.parse(vram_budget), keep_resident, device_id=chosen_id)
     budget = placement.budget_bytes()  # a budget larger than the device is refused here, before anything moves
-    before = state_before(subject, snapshot)
+    notes = [f"before: {state_before(subject, snapshot)}"]
     log.info("[Device Control] Move To GPU: moving %s to %s (budget %s)", subject.name, chosen_id, placement.budget)
+    moved = placed_clone(subject, placement)
+    eviction = _make_room(moved.patcher, target, budget)
+    previous = last_load(moved.patcher)
+    surface.load_models_gpu([moved.patcher], force_full_load=moved.kind == "CLIP")
+    keep_entries()
+    _check_in_force(moved, chosen_id, snapshot)
+    report = last_load(moved.patcher)
+    oom = report.oom if report is not None and report is not previous else None
+    notes += [eviction.summary() if eviction else "", f"warning: {warning}" if warning else ""]
+    text = _move_summary(moved, placement, budget, oom, notes)
+    log.info("[Device Control] Move To GPU: %s", text)
+    return MoveResult(moved.value, text)
+
+
+def placed_clone(subject: Subject, placement: Placement) -> Subject:
+    """A clone of ``subject`` that carries ``placement`` (its patcher loads there; a VAE sends its inputs there)."""
     moved = clone_subject(subject)
     patcher = moved.patcher
     patcher.device_control_placement = placement
+    target = placement.target
     patcher.load_device = torch.device("cpu") if isinstance(target, SimulatedDevice) else target
     if moved.kind == "VAE":
-        moved.value.device = patcher.load_device  # the VAE sends its inputs there
+        moved.value.device = patcher.load_device
+    return moved
+
+
+def _make_room(patcher: Any, target: Target, budget: int) -> Eviction | None:
+    """Room for what the placement will add on ``target``, from other models (least recently used first)."""
     engine = partial_model_of(patcher.model)
     engine.limits.pop(label_of(target), None)  # the user asks again: try the full budget
     wanted = min(budget, engine.total_bytes()) - engine.resident_bytes(target)
-    eviction = make_room_for(patcher, target, wanted) if wanted > 0 else None
-    previous = last_load(patcher)
-    surface.load_models_gpu([patcher], force_full_load=moved.kind == "CLIP")
-    keep_entries()
-    if not in_force(patcher):
-        raise DeviceControlError(
-            f"Move To GPU could not place {moved.name} on {chosen_id}: ComfyUI's load did not go through Device "
-            f"Control, and the model is now {where_now(patcher, snapshot)}. Another custom node pack may replace "
-            "ComfyUI's model loading (load_models_gpu or the ModelPatcher's load methods): disable it and queue "
-            "again, or report this with the VRAM Report's JSON output."
-        )
-    report = last_load(patcher)
-    oom = report.oom if report is not None and report is not previous else None
-    lines = [f"{moved.name} {engine.describe(chosen_id, budget, oom=oom).summary()}"]
+    return make_room_for(patcher, target, wanted) if wanted > 0 else None
+
+
+def _check_in_force(moved: Subject, device: str, snapshot: InventorySnapshot) -> None:
+    """Raise unless the weights are where the move put them (never report a move that did not happen)."""
+    if in_force(moved.patcher):
+        return
+    raise DeviceControlError(
+        f"Move To GPU could not place {moved.name} on {device}: ComfyUI's load did not go through Device "
+        f"Control, and the model is now {where_now(moved.patcher, snapshot)}. Another custom node pack may "
+        "replace ComfyUI's model loading (load_models_gpu or the ModelPatcher's load methods): disable it and "
+        "queue again, or report this with the VRAM Report's JSON output."
+    )
+
+
+def _move_summary(moved: Subject, placement: Placement, budget: int, oom: str | None, notes: list[str]) -> str:
+    """Where the model is now (read from its weights), its budget, then ``notes`` (empty ones left out)."""
+    engine = partial_model_of(moved.patcher.model)
     shown = str(placement.budget)
     shown += f" ({format_bytes(budget)})" if shown != format_bytes(budget) else ""
-    lines.append(f"  budget {shown}" + ("; kept resident" if keep_resident else ""))
-    lines.append(f"  before: {before}")
-    if eviction is not None and eviction.summary():
-        lines.append(f"  {eviction.summary()}")
-    if warning:
-        lines.append(f"  warning: {warning}")
-    text = "\n".join(lines)
-    log.info("[Device Control] Move To GPU: %s", text)
-    return MoveResult(moved.value, text)
+    lines = [
+        f"{moved.name} {engine.describe(placement.name, budget, oom=oom).summary()}",
+        f"  budget {shown}" + ("; kept resident" if placement.keep_resident else ""),
+    ]
+    return "\n".join(lines + [f"  {note}" for note in notes if note])
 
 
 def where_now(patcher: Any, snapshot: InventorySnapshot) -> str:
@@ -198,118 +183,3 @@ def state_before(subject: Subject, snapshot: InventorySnapshot) -> str:
     if not loaded:
         return "not loaded (weights in RAM)"
     return where_now(loaded[0].model, snapshot)
-
-
-OFFLOAD_MODES = ("full", "free N GB", "all models", "all except this one")
-
-
-def offload(value: Any | None, mode: str, amount: str, empty_cache: bool, inventory: DeviceInventory) -> str:
-    """Move models back to RAM, as the user asked (keep-resident models included); what was freed where.
-
-    Raises:
-        DeviceControlError: an unknown mode, a mode that needs a model without one, or an unreadable amount.
-    """
-    if mode not in OFFLOAD_MODES:
-        raise DeviceControlError(f"unknown mode {mode!r}; choose one of {', '.join(OFFLOAD_MODES)}.")
-    subject = subject_of(value) if value is not None else None
-    if subject is None and mode in ("full", "all except this one"):
-        raise DeviceControlError(f"mode '{mode}' needs a model: connect one, or choose 'all models'.")
-    snapshot = inventory.snapshot()
-    if mode == "free N GB":
-        done = _free_amount(_free_candidates(subject), parse_size(amount), snapshot)
-    else:
-        done = _unload_all_of(_chosen(subject, mode), snapshot)
-        if subject is not None and mode == "full":
-            engine = partial_model_of(subject.patcher.model)
-            if engine.target is not None:  # resident without an entry in ComfyUI's list: still ours to free
-                subject.patcher.detach()
-    if empty_cache:
-        surface.soft_empty_cache()
-        for device in inventory.simulated:
-            device.empty_cache()
-    text = _offload_summary(mode, amount, done)
-    log.info("[Device Control] %s", text)
-    return text
-
-
-@dataclass(frozen=True)
-class Offloaded:
-    """One model taken off its device: its name, the device (our id), bytes freed there, and whether that
-    device is the host (a model that computed on the CPU frees no device memory: its weights stay in RAM)."""
-
-    name: str
-    device: str
-    freed: int
-    on_host: bool
-
-
-def _chosen(subject: Subject | None, mode: str) -> list[Any]:
-    """The ComfyUI entries a ``full``, ``all models`` or ``all except this one`` offload unloads."""
-    if mode == "full":
-        return clone_entries(subject.patcher)
-    if mode == "all models":
-        return entries()
-    return [e for e in entries() if not subject.patcher.is_clone(e.model)]
-
-
-def _free_candidates(subject: Subject | None) -> list[Any]:
-    """The entries ``free N GB`` may take from: the model's own, or every model's, most recently used first."""
-    if subject is not None:
-        return clone_entries(subject.patcher)
-    return [e for e in entries() if component_of(e.model.model) != "other"]
-
-
-def _device_of(entry: Any, snapshot: InventorySnapshot) -> tuple[str, bool]:
-    """Our id for the device an entry's model is loaded on (read before it leaves), and whether it is the host."""
-    device = where(entry)
-    return target_id(device, snapshot), isinstance(device, torch.device) and device == HOST
-
-
-def _remaining(entry: Any) -> int:
-    patcher = entry.model
-    return int(patcher.loaded_size()) if patcher is not None and entry in surface.loaded_model_list() else 0
-
-
-def _unload_all_of(chosen: list[Any], snapshot: InventorySnapshot) -> list[Offloaded]:
-    before = [(e, model_name(e.model), *_device_of(e, snapshot), int(e.model.loaded_size())) for e in chosen]
-    unload_entries(chosen)
-    return [Offloaded(name, device, max(0, size - _remaining(e)), host) for e, name, device, host, size in before]
-
-
-def _free_amount(chosen: list[Any], wanted: int, snapshot: InventorySnapshot) -> list[Offloaded]:
-    """Free ``wanted`` bytes of device memory, least recently used models first, a model giving back only part
-    of itself (streaming more) when that is enough."""
-    done: list[Offloaded] = []
-    for entry in reversed(chosen):
-        missing = wanted - sum(step.freed for step in done)
-        if missing <= 0:
-            break
-        device, on_host = _device_of(entry, snapshot)
-        before = int(entry.model.loaded_size())
-        if before <= 0 or on_host:
-            continue  # in RAM already: unloading it would free no device memory
-        if missing < before:
-            entry.model.partially_unload(entry.model.offload_device, missing)
-        else:
-            unload_entries([entry])
-        done.append(Offloaded(model_name(entry.model), device, max(0, before - _remaining(entry)), False))
-    return done
-
-
-def _offload_summary(mode: str, amount: str, done: list[Offloaded]) -> str:
-    """``Offload To CPU (full): 3.20 GiB freed (gpu:0 3.20 GiB)`` and a line per model."""
-    freed: dict[str, int] = {}
-    lines: list[str] = []
-    for step in done:
-        if step.on_host:
-            lines.append(f"  {step.name}: in RAM already (it computed on {step.device}); unloaded from ComfyUI's list")
-        elif step.freed:
-            freed[step.device] = freed.get(step.device, 0) + step.freed
-            lines.append(f"  {step.name}: {format_bytes(step.freed)} freed on {step.device}")
-    total = sum(freed.values())
-    head = f"Offload To CPU ({mode}): {format_bytes(total)} freed" + (
-        " (" + ", ".join(f"{name} {format_bytes(n)}" for name, n in freed.items()) + ")" if freed else ""
-    )
-    if mode == "free N GB" and total < parse_size(amount):
-        head += f"; {format_bytes(parse_size(amount) - total)} of {amount} could not be freed (nothing more loaded)"
-    return "\n".join([head, *lines])

@@ -27,23 +27,28 @@ from typing import Any
 
 import torch
 
-from ...core.loading import RESIDENT_MARK, LayerHooks, LoadReport, Placement, partial_model_of, same_target
-from ...core.patch_math import calculate_weight
-from ...core.patching import OnTheFlyPatch, get_weight, key_seed, round_to, set_weight
-from ...core.placement import Target, label_of, own_tensors
-from ...core.simulated import SimulatedDevice
+from ...core.devices.simulated import SimulatedDevice
+from ...core.devices.tensors import Target, label_of, own_tensors, same_target
+from ...core.placement.budget import Placement
+from ...core.placement.engine import LoadReport, partial_model_of
+from ...core.placement.plan import RESIDENT_MARK
+from ...core.placement.streaming import LayerHooks
 from ...core.units import format_bytes
+from ...core.weights.patch_math import calculate_weight
+from ...core.weights.patching import OnTheFlyPatch, get_weight, key_seed, round_to, set_weight
 from .. import surface
 from .books import (
     Holding,
     forget_loaded,
     holding_of,
     make_room_for,
-    model_name,
     note_displacement,
     note_loaded,
     placement_of,
 )
+from .lora_coverage import report_coverage
+from .patches import check_added, check_present, describe, lora_file
+from .subjects import model_label
 
 log = logging.getLogger("device_control")
 
@@ -133,6 +138,17 @@ def _keep_embeddings_resident(model: torch.nn.Module, engine: Any) -> None:
     engine.refresh()
 
 
+def _log_stopped(patcher: Any, target: Target, exc: BaseException) -> None:
+    log.warning(
+        "[Device Control] loading %s onto %s stopped (%s) with %s resident; every layer is resident or streams, "
+        "and ComfyUI now moves the model back to RAM",
+        model_label(patcher),
+        label_of(target),
+        type(exc).__name__,
+        format_bytes(partial_model_of(patcher.model).resident_bytes(target)),
+    )
+
+
 def _interrupt_check(_done: int, _total: int) -> None:
     surface.throw_if_interrupted()
 
@@ -146,6 +162,16 @@ class DeviceControlPatcher(surface.model_patcher_class()):
 
     #: Class-level default, so a ComfyUI patcher adopted by class change (no ``__init__``) has one.
     device_control_placement: Placement | None = None
+
+    def add_patches(self, patches: Any, strength_patch: float = 1.0, strength_model: float = 1.0) -> Any:
+        """ComfyUI's, after refusing a patch we cannot apply or one with NaN values (``bridge.patches``); then
+        how much of the LoRA file this model takes is logged (``bridge.lora_coverage``)."""
+        file = lora_file()
+        check_added(patches, self.model.state_dict().keys(), describe(file))
+        added = super().add_patches(patches, strength_patch, strength_model)
+        if file is not None:
+            report_coverage(self, file)
+        return added
 
     def clone(self, *args: Any, **kwargs: Any) -> Any:
         n = super().clone(*args, **kwargs)
@@ -167,28 +193,15 @@ class DeviceControlPatcher(surface.model_patcher_class()):
         target = placement.target if placement is not None else device_to
         engine = partial_model_of(self.model)
         _keep_embeddings_resident(self.model, engine)
-        budget = placement.budget_bytes() if placement is not None else engine.total_bytes()
-        if lowvram_model_memory and not full_load and not isinstance(target, SimulatedDevice):
-            budget = min(budget, int(lowvram_model_memory))  # what ComfyUI found free on the device
-        if isinstance(target, SimulatedDevice):  # ComfyUI made no room on it: we do, as it would on a GPU
-            wanted = min(budget, engine.total_bytes()) - engine.resident_bytes(target)
-            make_room_for(self, target, wanted + SIMULATED_HEADROOM)
-            budget = max(0, min(budget, target.free() + engine.resident_bytes(target) - SIMULATED_HEADROOM))
+        budget = self._budget(target, lowvram_model_memory if not full_load else 0)
         compute = device_to if isinstance(device_to, torch.device) and device_to.type != "cpu" else None
-        hooks = _Hooks(self, compute if not isinstance(target, SimulatedDevice) else None, force_patch_weights)
+        hooks = _Hooks(self, None if isinstance(target, SimulatedDevice) else compute, force_patch_weights)
         with self.use_ejected():
             self.unpatch_hooks()
             try:
                 report = engine.load(target, budget, hooks=hooks, progress=_interrupt_check)
             except BaseException as exc:
-                log.warning(
-                    "[Device Control] loading %s onto %s stopped (%s) with %s resident; every layer is resident "
-                    "or streams, and ComfyUI now moves the model back to RAM",
-                    model_name(self),
-                    label_of(target),
-                    type(exc).__name__,
-                    format_bytes(engine.resident_bytes(target)),
-                )
+                _log_stopped(self, target, exc)
                 raise
             finally:
                 self._sync_books(device_to)
@@ -199,10 +212,22 @@ class DeviceControlPatcher(surface.model_patcher_class()):
             self.apply_hooks(self.forced_hooks, force_apply=True)
         log.info(
             "[Device Control] loaded %s: %s; on-the-fly patches: %d",
-            model_name(self),
+            model_label(self),
             report.summary(),
             self.model.lowvram_patch_counter,
         )
+
+    def _budget(self, target: Target, free_for_it: int) -> int:
+        """Bytes the model may take on ``target``: its placement's budget (all of it without one), within what
+        ComfyUI found free for it on a real device; on a simulated one, ComfyUI made no room, so we make it."""
+        placement = placement_of(self)
+        engine = partial_model_of(self.model)
+        budget = placement.budget_bytes() if placement is not None else engine.total_bytes()
+        if not isinstance(target, SimulatedDevice):
+            return min(budget, int(free_for_it)) if free_for_it else budget
+        wanted = min(budget, engine.total_bytes()) - engine.resident_bytes(target)
+        make_room_for(self, target, wanted + SIMULATED_HEADROOM)
+        return max(0, min(budget, target.free() + engine.resident_bytes(target) - SIMULATED_HEADROOM))
 
     def partially_load(self, device_to: Any, extra_memory: int = 0, force_patch_weights: bool = False) -> int:
         placement = placement_of(self)
@@ -254,7 +279,7 @@ class DeviceControlPatcher(surface.model_patcher_class()):
         return_weight: bool = False,
         force_cast: bool = False,
     ) -> torch.Tensor | None:
-        """Patch one resident weight with ``core.patching`` (float32 math, seeded rounding, exact backup).
+        """Patch one resident weight with ``core.weights.patching`` (float32 math, seeded rounding, exact backup).
 
         ``return_weight`` (newer ComfyUI: saving a checkpoint, extracting a LoRA) returns the patched weight
         instead, touching neither the model nor the backups; ``force_cast`` belongs to ComfyUI's Dynamic VRAM
@@ -265,25 +290,30 @@ class DeviceControlPatcher(surface.model_patcher_class()):
             return surface.key_weight(self.model, key)[0] if return_weight else None
         weight, set_func, convert_func = surface.key_weight(self.model, key)
         inplace = self.weight_inplace_update or inplace_update
-        if key not in self.backup and not return_weight:
+        if not return_weight:
+            self._back_up(key, weight, inplace)
+        patched = self._patched(key, weight, convert_func, device_to)
+        if return_weight:  # only newer ComfyUI asks, and its set functions take return_weight
+            if set_func is not None:
+                return set_func(patched, inplace_update=False, seed=key_seed(key), return_weight=True)
+            return round_to(patched, weight.dtype, key_seed(key))
+        if set_func is not None:
+            set_func(patched, inplace_update=inplace, seed=key_seed(key))
+        else:
+            _put_weight(self.model, key, round_to(patched, weight.dtype, key_seed(key)), inplace)
+        return None
+
+    def _back_up(self, key: str, weight: torch.Tensor, inplace: bool) -> None:
+        """Keep the original of ``key`` (once; a copy when it is patched in place), for an exact restore."""
+        if key not in self.backup:
             self.backup[key] = Backup(weight.to(device=self.offload_device, copy=inplace), inplace)
-        work = weight.to(device=device_to or weight.device, dtype=torch.float32, copy=True)
+
+    def _patched(self, key: str, weight: torch.Tensor, convert_func: Any, device: Any) -> torch.Tensor:
+        """``weight`` with its patches applied, in float32 (the math of ``core.weights.patch_math``)."""
+        work = weight.to(device=device or weight.device, dtype=torch.float32, copy=True)
         if convert_func is not None:
             work = convert_func(work, inplace=True)
-        patched = calculate_weight(self.patches[key], work, key)
-        if set_func is not None:
-            if return_weight:  # only newer ComfyUI asks, and its set functions take return_weight
-                return set_func(patched, inplace_update=False, seed=key_seed(key), return_weight=True)
-            set_func(patched, inplace_update=inplace, seed=key_seed(key))
-            return None
-        rounded = round_to(patched, weight.dtype, key_seed(key))
-        if return_weight:
-            return rounded
-        if inplace:
-            get_weight(self.model, key).data.copy_(rounded)
-        else:
-            set_weight(self.model, key, rounded)
-        return None
+        return calculate_weight(self.patches[key], work, key)
 
     def on_the_fly(self, key: str, param: torch.Tensor | None) -> OnTheFlyPatch:
         """The patch a streamed layer applies to weight ``key`` each time it is cast."""
@@ -317,8 +347,20 @@ class DeviceControlPatcher(surface.model_patcher_class()):
         model.current_weight_patches_uuid = self.patches_uuid if engine.target is not None else None
 
 
+def _put_weight(model: torch.nn.Module, key: str, value: torch.Tensor, inplace: bool) -> None:
+    if inplace:
+        get_weight(model, key).data.copy_(value)
+    else:
+        set_weight(model, key, value)
+
+
 def adopt(patcher: Any, placement: Placement | None) -> Any:
-    """Make an existing ComfyUI patcher (a CLIP's, a VAE's) a :class:`DeviceControlPatcher` with ``placement``."""
+    """Make an existing ComfyUI patcher (a CLIP's, a VAE's) a :class:`DeviceControlPatcher` with ``placement``.
+
+    Raises:
+        PatchError: it carries a patch we cannot apply (checked before anything changes).
+    """
+    check_present(patcher)
     patcher.__class__ = DeviceControlPatcher  # the subclass adds behaviour and one attribute with a default
     patcher.device_control_placement = placement
     return patcher

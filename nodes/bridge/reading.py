@@ -12,12 +12,13 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
-from ...core.devices import InventorySnapshot
-from ...core.loading import engine_of
-from ...core.report import MemoryMode, ModelResidency
-from ...core.simulated import SimulatedDevice
+from ...core.devices.inventory import InventorySnapshot
+from ...core.devices.simulated import SimulatedDevice
+from ...core.monitor.report import MemoryMode, ModelResidency
+from ...core.placement.engine import engine_of
 from .. import surface
 from .books import holding_of, placement_of
+from .subjects import component_of, model_label
 
 _VRAM_STATES = {
     "DISABLED": "CPU only: ComfyUI manages no GPU memory (started with --cpu, or no GPU found)",
@@ -49,26 +50,6 @@ def target_id(target: Any, snapshot: InventorySnapshot) -> str:
     return device_id(target, snapshot)
 
 
-def component_of(model: Any) -> str:
-    """``MODEL``, ``CLIP``, ``VAE`` or ``other``, from what ComfyUI's module tree can do."""
-    base = surface.base_model_class()
-    if base is not None and isinstance(model, base):
-        return "MODEL"
-    if hasattr(model, "encode_token_weights"):
-        return "CLIP"
-    if hasattr(model, "decode") and hasattr(model, "encode"):
-        return "VAE"
-    return "other"
-
-
-def _display_name(model: Any, component: str) -> str:
-    config = getattr(model, "model_config", None)
-    family = type(config).__name__ if config is not None else None
-    names = {"MODEL": "diffusion model", "CLIP": "text encoder", "VAE": "VAE"}
-    noun = names.get(component, type(model).__name__)
-    return f"{family} {noun}" if family else noun
-
-
 def residency_of(patcher: Any, snapshot: InventorySnapshot, *, in_use: bool = True) -> ModelResidency:
     """Describe one ModelPatcher: size, bytes on its compute device and on its offload device."""
     model = patcher.model
@@ -91,7 +72,7 @@ def residency_of(patcher: Any, snapshot: InventorySnapshot, *, in_use: bool = Tr
     partial = bool(getattr(model, "model_lowvram", False)) or (0 < loaded < total)
     placement = holding.placement if holding is not None else None
     return ModelResidency(
-        name=_display_name(model, component),
+        name=model_label(patcher, with_class=False),
         component=component,
         model_class=type(model).__name__,
         total_bytes=total,
@@ -181,16 +162,6 @@ def loaded_models(
             what = type(getattr(patcher, "model", patcher)).__name__
             notes.append(f"could not read {what}: {type(exc).__name__}: {exc}")
     return models, notes
-
-
-def patcher_of(value: Any) -> Any | None:
-    """The ModelPatcher behind a MODEL, CLIP or VAE value, or ``None`` for anything else."""
-    if hasattr(value, "model_size") and hasattr(value, "loaded_size"):
-        return value
-    inner = getattr(value, "patcher", None)
-    if inner is not None and hasattr(inner, "model_size"):
-        return inner
-    return None
 
 
 def memory_mode(snapshot: InventorySnapshot) -> MemoryMode:

@@ -91,8 +91,42 @@ def test_panel_shows_the_simulated_device_and_follows_a_run(frontend, artifacts,
     timeline = page.locator(f"{PANEL} canvas.dc-timeline")
     assert int(timeline.get_attribute("data-markers")) >= 5  # one per node that ran
     assert int(timeline.get_attribute("data-samples")) >= 3
+    assert_the_chart_is_readable(page, timeline)
     assert frontend.our_errors() == []
     page.locator(PANEL).screenshot(path=str(artifacts / f"panel_after_seed_run_{frontend_version}.png"))
+
+
+def overlap(a: dict, b: dict) -> bool:
+    return (
+        a["x"] < b["x"] + b["width"]
+        and b["x"] < a["x"] + a["width"]
+        and a["y"] < b["y"] + b["height"]
+        and (b["y"] < a["y"] + a["height"])
+    )
+
+
+def assert_the_chart_is_readable(page: Any, timeline: Any) -> None:
+    """At the sidebar's width as the frontend gives it: no text of the chart on another, all of it inside the
+    chart, the legend beside no other text, and a marker's node named on hover."""
+    box = timeline.bounding_box()
+    labels = json.loads(timeline.get_attribute("data-layout"))
+    assert {label["text"] for label in labels} >= {"0%", "50%", "100%", "now"}
+    for i, label in enumerate(labels):
+        assert label["x"] >= 0 and label["x"] + label["width"] <= box["width"] + 0.5, label
+        assert label["y"] >= 0 and label["y"] + label["height"] <= box["height"] + 0.5, label
+        clashes = [other["text"] for other in labels[i + 1 :] if overlap(label, other)]
+        assert not clashes, f"{label['text']!r} is drawn over {clashes}"
+    legend = [e.bounding_box() for e in page.locator(f"{PANEL} .dc-legend-entry").all()]
+    assert legend and all(b["y"] + b["height"] <= box["y"] + 0.5 for b in legend)  # above the chart
+    legend = [{"x": b["x"], "y": b["y"], "width": b["width"], "height": b["height"]} for b in legend]
+    assert not any(overlap(a, b) for i, a in enumerate(legend) for b in legend[i + 1 :])
+    markers = page.evaluate(
+        "() => { const c = document.querySelector('.device-control-panel canvas.dc-timeline');"
+        " return JSON.parse(c.dataset.markerPositions || '[]'); }"
+    )
+    assert markers, "no marker was drawn"
+    page.mouse.move(box["x"] + markers[-1], box["y"] + box["height"] / 2)
+    assert page.locator(f"{PANEL} .dc-timeline-node").inner_text().startswith("node started: ")
 
 
 def test_offload_button_moves_a_model_back_to_ram(frontend, artifacts, frontend_version):

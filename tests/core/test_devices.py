@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from core.backends import CpuBackend, DeviceInfo, default_backends
-from core.devices import DeviceInventory, parse_device_spec, simulated_devices_from_env
+from core.devices.backends import CpuBackend, DeviceInfo, default_backends
+from core.devices.inventory import DeviceInventory, parse_device_spec, simulated_devices_from_env
+from core.devices.simulated import SimulatedDevice
+from core.devices.transfer import pinned_fraction_from_env
 from core.errors import DeviceNotFoundError, InvalidDeviceSpecError, InvalidSizeError
-from core.simulated import SimulatedDevice
 
 GiB = 1024**3
 
@@ -170,3 +171,15 @@ def test_simulated_devices_from_environment():
     assert simulated_devices_from_env({}) == []
     with pytest.raises(InvalidSizeError):
         simulated_devices_from_env({"DEVICE_CONTROL_SIMULATE_GPU": "eight"})
+
+
+@pytest.mark.parametrize(("text", "expected"), [("", 0.45), ("0.2", 0.2), ("0", 0.0), ("1", 1.0)])
+def test_the_pinned_memory_share_is_read_from_the_environment(text, expected):
+    assert pinned_fraction_from_env({"DEVICE_CONTROL_MAX_PINNED_FRACTION": text}) == expected
+    assert pinned_fraction_from_env({}) == 0.45
+
+
+@pytest.mark.parametrize("text", ["most", "nan", "-0.1", "1.5", "45%"])
+def test_a_pinned_memory_share_that_cannot_be_used_names_the_fix(text):
+    with pytest.raises(InvalidSizeError, match=r"is not a share of RAM from 0 to 1; write it like .*=0\.45"):
+        pinned_fraction_from_env({"DEVICE_CONTROL_MAX_PINNED_FRACTION": text})

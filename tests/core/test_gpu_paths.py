@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core import ops
-from core.loading import partial_model_of
-from core.memory import capacity_bytes, empty_cache, free_bytes
-from core.transfer import PinnedMemory, side_stream, to_target
+from core.devices.memory import capacity_bytes, empty_cache, free_bytes
+from core.devices.transfer import PinnedMemory, side_stream, to_target
+from core.placement.engine import partial_model_of
+from core.weights import ops
 
 CUDA = torch.device("cuda", 0)
 
@@ -54,7 +54,7 @@ def test_memory_figures_come_from_the_driver():
 
 @needs_cuda("streamed layers of a partially loaded model are pinned, and unpinned when they become resident")
 def test_streamed_layers_are_pinned_and_released():
-    from core.transfer import pinned_memory
+    from core.devices.transfer import pinned_memory
 
     net = torch.nn.Sequential(*(ops.Linear(1024, 1024) for _ in range(8)))
     engine = partial_model_of(net)

@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from core.detection.headers import read_header
 from core.errors import ModelFileError, UnsafePickleError
-from core.headers import read_header
-from core.weights import WeightReader
+from core.files.reader import WeightReader
 
 
 def raw_safetensors(path, header: dict, data: bytes = b"", header_len: int | None = None):

@@ -8,21 +8,16 @@ import psutil
 import pytest
 import torch
 
-from core import ops
-from core.budget import Budget
+from core.devices.simtensor import SimTensor
+from core.devices.simulated import SimulatedDevice
+from core.devices.tensors import move_own, own_tensors
 from core.errors import DeviceControlError
-from core.loading import (
-    STREAM_COPIES,
-    LayerHooks,
-    Policy,
-    Registry,
-    layers_of,
-    make_room,
-    partial_model_of,
-    plan_layers,
-)
-from core.placement import move_own, own_tensors
-from core.simulated import SimTensor, SimulatedDevice
+from core.placement.budget import Budget
+from core.placement.engine import partial_model_of
+from core.placement.eviction import make_room
+from core.placement.plan import STREAM_COPIES, Policy, layers_of, plan_layers
+from core.placement.streaming import LayerHooks
+from core.weights import ops
 
 MiB = 1024**2
 
@@ -356,33 +351,45 @@ def test_an_interrupted_load_leaves_a_consistent_usable_model(net, x):
     assert torch.equal(run(net, x, device), reference)
 
 
-def test_registry_evicts_least_recently_used_and_spares_kept_models():
+class Loaded:
+    """A model loaded on a device, offered to ``make_room`` the way the host's list offers its entries."""
+
+    def __init__(self, name: str, root: torch.nn.Module, keep_resident: bool = False) -> None:
+        self.name, self.engine, self.keep_resident = name, partial_model_of(root), keep_resident
+        self.device = "gpu:0"
+
+    def resident_on(self, target):
+        return self.engine.resident_bytes(target) if self.engine.target is target else 0
+
+    def give_back(self, target, nbytes):
+        return self.engine.unload_all() if nbytes is None else self.engine.unload(nbytes)
+
+
+def test_make_room_evicts_least_recently_used_first_partially_and_spares_kept_models():
     nets = [Net() for _ in range(3)]
     total = sum(la.nbytes for la in layers_of(nets[0]))
     device = SimulatedDevice(2 * total + total // 2)
-    registry = Registry()
-    kept = registry.add("kept", nets[0], keep_resident=True)
-    older = registry.add("older", nets[1])
-    newest = registry.add("newest", nets[2])
-    registry.load(kept, device, total)
-    registry.load(older, device, total)
-    report, eviction = registry.load(newest, device, total)
-    assert [name for name, _ in eviction.evicted] == ["older"]
-    assert report.resident_bytes == total and kept.resident_on(device) == total
-    assert device.allocated() == registry.resident_on(device)
+    kept, older, newest = Loaded("kept", nets[0], True), Loaded("older", nets[1]), Loaded("newest", nets[2])
+    for model in (kept, older):
+        model.engine.load(device, total)
+    eviction = make_room([older, kept], device, total)  # most recently used first, as ComfyUI lists them
+    assert [given.name for given in eviction.evicted] == ["older"] and eviction.short == 0
+    assert 0 < older.resident_on(device) < total  # it gave back only what was missing, streaming the rest
+    newest.engine.load(device, total)
+    assert kept.resident_on(device) == total == newest.resident_on(device)
+    assert device.allocated() == sum(m.resident_on(device) for m in (kept, older, newest))
 
 
 def test_make_room_gives_kept_models_only_when_asked():
     nets = [Net(), Net()]
     total = sum(la.nbytes for la in layers_of(nets[0]))
     device = SimulatedDevice(2 * total)
-    registry = Registry()
-    entries = [registry.add("a", nets[0], keep_resident=True), registry.add("b", nets[1], keep_resident=True)]
-    for entry in entries:
-        registry.load(entry, device, total)
-    assert make_room(registry.entries, device, total).short == total
-    eviction = make_room(registry.entries, device, total, include_kept=True)
-    assert eviction.short == 0 and [name for name, _ in eviction.evicted] == ["a"]  # least recently used
+    models = [Loaded("b", nets[1], True), Loaded("a", nets[0], True)]
+    for model in models:
+        model.engine.load(device, total)
+    assert make_room(models, device, total).short == total
+    eviction = make_room(models, device, total, include_kept=True)
+    assert eviction.short == 0 and [given.name for given in eviction.evicted] == ["a"]  # least recently used
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,9 @@ import inspect
 import pytest
 import torch
 
-from core import ops
-from core.simulated import SimTensor, SimulatedDevice
+from core.devices.simtensor import SimTensor
+from core.devices.simulated import SimulatedDevice
+from core.weights import ops
 
 MiB = 1024**2
 

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from core import push
-from core.push import Pusher
+from core.monitor import push
+from core.monitor.push import Pusher
 
 
 def wait_for(condition, timeout: float = 5.0) -> bool:
@@ -28,7 +28,7 @@ def sent():
 @pytest.fixture
 def pusher(sent):
     counter = iter(range(10**9))
-    pusher = Pusher(lambda: next(counter), sent.append)
+    pusher = Pusher(lambda: next(counter), lambda data, _listener: sent.append(data))
     yield pusher
     pusher.stop()
 
@@ -39,9 +39,9 @@ def test_nothing_is_sent_until_someone_subscribes(pusher, sent):
 
 
 def test_pushes_at_the_chosen_rate_and_stops_when_unsubscribed(pusher, sent):
-    pusher.subscribe(0.1)
+    pusher.subscribe(0.1, "tab")
     assert wait_for(lambda: len(sent) >= 5)
-    pusher.subscribe(0)
+    pusher.subscribe(0, "tab")
     time.sleep(0.15)
     count = len(sent)
     time.sleep(0.4)
@@ -51,7 +51,7 @@ def test_pushes_at_the_chosen_rate_and_stops_when_unsubscribed(pusher, sent):
 
 def test_a_lease_that_is_not_renewed_runs_out(pusher, sent, monkeypatch):
     monkeypatch.setattr(push, "MIN_LEASE", 0.3)
-    pusher.subscribe(0.1)
+    pusher.subscribe(0.1, "tab")
     assert wait_for(lambda: len(sent) >= 2)
     time.sleep(0.8)  # the lease (max(0.3 s, 5 intervals) = 0.5 s) has run out
     count = len(sent)
@@ -68,9 +68,9 @@ def test_a_failing_snapshot_is_counted_and_the_next_one_goes_out(sent):
             raise RuntimeError("device query failed")
         return n
 
-    pusher = Pusher(flaky, sent.append)
+    pusher = Pusher(flaky, lambda data, _listener: sent.append(data))
     try:
-        pusher.subscribe(0.1)
+        pusher.subscribe(0.1, "tab")
         assert wait_for(lambda: len(sent) >= 2)
         assert pusher.stats()["failures"] == 1
     finally:
@@ -78,7 +78,7 @@ def test_a_failing_snapshot_is_counted_and_the_next_one_goes_out(sent):
 
 
 def test_stats_measure_the_threads_cpu_share(pusher):
-    pusher.subscribe(0.1)
+    pusher.subscribe(0.1, "tab")
     time.sleep(0.5)
     stats = pusher.stats()
     assert stats["pushes"] >= 3 and stats["listening"] is True
@@ -88,14 +88,16 @@ def test_stats_measure_the_threads_cpu_share(pusher):
 @pytest.mark.parametrize("interval", [-1, float("nan"), float("inf")])
 def test_a_bad_interval_is_refused(pusher, interval):
     with pytest.raises(ValueError, match="0 \\(off\\) or a number of seconds"):
-        pusher.subscribe(interval)
+        pusher.subscribe(interval, "tab")
 
 
 def test_sending_happens_on_the_pushers_own_thread(sent):
     threads = []
-    pusher = Pusher(lambda: threading.current_thread().name, threads.append, name="device_control.push")
+    pusher = Pusher(
+        lambda: threading.current_thread().name, lambda data, _: threads.append(data), name="device_control.push"
+    )
     try:
-        pusher.subscribe(0.1)
+        pusher.subscribe(0.1, "tab")
         assert wait_for(lambda: threads)
         assert threads[0] == "device_control.push"
     finally:
@@ -117,3 +119,20 @@ def test_listeners_are_bounded(pusher, monkeypatch):
     for n in range(10):
         pusher.subscribe(60, f"tab-{n}")
     assert pusher.stats()["listeners"] == 3
+
+
+def test_each_listener_gets_its_own_rate_and_only_what_it_asked_for():
+    received: dict[str, int] = {}
+
+    def send(_data, listener):
+        received[listener] = received.get(listener, 0) + 1
+
+    pusher = Pusher(lambda: "snapshot", send)
+    try:
+        pusher.subscribe(0.1, "fast")
+        pusher.subscribe(1.0, "slow")
+        time.sleep(1.55)
+        assert received["fast"] >= 10 and 1 <= received["slow"] <= 3  # the fast one does not speed the slow one
+        assert set(received) == {"fast", "slow"}  # nobody else is sent anything
+    finally:
+        pusher.stop()

@@ -7,10 +7,10 @@ import json
 
 import torch
 
-from core.backends import CpuBackend, DeviceInfo
-from core.devices import DeviceInventory
-from core.report import MemoryMode, ModelResidency, build_report
-from core.simulated import SimulatedDevice
+from core.devices.backends import CpuBackend, DeviceInfo
+from core.devices.inventory import DeviceInventory
+from core.devices.simulated import SimulatedDevice
+from core.monitor.report import MemoryMode, ModelResidency, build_report
 
 GiB = 1024**3
 

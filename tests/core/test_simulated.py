@@ -7,7 +7,8 @@ import gc
 import pytest
 import torch
 
-from core.simulated import SimTensor, SimulatedDevice, SimulatedSpec, mark_streamed
+from core.devices.simtensor import SimTensor, mark_streamed
+from core.devices.simulated import SimulatedDevice, SimulatedSpec
 
 MiB = 1024**2
 

@@ -8,11 +8,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from core.detection.headers import read_header
 from core.errors import ModelFileError
-from core.headers import read_header
-from core.lineage import Tracer, capture_state_dict_loads, source_of, source_tensors
-from core.skeleton import materialize, weights_on_meta
-from core.weights import WeightReader
+from core.files import lineage
+from core.files.lineage import Tracer, capture_state_dict_loads, source_of, source_tensors
+from core.files.reader import WeightReader
+from core.files.skeleton import materialize, weights_on_meta
 
 
 class Layer(torch.nn.Module):
@@ -120,9 +121,67 @@ def test_tracing_records_renames_and_transforms_and_replays_them(weight_file):
         assert source_of(stand_ins["w"], reader.read) == "w"
 
 
-def test_load_state_dict_is_untouched_outside_a_capture():
+def test_load_state_dict_is_torch_s_own_again_after_a_capture():
+    original = torch.nn.Module.load_state_dict
     module = torch.nn.Linear(2, 2, bias=False)
-    with capture_state_dict_loads():
-        pass
+    with capture_state_dict_loads(), capture_state_dict_loads():  # nested: put back when the last one closes
+        assert torch.nn.Module.load_state_dict is not original
+    assert torch.nn.Module.load_state_dict is original  # no process-wide change is left behind
     module.load_state_dict({"weight": torch.ones(2, 2)})
     assert torch.equal(module.weight, torch.ones(2, 2))
+
+
+def test_captures_in_two_threads_and_a_plain_load_in_a_third_do_not_mix():
+    original = torch.nn.Module.load_state_dict
+    both_open, done = threading.Barrier(3), threading.Event()
+    captured: dict[str, list] = {}
+    plain = torch.nn.Linear(2, 2, bias=False)
+
+    def capture(name: str) -> None:
+        module = torch.nn.Linear(2, 2, bias=False)
+        with capture_state_dict_loads() as loads:
+            both_open.wait()
+            module.load_state_dict({"weight": torch.full((2, 2), 3.0)})
+            done.wait()
+        captured[name] = loads
+
+    threads = [threading.Thread(target=capture, args=(name,)) for name in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    both_open.wait()
+    plain.load_state_dict({"weight": torch.full((2, 2), 5.0)})  # another thread, while both capture: a real load
+    done.set()
+    for thread in threads:
+        thread.join()
+    assert torch.equal(plain.weight, torch.full((2, 2), 5.0))
+    assert [len(captured[name]) for name in ("a", "b")] == [1, 1]  # each thread saw only its own load
+    assert torch.nn.Module.load_state_dict is original
+
+
+def test_a_wrapper_another_library_installs_during_a_capture_stays_and_works(monkeypatch):
+    original = torch.nn.Module.load_state_dict
+    # What the simulated library changes is undone after the test: torch's method, and our note that ours sits
+    # beneath a wrapper.
+    monkeypatch.setattr(torch.nn.Module, "load_state_dict", original)
+    monkeypatch.setattr(lineage, "_beneath", False)
+    calls = []
+    with capture_state_dict_loads():
+        inner = torch.nn.Module.load_state_dict
+
+        def wrapper(module, state_dict, strict=True, assign=False):
+            calls.append(module)
+            return inner(module, state_dict, strict=strict, assign=assign)
+
+        torch.nn.Module.load_state_dict = wrapper
+    assert torch.nn.Module.load_state_dict is wrapper  # not removed: that would undo the other library
+    module = torch.nn.Linear(2, 2, bias=False)
+    module.load_state_dict({"weight": torch.ones(2, 2)})
+    assert calls == [module] and torch.equal(module.weight, torch.ones(2, 2))
+    other = torch.nn.Linear(2, 2, bias=False)
+    with capture_state_dict_loads() as loads:  # capturing still works beneath the wrapper
+        module.load_state_dict({"weight": torch.zeros(2, 2)})
+        elsewhere = threading.Thread(target=other.load_state_dict, args=({"weight": torch.ones(2, 2)},))
+        elsewhere.start()  # meanwhile another thread loads for real, through the wrapper and ours
+        elsewhere.join()
+    assert len(loads) == 1 and torch.equal(module.weight, torch.ones(2, 2))
+    assert torch.equal(other.weight, torch.ones(2, 2)) and torch.nn.Module.load_state_dict is wrapper

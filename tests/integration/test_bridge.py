@@ -141,7 +141,7 @@ def test_a_dynamic_vram_model_is_taken_over_through_its_classic_clone(comfy):
             return classic
 
     dynamic = patcher_for(Dynamic)
-    moved = moves.clone_subject(moves.subject_of(dynamic))
+    moved = moves.clone_subject(moves.require_subject(dynamic))
     assert asked == [True] and isinstance(moved.patcher, patcher_class) and moved.patcher.model is dynamic.model
 
     class Unbuildable(Dynamic):
@@ -149,4 +149,4 @@ def test_a_dynamic_vram_model_is_taken_over_through_its_classic_clone(comfy):
             raise RuntimeError("no patcher factory to rebuild this model")
 
     with pytest.raises(errors.DeviceControlError, match="--disable-dynamic-vram"):
-        moves.clone_subject(moves.subject_of(patcher_for(Unbuildable)))
+        moves.clone_subject(moves.require_subject(patcher_for(Unbuildable)))

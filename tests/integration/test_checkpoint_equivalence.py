@@ -101,8 +101,8 @@ def test_an_interrupted_load_leaves_nothing_behind(comfy):
 
 def test_a_checkpoint_that_cannot_fit_in_ram_is_refused_before_reading(comfy):
     _mm, _comfy_sd, node, _path = comfy
-    from core.backends import DeviceInfo
-    from core.fit import Choice, plan_fit
+    from core.devices.backends import DeviceInfo
+    from core.placement.fit import Choice, plan_fit
 
     detection = node.detect_header(node.read_header(_path))
     tiny = DeviceInfo("cpu", "cpu", "CPU", "cpu", 4 * 1024**3, 1024**3)

@@ -8,10 +8,13 @@ the server runs.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from tools.comfy_server import ComfyServer
-from tools.runtime import DEFAULT_VERSION, NEWEST_VERSION
+from tools.runtime import DEFAULT_VERSION, NEWEST_VERSION, REPO, comfyui_dir
 
 
 def test_the_server_runs_the_comfyui_under_test(comfy_server):
@@ -35,3 +38,17 @@ def test_a_comfyui_without_the_v3_node_api_gets_one_clear_line_and_no_nodes(tmp_
     assert log.count("Traceback") == log.count("ModuleNotFoundError: No module named 'torchaudio'")
     assert "KSampler" in nodes and not [name for name in nodes if name.startswith("DeviceControl")]
     assert not [path for path in extensions if "device" in path.lower()]
+
+
+def test_the_surface_check_finds_every_symbol_in_the_comfyui_under_test(comfy_runtime):
+    """``python -m tools.surface_check``, the command users run on their own ComfyUI, on the tree under test."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tools.surface_check", str(comfyui_dir())],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert f"(version {DEFAULT_VERSION})" in done.stdout
+    assert done.stdout.rstrip().endswith("Verdict: every required symbol is present.")

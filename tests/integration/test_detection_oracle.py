@@ -11,8 +11,9 @@ import importlib
 import pytest
 import torch
 
-from core.detection import detect_header
-from core.headers import SAFETENSORS_DTYPES, FileHeader, TensorInfo
+from core.detection.detect import detect_header
+from core.detection.family_table import FAMILIES
+from core.detection.headers import SAFETENSORS_DTYPES, FileHeader, TensorInfo
 from tools.layouts import layouts
 
 CHECKPOINTS = sorted(name for name, layout in layouts().items() if layout["kind"] == "checkpoint")
@@ -39,3 +40,15 @@ def test_comfyui_detects_the_class_we_detect(model_detection, name):
     ours = detect_header(FileHeader(name, "safetensors", tensors))
     assert type(config).__name__ == ours.comfy_class
     assert prefix == ours.prefix
+
+
+def test_the_family_table_knows_every_model_class_the_running_comfyui_builds(model_detection):
+    """Against ``comfy.supported_models`` of the ComfyUI under test, not against itself: a class ComfyUI builds
+    that the table lacks is named here (such a file still loads, through ComfyUI's own detection)."""
+    supported = importlib.import_module("comfy.supported_models")
+    theirs = {cls.__name__ for cls in supported.models}
+    ours = {family.comfy_class for family in FAMILIES}
+    missing = sorted(theirs - ours)
+    assert not missing, f"the family table lacks {len(missing)} of ComfyUI's classes: {', '.join(missing)}"
+    # Ours may know classes this ComfyUI does not have yet (the table follows the newest ComfyUI tested).
+    assert len(ours) == len(FAMILIES) and ours >= theirs

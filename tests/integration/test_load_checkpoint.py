@@ -176,3 +176,13 @@ def test_bad_files_get_a_clear_error_and_the_server_keeps_serving(bad_server, na
     assert not Path("/tmp/device_control_pwned").exists()
     entry = bad_server.run(prompt_of(bad_server, OURS, model_device="cpu"))  # the next prompt still works
     assert "Stable Diffusion 1.5 (SD15, EPS)" in loader(entry)
+
+
+def test_the_error_dialog_names_our_exception_type_readably(bad_server):
+    """ComfyUI imports the pack under its folder's path; the dialog must not print that path as a module name."""
+    prompt_id = bad_server.queue(prompt_of(bad_server, OURS, ckpt_name="empty.safetensors", model_device="cpu"))
+    with pytest.raises(ComfyError):
+        bad_server.wait(prompt_id)
+    messages = bad_server.get(f"/history/{prompt_id}")[prompt_id]["status"]["messages"]
+    error = next(data for kind, data in messages if kind == "execution_error")
+    assert error["exception_type"] == "device_control.ModelFileError"

@@ -13,7 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
+from tools.comfy_server import ComfyError
 from tools.make_fixtures import SD15_CHECKPOINT
 from tools.workflow_api import ui_to_api
 
@@ -55,10 +58,33 @@ def test_lora_resident_and_half_streamed_give_comfyuis_image(small_gpu_server, p
         r"loaded SD15 diffusion model: .* streamed .*; on-the-fly patches: (\d+)", small_gpu_server.log_tail(400)
     )
     assert loads and int(loads[-1]) > 0  # the LoRA was applied on the fly to the streamed layers
+    log = small_gpu_server.log_tail(600)  # how much of the LoRA each model takes, by ComfyUI's own key maps
+    assert "LoRA 'device_control_sd15_lora_r4.safetensors' patches 128 of its 200 layers in SD15 diffusion model" in log
+    assert "patches 72 of its 200 layers in text encoder (SD1ClipModel)" in log
     no_lora = small_gpu_server.run(
         with_inputs(with_inputs(ours, "11", strength_model=0.0, strength_clip=0.0), "1", model_device="cpu")
     )
     assert not np.array_equal(api.image_of(small_gpu_server, no_lora), expected)  # the LoRA does change the image
+
+
+def test_a_lora_with_nan_values_is_refused_when_added_naming_the_file(small_gpu_server, prompts, api, synthetic_models):
+    """ComfyUI's own LoRA loader adding a damaged LoRA to a model Device Control loaded: the LoRA node fails at
+    once, naming the file and a weight, instead of sampling a black image; the server keeps serving."""
+    _stock, ours = prompts
+    broken = synthetic_models["lora"].with_name("device_control_broken_nan.safetensors")
+    with safe_open(str(synthetic_models["lora"]), "pt") as handle:
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 (not a dict)
+    first_down = sorted(name for name in tensors if name.endswith("lora_down.weight"))[0]
+    tensors[first_down] = torch.full_like(tensors[first_down], float("nan"))
+    save_file(tensors, str(broken))
+    try:
+        prompt = with_inputs(ours, "11", lora_name=broken.name)
+        with pytest.raises(ComfyError, match=r"LoRA 'device_control_broken_nan.safetensors' has NaN .* the file is"):
+            small_gpu_server.run(prompt)
+    finally:
+        broken.unlink()
+    entry = small_gpu_server.run(ours)  # the next prompt works
+    assert api.image_of(small_gpu_server, entry).std() > 1.0
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -168,6 +169,21 @@ def test_bad_budgets_and_devices_are_clear_and_the_server_keeps_serving(server, 
     assert api.moves_hold(entry, prompt) == ["3"]  # it fell back to gpu:0, and is there
     assert unet(entry, api, "4")["resident"] == {"gpu:0": unet(entry, api, "4")["total_bytes"]}
     assert server.get("/system_stats")["system"]  # still serving
+
+
+def test_a_malformed_device_is_reported_against_the_device_input_only(server, api):
+    prompt = api.load_prompt(server, MOVE)
+    prompt["3"]["inputs"].update(device="tpu:0", vram_budget="2GB")
+    answer = server.post("/prompt", {"prompt": prompt, "client_id": "device-check"})
+    if answer.get("prompt_id"):  # ComfyUI runs the outputs that do not depend on the node at fault
+        with contextlib.suppress(ComfyError):
+            server.wait(answer["prompt_id"])
+    errors = answer["node_errors"]["3"]["errors"]
+    assert errors and {error["extra_info"]["input_name"] for error in errors} == {"device"}
+    assert "tpu:0" in errors[0]["details"]
+    prompt["3"]["inputs"].update(device="gpu:0", vram_budget="lots")  # the budget is checked when the node runs
+    with pytest.raises(ComfyError, match=r"VRAM budget: .*Accepted forms"):
+        server.run(prompt)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import importlib
 import pytest
 import torch
 
-from core import ops
+from core.weights import ops
 
 STORAGE = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -102,7 +103,8 @@ def test_offload_all_and_free_caches(server, api):
         ("/device_control/subscribe", b'{"interval": "fast"}', 400, "must be a number of seconds"),
         ("/device_control/subscribe", b'{"interval": -1}', 400, "0 (off) or a number of seconds"),
         ("/device_control/subscribe", b'{"interval": NaN}', 400, "0 (off) or a number of seconds"),
-        ("/device_control/subscribe", b'{"interval": 1, "client": 7}', 400, "client must be a string"),
+        ("/device_control/subscribe", b'{"interval": 1, "client": 7}', 400, "client must be your websocket's"),
+        ("/device_control/subscribe", b'{"interval": 1}', 400, "client must be your websocket's client id"),
         ("/device_control/free_caches", b"\xff\xfe", 400, "not JSON"),
     ],
 )
@@ -153,6 +155,30 @@ def test_the_push_reaches_websocket_clients_while_subscribed_and_stops_after(ser
     assert 0 < stats["cpu_share"] < 0.5
 
 
+async def _listen_all(url: str, clients: list[str], seconds: float) -> dict[str, int]:
+    counts = dict.fromkeys(clients, 0)
+
+    async def one(client: str) -> None:
+        counts[client] = len(await _listen(url, client, seconds))
+
+    await asyncio.gather(*(one(client) for client in clients))
+    return counts
+
+
+def test_each_client_gets_pushes_at_its_own_rate_and_others_get_none(server):
+    fast, slow, silent = (uuid.uuid4().hex for _ in range(3))
+    server.post("/device_control/subscribe", {"interval": 0.1, "client": fast})
+    server.post("/device_control/subscribe", {"interval": 1, "client": slow})
+    try:
+        counts = run_coroutine(_listen_all(server.url, [fast, slow, silent], 2.0))
+    finally:
+        for client in (fast, slow):
+            server.post("/device_control/subscribe", {"interval": 0, "client": client})
+    assert counts[fast] >= 8  # about 10 a second, as it asked
+    assert 1 <= counts[slow] <= 3  # the fast client does not speed up the others
+    assert counts[silent] == 0  # and nobody who did not subscribe is sent anything
+
+
 @pytest.fixture(scope="module")
 def slow_server(servers):
     return servers("panel-slow", SIMULATE_GPU="8GiB", SIMULATE_FAULTS="slow_moves")
@@ -176,3 +202,28 @@ def test_actions_are_refused_while_a_prompt_runs_and_work_after(slow_server, api
             slow_server.wait(prompt_id)
     assert slow_server.post("/device_control/offload", {"all": True})["offloaded"] >= 0
     assert slow_server.get("/device_control/snapshot")["executing"] is None
+
+
+def test_an_action_never_stalls_the_server_and_prompts_queued_meanwhile_wait_for_it(slow_server, api):
+    """Offloading from a slow device takes seconds; meanwhile ComfyUI still answers, and queues a prompt that
+    starts only once the action is done (so no model moves under it)."""
+    placed = api.load_prompt(slow_server, MOVE)
+    keep = {n: placed[n] for n in ("1", "2", "3", "4")}  # load, report, Move To GPU, report: the model stays
+    entry = slow_server.run(keep)
+    assert api.report_json(entry, "4")["subject"]["resident"]["gpu:0"] > 0
+    done: dict[str, object] = {}
+    action = threading.Thread(
+        target=lambda: done.update(answer=slow_server.post("/device_control/offload", {"all": True}))
+    )
+    action.start()
+    time.sleep(0.5)
+    started = time.monotonic()
+    prompt_id = slow_server.queue(api.report_prompt(label="queued during the offload"))
+    answered = time.monotonic() - started
+    still_offloading = action.is_alive()
+    action.join(timeout=120)
+    report = api.report_json(slow_server.wait(prompt_id))
+    assert still_offloading, "the offload ended before the prompt was queued: the test proves nothing"
+    assert answered < 1.0, f"POST /prompt took {answered:.1f} s while an action ran"
+    assert done["answer"]["offloaded"] >= 1
+    assert next(d for d in report["devices"] if d["id"] == "gpu:0")["torch_allocated"] == 0  # ran after it

@@ -13,8 +13,8 @@ import logging
 import pytest
 import torch
 
-from core.patch_math import calculate_weight
-from core.patching import OnTheFlyPatch, PatchSet, key_seed, round_to
+from core.weights.patch_math import calculate_weight
+from core.weights.patching import OnTheFlyPatch, key_seed, round_to
 
 
 @pytest.fixture(scope="module")
@@ -213,32 +213,71 @@ def test_the_on_the_fly_patch_equals_comfyui_lowvram_patch(comfy):
         assert ours.dtype == theirs.dtype and torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8)), dtype
 
 
+@pytest.fixture(scope="module")
+def our_patcher(comfy):
+    """Device Control's model patcher class, as ComfyUI loads the pack (the class users' models get)."""
+    from tools.comfy_inprocess import import_pack
+
+    return importlib.import_module(f"{import_pack().__name__}.nodes.bridge.patcher").DeviceControlPatcher
+
+
+@pytest.fixture(scope="module")
+def patch_error(comfy):
+    """The error class the pack raises, as ComfyUI loads the pack."""
+    from tools.comfy_inprocess import import_pack
+
+    return importlib.import_module(f"{import_pack().__name__}.core.errors").PatchError
+
+
+def layer_patcher(patcher_class, weight: torch.Tensor):
+    layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+    cpu = torch.device("cpu")
+    return layer, patcher_class(layer, cpu, cpu)
+
+
 @pytest.mark.parametrize("storage", [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn])
-def test_streamed_and_resident_patches_agree_bit_for_bit(comfy, storage):
+def test_streamed_and_resident_patches_agree_bit_for_bit(comfy, our_patcher, storage):
+    """Through the patcher users' models get: patched resident, restored exactly, and patched on the fly."""
     _lora, adapters, _patcher, _float = comfy
     for name in ("lora", "oft", "loha"):
         weight, patches = cases(adapters)[name]
-        layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
-        layer.weight = torch.nn.Parameter(weight.to(storage), requires_grad=False)
+        layer, patcher = layer_patcher(our_patcher, weight.to(storage))
         stored = layer.weight.detach().clone()
-        patch_set = PatchSet()
-        patch_set.add({"weight": patches[0][1]}, strength_patch=patches[0][0])
-        backup = patch_set.apply(layer)
+        patcher.add_patches({"weight": patches[0][1]}, strength_patch=patches[0][0])
+        patcher.patch_weight_to_device("weight")
         resident = layer.weight.detach().to(torch.float32)  # what a resident layer computes with
-        PatchSet.restore(layer, backup)
-        assert torch.equal(layer.weight.view(torch.uint8), stored.view(torch.uint8))
-        streamed = OnTheFlyPatch("weight", patch_set.patches, storage_dtype=storage)(stored.to(torch.float32))
+        patcher.unpatch_model()
+        assert torch.equal(layer.weight.view(torch.uint8), stored.view(torch.uint8))  # restored bit for bit
+        streamed = patcher.on_the_fly("weight", layer.weight)(stored.to(torch.float32))
         assert torch.equal(streamed, resident), (name, storage)
 
 
-def test_unknown_patch_types_are_refused_up_front():
-    from core.errors import PatchError
+def test_a_patch_of_unknown_type_is_refused_when_added_naming_the_file_and_the_weight(our_patcher, patch_error):
+    _layer, patcher = layer_patcher(our_patcher, torch.zeros(4, 4))
 
-    with pytest.raises(PatchError, match=r"unknown patch type .mystery.*update that node pack"):
-        PatchSet().add({"w": ("mystery", (torch.zeros(1),))})
+    def load_lora(lora_name: str) -> None:  # ComfyUI's LoRA loaders hold the file's name in this variable
+        patcher.clone().add_patches({"weight": ("mystery", (torch.zeros(1),))})
+
+    expected = r"LoRA 'odd\.safetensors', patch for weight: unknown patch type 'mystery'.*update that node pack"
+    with pytest.raises(patch_error, match=expected):
+        load_lora("loras/odd.safetensors")
+    assert not patcher.patches  # nothing was added
 
 
-def test_nan_in_a_patch_is_reported(caplog):
-    with caplog.at_level(logging.WARNING):
-        PatchSet().add({"w": (torch.tensor([1.0, float("nan")]),)})
-    assert "NaN or infinite values" in caplog.text and "e.g. w" in caplog.text
+def test_nan_in_a_patch_is_refused_when_added_naming_the_file_the_weight_and_the_lora_key(
+    comfy, our_patcher, patch_error
+):
+    _lora, adapters, _patcher, _float = comfy
+    _layer, patcher = layer_patcher(our_patcher, torch.zeros(4, 4))
+    up, down = torch.zeros(4, 2), torch.full((2, 4), float("nan"))
+    adapter = adapters.LoRAAdapter({"lora_unet_layer.lora_up.weight"}, (up, down, 1.0, None, None, None))
+
+    def load_lora(lora_name: str) -> None:
+        patcher.clone().add_patches({"weight": adapter, "text_model.other.weight": ("mystery", ())})
+
+    expected = (
+        r"LoRA 'nan\.safetensors' has NaN .* patch for weight \(LoRA key lora_unet_layer.*\): the file is damaged"
+    )
+    with pytest.raises(patch_error, match=expected):  # (the patch for a weight this model lacks is skipped)
+        load_lora("nan.safetensors")

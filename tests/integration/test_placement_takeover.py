@@ -34,11 +34,11 @@ def comfy(comfy_runtime, synthetic_models):
             "nodes.bridge.books",
             "nodes.bridge.patcher",
             "nodes.bridge.reading",
-            "core.devices",
+            "core.devices.inventory",
+            "core.devices.simulated",
             "core.errors",
         )
     }
-    modules["core.simulated"] = importlib.import_module(f"{pack.__name__}.core.simulated")
     yield mm, modules, synthetic_models
     mm.unload_all_models()
 
@@ -92,8 +92,8 @@ def entries_of(mm, model) -> list:
 def test_a_model_comfyui_loaded_in_low_vram_mode_is_taken_over_exactly(comfy, kind):
     mm, modules, _files = comfy
     budget = MODELS[kind][3]
-    sim = modules["core.simulated"].SimulatedDevice(8 * GiB)
-    inventory = modules["core.devices"].DeviceInventory(simulated=[sim])
+    sim = modules["core.devices.simulated"].SimulatedDevice(8 * GiB)
+    inventory = modules["core.devices.inventory"].DeviceInventory(simulated=[sim])
     patcher = load_stock(comfy, kind)
     mm.load_models_gpu([patcher])  # ComfyUI's full load (patches applied to every weight): the oracle
     expected = forward(patcher, kind)
@@ -145,8 +145,8 @@ def test_a_load_that_does_not_go_through_device_control_is_an_error_not_a_succes
     """Another pack replacing the patcher's loading (as multi-GPU packs replace ComfyUI's functions) leaves the
     model where ComfyUI put it: Move To GPU says so and fails, and the model still works where it is."""
     mm, modules, _files = comfy
-    sim = modules["core.simulated"].SimulatedDevice(8 * GiB)
-    inventory = modules["core.devices"].DeviceInventory(simulated=[sim])
+    sim = modules["core.devices.simulated"].SimulatedDevice(8 * GiB)
+    inventory = modules["core.devices.inventory"].DeviceInventory(simulated=[sim])
     patcher = load_stock(comfy, "sd35_tiny")
     mm.load_models_gpu([patcher])
     expected = forward(patcher, "sd35_tiny")

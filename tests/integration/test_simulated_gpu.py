@@ -48,12 +48,23 @@ def test_a_device_query_that_raises_is_reported_and_the_prompt_succeeds(comfy_fa
         server.stop()
 
 
-def test_an_invalid_simulation_setting_is_logged_and_comfyui_still_starts(comfy_factory, tmp_path, api):
-    server = comfy_factory(tmp_path / "bad-env-base", env={"DEVICE_CONTROL_SIMULATE_GPU": "eight gigs"})
+OFFLOAD = {"mode": "all models", "free_amount": "1GB", "empty_cache": True}
+
+
+def test_invalid_settings_are_logged_with_the_fix_and_comfyui_still_starts(comfy_factory, tmp_path, api):
+    env = {"DEVICE_CONTROL_SIMULATE_GPU": "eight gigs", "DEVICE_CONTROL_MAX_PINNED_FRACTION": "most"}
+    server = comfy_factory(tmp_path / "bad-env-base", env=env)
     try:
         log = server.log_tail(2000)
         assert "DEVICE_CONTROL_SIMULATE_GPU is invalid" in log and "Example: DEVICE_CONTROL_SIMULATE_GPU=8GiB" in log
+        assert "DEVICE_CONTROL_MAX_PINNED_FRACTION='most' is not a share of RAM from 0 to 1" in log
+        assert "write it like DEVICE_CONTROL_MAX_PINNED_FRACTION=0.45" in log and "stays capped at 45 %" in log
         text = api.report_text(server.run(api.report_prompt()))
         assert "simulated" not in text
+        move = {
+            "1": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+            "2": {"class_type": "DeviceControl_OffloadToCPU", "inputs": {"trigger": ["1", 0], **OFFLOAD}},
+        }
+        assert "Offload To CPU (all models)" in server.run(move)["outputs"]["2"]["text"][0]  # moves still work
     finally:
         server.stop()

@@ -1,13 +1,18 @@
 // Device Control panel: used memory per device over the last minutes, with markers where nodes started.
-// Pure module: it keeps samples and draws them on a canvas it is given.
+// Pure module: it keeps samples and draws them on a canvas it is given, with axes in margins of their own
+// (share of each device on the left, seconds before now below) so no text sits on another. The names of
+// the nodes behind the markers are shown on hover (see nearestMarker), not written over each other.
 
-const COLORS = ["#4caf50", "#2196f3", "#ff9800", "#e91e63", "#9c27b0", "#00bcd4"];
+export const COLORS = ["#4caf50", "#2196f3", "#ff9800", "#e91e63", "#9c27b0", "#00bcd4"];
+const FONT = "10px sans-serif";
+const MARGIN = { left: 34, right: 8, top: 6, bottom: 16 };
 
 export class Timeline {
   constructor(seconds = 300) {
     this.seconds = seconds;
     this.samples = []; // {t, used: {deviceId: bytes}, total: {deviceId: bytes}}
     this.markers = []; // {t, label}
+    this.layout = { labels: [], plot: null }; // what the last drawing put where (CSS pixels), for hover and tests
   }
 
   /** Record the devices of one snapshot at time t (seconds; accelerators only: RAM is shown in the bars). */
@@ -41,45 +46,92 @@ export class Timeline {
     return [...ids].sort();
   }
 
+  /** The color each device's line is drawn in (the legend uses the same). */
+  colorOf(id) {
+    return COLORS[Math.max(0, this.devices().indexOf(id)) % COLORS.length];
+  }
+
   /** Seconds the drawing spans: from the first sample (at least a minute) up to the kept window. */
   span(now) {
     const first = this.samples.length ? this.samples[0].t : now;
     return Math.min(this.seconds, Math.max(60, now - first));
   }
 
-  /** Draw on a canvas: one line per device (share of its total), markers as vertical lines. */
-  draw(canvas, now) {
+  /** Draw on a canvas of the given CSS size (sharp on high-density screens): axes, markers, one line per device. */
+  draw(canvas, now, cssWidth, cssHeight) {
+    const ratio = globalThis.devicePixelRatio || 1;
+    canvas.width = Math.round(cssWidth * ratio);
+    canvas.height = Math.round(cssHeight * ratio);
     const ctx = canvas.getContext("2d");
-    const width = canvas.width;
-    const height = canvas.height;
+    ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
+    ctx.clearRect(0, 0, cssWidth, cssHeight);
+    ctx.font = FONT;
+    const plot = {
+      left: MARGIN.left,
+      top: MARGIN.top,
+      width: Math.max(20, cssWidth - MARGIN.left - MARGIN.right),
+      height: Math.max(20, cssHeight - MARGIN.top - MARGIN.bottom),
+    };
     const span = this.span(now);
-    ctx.clearRect(0, 0, width, height);
-    ctx.strokeStyle = "rgba(128,128,128,0.4)";
-    ctx.strokeRect(0.5, 0.5, width - 1, height - 1);
-    const x = (t) => width - ((now - t) / span) * width;
-    const y = (share) => height - 4 - share * (height - 8);
-    ctx.font = "10px sans-serif";
-    ctx.fillStyle = "rgba(160,160,160,0.9)";
+    const x = (t) => plot.left + plot.width - ((now - t) / span) * plot.width;
+    const y = (share) => plot.top + plot.height - share * plot.height;
+    this.layout = { labels: [], plot };
+    this.drawAxes(ctx, plot, span, y);
+    this.drawMarkers(ctx, plot, x);
+    this.drawLines(ctx, x, y);
+  }
+
+  /** Grid lines at 0, 50 and 100 % with their labels on the left; seconds before now below. */
+  drawAxes(ctx, plot, span, y) {
+    ctx.strokeStyle = "rgba(128,128,128,0.35)";
+    ctx.fillStyle = "rgba(170,170,170,0.95)";
+    ctx.lineWidth = 1;
+    ctx.textBaseline = "middle";
+    for (const share of [0, 0.5, 1]) {
+      const at = Math.round(y(share)) + 0.5;
+      ctx.beginPath();
+      ctx.moveTo(plot.left, at);
+      ctx.lineTo(plot.left + plot.width, at);
+      ctx.stroke();
+      this.text(ctx, `${share * 100}%`, plot.left - 4, at, "right");
+    }
+    ctx.textBaseline = "top";
+    const below = plot.top + plot.height + 3;
+    this.text(ctx, `-${Math.round(span)} s`, plot.left, below, "left");
+    this.text(ctx, `-${Math.round(span / 2)} s`, plot.left + plot.width / 2, below, "center");
+    this.text(ctx, "now", plot.left + plot.width, below, "right");
+  }
+
+  /** Write a label and remember its box (CSS pixels), so hover and tests know where text is. */
+  text(ctx, label, at, top, align) {
+    ctx.textAlign = align;
+    ctx.fillText(label, at, top);
+    const width = ctx.measureText(label).width;
+    const left = align === "right" ? at - width : align === "center" ? at - width / 2 : at;
+    const height = 10;
+    const y0 = ctx.textBaseline === "middle" ? top - height / 2 : top;
+    this.layout.labels.push({ text: label, x: left, y: y0, width, height });
+  }
+
+  /** A vertical line where each node started; its name shows on hover. */
+  drawMarkers(ctx, plot, x) {
     ctx.strokeStyle = "rgba(255,193,7,0.7)";
-    let labelledUpTo = -Infinity; // labels that would overlap the previous one are left out (the line stays)
+    this.layout.markers = [];
     for (const marker of this.markers) {
       const at = Math.round(x(marker.t)) + 0.5;
-      if (at < 0) continue;
+      if (at < plot.left) continue;
       ctx.beginPath();
-      ctx.moveTo(at, 0);
-      ctx.lineTo(at, height);
+      ctx.moveTo(at, plot.top);
+      ctx.lineTo(at, plot.top + plot.height);
       ctx.stroke();
-      const textWidth = ctx.measureText(marker.label).width;
-      const left = Math.min(at + 2, width - textWidth - 2);
-      if (left > labelledUpTo) {
-        ctx.fillText(marker.label, left, 10);
-        labelledUpTo = left + textWidth + 4;
-      }
+      this.layout.markers.push({ x: at, label: marker.label });
     }
-    ctx.fillText(`${Math.round(span)} s`, width - 30, height - 6);
-    this.devices().forEach((id, index) => {
-      ctx.strokeStyle = COLORS[index % COLORS.length];
-      ctx.lineWidth = 1.5;
+  }
+
+  drawLines(ctx, x, y) {
+    ctx.lineWidth = 1.5;
+    for (const id of this.devices()) {
+      ctx.strokeStyle = this.colorOf(id);
       ctx.beginPath();
       let started = false;
       for (const sample of this.samples) {
@@ -91,10 +143,18 @@ export class Timeline {
         started = true;
       }
       ctx.stroke();
-      ctx.fillStyle = COLORS[index % COLORS.length];
-      ctx.fillText(id, 4, height - 6 - index * 12);
-    });
+    }
     ctx.lineWidth = 1;
+  }
+
+  /** The node whose marker is nearest to x (CSS pixels from the canvas's left), within a few pixels. */
+  nearestMarker(x) {
+    let best = null;
+    for (const marker of this.layout.markers || []) {
+      const distance = Math.abs(marker.x - x);
+      if (distance <= 4 && (best === null || distance < best.distance)) best = { ...marker, distance };
+    }
+    return best;
   }
 
   /** The samples and markers, for the copied report. */

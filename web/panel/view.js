@@ -4,6 +4,7 @@
 import { clock, formatBytes, percent } from "./format.js";
 
 const ROOT_CLASS = "device-control-panel";
+const TIMELINE_HEIGHT = 120;
 
 function element(tag, className, text) {
   const node = document.createElement(tag);
@@ -95,11 +96,14 @@ export class PanelView {
     this.devices = section("Devices");
     this.models = section("Models");
     const timelineSection = section("Used memory per device (share of its total), with node starts");
+    this.legend = element("div", "dc-legend");
+    Object.assign(this.legend.style, { display: "flex", flexWrap: "wrap", gap: "2px 10px", margin: "0 0 2px" });
     this.canvas = element("canvas", "dc-timeline");
-    this.canvas.width = 300;
-    this.canvas.height = 110;
-    Object.assign(this.canvas.style, { width: "100%", height: "110px" });
-    timelineSection.append(this.canvas);
+    Object.assign(this.canvas.style, { display: "block", width: "100%", height: `${TIMELINE_HEIGHT}px` });
+    this.canvas.addEventListener("mousemove", (event) => this.hover(event));
+    this.hovered = element("div", "dc-timeline-node", "");
+    Object.assign(this.hovered.style, { minHeight: "14px", opacity: "0.85" });
+    timelineSection.append(this.legend, this.canvas, this.hovered);
     const actions = section("Actions");
     actions.append(
       button("Offload all", "dc-offload-all", () => this.actions.offloadAll(), "Move every model back to RAM"),
@@ -192,9 +196,37 @@ export class PanelView {
     const mode = report.mode;
     const modeText = mode ? [`ComfyUI memory mode ${mode.vram_state}: ${mode.description}`, `dynamic VRAM ${mode.dynamic_vram}`] : [];
     this.notes.textContent = modeText.concat(report.notes || []).join(" · ");
-    this.canvas.width = Math.max(200, this.canvas.clientWidth || 300);
+    this.timeline = timeline;
     this.canvas.dataset.markers = String(timeline.markers.length);
     this.canvas.dataset.samples = String(timeline.samples.length);
-    timeline.draw(this.canvas, snapshot.time);
+    timeline.draw(this.canvas, snapshot.time, Math.max(160, this.canvas.clientWidth || 300), TIMELINE_HEIGHT);
+    this.canvas.dataset.layout = JSON.stringify(timeline.layout.labels);
+    this.canvas.dataset.markerPositions = JSON.stringify(timeline.layout.markers.map((m) => m.x));
+    this.renderLegend(timeline);
+  }
+
+  /** One entry per device line: a swatch in its color and its name (text, so it never overlaps the chart). */
+  renderLegend(timeline) {
+    this.legend.replaceChildren();
+    for (const id of timeline.devices()) {
+      const entry = element("span", "dc-legend-entry");
+      const swatch = element("span", "dc-legend-swatch");
+      Object.assign(swatch.style, {
+        display: "inline-block",
+        width: "10px",
+        height: "3px",
+        margin: "0 4px 3px 0",
+        verticalAlign: "middle",
+        background: timeline.colorOf(id),
+      });
+      entry.append(swatch, document.createTextNode(id));
+      this.legend.append(entry);
+    }
+  }
+
+  /** The node a marker stands for, under the chart, when the pointer is on it. */
+  hover(event) {
+    const found = this.timeline?.nearestMarker(event.offsetX);
+    this.hovered.textContent = found ? `node started: ${found.label}` : "";
   }
 }

@@ -1,4 +1,8 @@
-"""LoRA files from their header: naming format, algorithm, rank, target model, and whether ComfyUI maps it.
+"""LoRA files from their header: naming format, algorithm, rank, the layers it adapts and the model it targets.
+
+Which of its layers a given model takes is the host's key map's answer, not the header's: inside ComfyUI the
+bridge asks ComfyUI's own key map (``nodes/bridge/lora_coverage.py``) for the layer names :func:`layer_names`
+gives.
 
 A LoRA is a set of small tensors per adapted layer, named after that layer with a suffix per tensor. The
 suffix tells the algorithm and the naming convention; the layer names tell which model it was trained for;
@@ -9,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from .headers import TensorInfo
@@ -71,17 +75,14 @@ _DOWN = (
     ".lora_A.default.weight",
     ".lora_A",
 )
-# diffusers UNet attention projections saved with the "unet." prefix and PEFT-style suffixes: ComfyUI 0.3.75 maps
-# these names only in the attention-processor spelling, so such layers are not loaded.
 _PRIMARY = (*_DOWN, ".hada_w1_a", ".lokr_w1", ".lokr_w1_a", ".oft_blocks", ".a1.weight")
-_UNMAPPED = re.compile(r"^unet\..*\.(to_q|to_k|to_v|to_out\.0)\.(lora_A|lora_B|lora\.down|lora\.up)\.weight$")
 _CONTEXT = re.compile(r"attn2[._](?:processor\.)?to_k(?:_lora)?[._]")
 _CONTEXT_FAMILY = {768: "SD15", 1024: "SD20", 2048: "SDXL"}
 
 
 @dataclass(frozen=True)
 class LoraInfo:
-    """What a LoRA file holds, and whether ComfyUI 0.3.75's LoRA loader maps its layers."""
+    """What a LoRA file holds."""
 
     naming: tuple[str, ...]
     algorithms: tuple[str, ...]
@@ -89,19 +90,11 @@ class LoraInfo:
     layers: int
     targets: tuple[str, ...]
     target_family: str | None
-    unmapped_layers: int
 
     @property
     def rank(self) -> int | None:
         """The rank most layers use."""
         return self.ranks[0] if self.ranks else None
-
-    @property
-    def comfyui_loads(self) -> str:
-        """``"yes"``, or how much of it ComfyUI's key maps leave out."""
-        if self.unmapped_layers == 0:
-            return "yes"
-        return f"partly: {self.unmapped_layers} of {self.layers} layers use names ComfyUI does not map"
 
 
 def is_lora(tensors: Mapping[str, TensorInfo]) -> bool:
@@ -113,16 +106,7 @@ def is_lora(tensors: Mapping[str, TensorInfo]) -> bool:
 
 def describe_lora(tensors: Mapping[str, TensorInfo]) -> LoraInfo:
     """Describe a LoRA file from its tensor names and shapes."""
-    layers: dict[str, tuple[str, str]] = {}
-    ranks: Counter[int] = Counter()
-    for name, info in tensors.items():
-        for suffix, algorithm, naming in _SUFFIXES:
-            if name.endswith(suffix):
-                layers.setdefault(name[: -len(suffix)], (algorithm, naming))
-                if suffix in _DOWN and info.shape:
-                    ranks[info.shape[0]] += 1
-                break
-    unmapped = {name.rsplit(".", 3)[0] for name in tensors if _UNMAPPED.match(name)}
+    layers, ranks = _layers_and_ranks(tensors)
     return LoraInfo(
         naming=tuple(sorted({naming for _, naming in layers.values()})),
         algorithms=tuple(sorted({algorithm for algorithm, _ in layers.values()})),
@@ -130,8 +114,33 @@ def describe_lora(tensors: Mapping[str, TensorInfo]) -> LoraInfo:
         layers=len(layers),
         targets=_targets(layers),
         target_family=_family(tensors),
-        unmapped_layers=len(unmapped),
     )
+
+
+def layer_names(names: Iterable[str]) -> frozenset[str]:
+    """The names of the layers a LoRA adapts: its tensor names without their suffix (``lora_unet_..._proj_in``),
+    which is what a host's LoRA key map is keyed by."""
+    return frozenset(name[: -len(entry[0])] for name in names if (entry := _suffix_entry(name)) is not None)
+
+
+def _suffix_entry(name: str) -> tuple[str, str, str] | None:
+    """``(suffix, algorithm, naming)`` of a LoRA tensor name, or ``None`` for an auxiliary or foreign tensor."""
+    return next((entry for entry in _SUFFIXES if name.endswith(entry[0])), None)
+
+
+def _layers_and_ranks(tensors: Mapping[str, TensorInfo]) -> tuple[dict[str, tuple[str, str]], Counter[int]]:
+    """Each patched layer with its algorithm and naming, and how often each rank occurs."""
+    layers: dict[str, tuple[str, str]] = {}
+    ranks: Counter[int] = Counter()
+    for name, info in tensors.items():
+        entry = _suffix_entry(name)
+        if entry is None:
+            continue
+        suffix, algorithm, naming = entry
+        layers.setdefault(name[: -len(suffix)], (algorithm, naming))
+        if suffix in _DOWN and info.shape:
+            ranks[info.shape[0]] += 1
+    return layers, ranks
 
 
 def _targets(layers: Mapping[str, object]) -> tuple[str, ...]:
@@ -146,17 +155,27 @@ def _targets(layers: Mapping[str, object]) -> tuple[str, ...]:
     return tuple(sorted(found))
 
 
+#: Families told by the block names a LoRA's keys carry, when its context width does not tell.
+_BLOCK_FAMILIES: tuple[tuple[str, Callable[[str], bool]], ...] = (
+    ("Flux", lambda name: "double_blocks" in name or "single_transformer_blocks" in name),
+    ("SD3", lambda name: "joint_blocks" in name),
+    ("Wan", lambda name: re.search(r"blocks[._]\d+[._](self_attn|cross_attn)", name) is not None),
+)
+
+
 def _family(tensors: Mapping[str, TensorInfo]) -> str | None:
     names = list(tensors)
-    for name in names:
+    by_context = _context_family(tensors)
+    if by_context is not None:
+        return "SDXL" if any(n.startswith(("lora_te2_", "text_encoder_2.")) for n in names) else by_context
+    return next((family for family, marks in _BLOCK_FAMILIES if any(marks(n) for n in names)), None)
+
+
+def _context_family(tensors: Mapping[str, TensorInfo]) -> str | None:
+    """The family whose cross-attention context width a LoRA's context-side tensors have."""
+    for name, info in tensors.items():
         if _CONTEXT.search(name) and name.endswith(_DOWN):
-            family = _CONTEXT_FAMILY.get(tensors[name].shape[-1])
+            family = _CONTEXT_FAMILY.get(info.shape[-1])
             if family is not None:
-                return "SDXL" if any(n.startswith(("lora_te2_", "text_encoder_2.")) for n in names) else family
-    if any("double_blocks" in n or "single_transformer_blocks" in n for n in names):
-        return "Flux"
-    if any("joint_blocks" in n for n in names):
-        return "SD3"
-    if any(re.search(r"blocks[._]\d+[._](self_attn|cross_attn)", n) for n in names):
-        return "Wan"
+                return family
     return None

@@ -12,7 +12,8 @@ from collections.abc import Iterator
 
 import torch
 
-from .simulated import SimTensor, SimulatedDevice
+from .simtensor import SimTensor
+from .simulated import SimulatedDevice
 
 Target = torch.device | SimulatedDevice
 HOST = torch.device("cpu")
@@ -23,6 +24,13 @@ def is_on(tensor: torch.Tensor, target: Target) -> bool:
     if isinstance(target, SimulatedDevice):
         return isinstance(tensor, SimTensor) and tensor.sim_device is target
     return tensor.device == target and not isinstance(tensor, SimTensor)
+
+
+def same_target(a: Target | None, b: Target | None) -> bool:
+    """Whether two targets are the same device (a simulated one by identity)."""
+    if isinstance(a, SimulatedDevice) or isinstance(b, SimulatedDevice):
+        return a is b
+    return a is not None and b is not None and a == b
 
 
 def label_of(target: Target) -> str:

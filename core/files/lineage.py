@@ -8,8 +8,8 @@ letting the host's own loading code run on stand-ins:
 * :func:`source_tensors` makes a ``meta`` tensor per file tensor (shape and dtype, no data), tagged with
   its name;
 * :class:`Tracer` records, on every tensor computed from tagged ones, the operation that produced it;
-* :func:`capture_state_dict_loads` intercepts ``Module.load_state_dict`` for the duration, recording what
-  each module would have been given instead of copying it.
+* :func:`capture_state_dict_loads` intercepts ``Module.load_state_dict`` for the duration (and only then),
+  recording what each module would have been given instead of copying it.
 
 :func:`source_of` then turns what a module would have received into a
 :data:`~core.skeleton.Source`: a file tensor name, or a function that replays the recorded operations on
@@ -27,7 +27,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from .headers import SAFETENSORS_DTYPES, TensorInfo
+from ..detection.headers import SAFETENSORS_DTYPES, TensorInfo
 from .skeleton import Source
 
 _TAG = "_device_control_lineage"
@@ -81,16 +81,17 @@ def _has_lineage(item: Any) -> bool:
 
 
 _capturing = threading.local()
-_installed = False
-_original_load_state_dict = torch.nn.Module.load_state_dict
+_active = 0  # contexts open in any thread (under _lock)
+_saved: Callable[..., Any] | None = None  # the method in place when the first context opened
+_beneath = False  # another library wrapped ours: it stays installed, beneath that wrapper
 
 
 def _load_state_dict(
     module: torch.nn.Module, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
 ) -> Any:
     captured = getattr(_capturing, "loads", None)
-    if captured is None:  # not capturing in this thread: torch's own behaviour
-        return _original_load_state_dict(module, state_dict, strict=strict, assign=assign)
+    if captured is None:  # not capturing in this thread: the method that was there before
+        return _saved(module, state_dict, strict=strict, assign=assign)
     state = dict(state_dict)
     captured.append((module, state))
     expected = set(module.state_dict().keys())
@@ -102,20 +103,31 @@ def capture_state_dict_loads() -> Iterator[list[tuple[torch.nn.Module, dict[str,
     """Within this context, in this thread, ``Module.load_state_dict`` records ``(module, state_dict)`` and
     copies nothing; it returns what torch would (missing and unexpected keys), so callers behave as usual.
 
-    The hook is installed on first use and stays: in every other thread, and outside the context, it calls
-    torch's own method, so other threads (ComfyUI's server, other packs) are never affected.
+    The method is replaced only while a context is open (in any thread) and put back when the last one closes.
+    Meanwhile, other threads and code outside the context get the method that was there before, unchanged
+    (ComfyUI's server, other packs). If another library wraps the method while a context is open, its wrapper
+    stays when the contexts close (removing it would undo that library's change); ours then passes every call
+    through, as outside a context.
     """
-    global _installed
+    global _active, _saved, _beneath
     with _lock:
-        if not _installed:  # once: a later wrapper by another library stays in place
+        if _active == 0 and not _beneath:
+            _saved = torch.nn.Module.load_state_dict
             torch.nn.Module.load_state_dict = _load_state_dict
-            _installed = True
+        _active += 1
     previous = getattr(_capturing, "loads", None)
     _capturing.loads = []
     try:
         yield _capturing.loads
     finally:
         _capturing.loads = previous
+        with _lock:
+            _active -= 1
+            if _active == 0 and not _beneath:
+                if torch.nn.Module.load_state_dict is _load_state_dict:
+                    torch.nn.Module.load_state_dict = _saved
+                else:
+                    _beneath = True
 
 
 def source_of(value: torch.Tensor, read: Callable[[str], torch.Tensor]) -> Source | None:

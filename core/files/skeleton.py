@@ -21,8 +21,9 @@ from math import prod
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .errors import ModelFileError
-from .weights import ProgressCallback, WeightReader
+from ..errors import ModelFileError
+from ..progress import ProgressCallback
+from .reader import WeightReader
 
 #: Where a module's tensor comes from: a tensor name in the file, or a function computing it (for the few
 #: tensors the host application transforms while loading, e.g. a transpose).
@@ -102,14 +103,7 @@ def materialize(
     """
     device = torch.device(device)
     result = MaterializeResult()
-    names: dict[int, list[str]] = {}
-    tensors: dict[int, tuple[torch.Tensor, bool]] = {}
-    for is_parameter, named in ((True, module.named_parameters), (False, module.named_buffers)):
-        for name, tensor in named(remove_duplicate=False):
-            if tensor is None:
-                continue
-            names.setdefault(id(tensor), []).append(name)
-            tensors[id(tensor)] = (tensor, is_parameter)
+    names, tensors = _tensors_by_identity(module)
     total = sum(t.numel() * t.element_size() for t, _ in tensors.values())
     for key, (tensor, is_parameter) in tensors.items():
         aliases = names[key]
@@ -125,6 +119,20 @@ def materialize(
         if progress is not None:
             progress(result.loaded_bytes, total)
     return result
+
+
+def _tensors_by_identity(
+    module: torch.nn.Module,
+) -> tuple[dict[int, list[str]], dict[int, tuple[torch.Tensor, bool]]]:
+    """Each tensor of ``module`` once (tied ones under all their names), and whether it is a parameter."""
+    names: dict[int, list[str]] = {}
+    tensors: dict[int, tuple[torch.Tensor, bool]] = {}
+    for is_parameter, named in ((True, module.named_parameters), (False, module.named_buffers)):
+        for name, tensor in named(remove_duplicate=False):
+            if tensor is not None:
+                names.setdefault(id(tensor), []).append(name)
+                tensors[id(tensor)] = (tensor, is_parameter)
+    return names, tensors
 
 
 def _allocate(

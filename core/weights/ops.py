@@ -19,15 +19,15 @@ placements on a simulated GPU).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch.nn import functional as F  # noqa: N812 - the name every torch user knows
 
-from .transfer import Target, compute_target, to_target
-
-ProgressCallback = Callable[[int, int], None]
+from ..devices.tensors import Target
+from ..devices.transfer import compute_target, to_target
+from ..progress import ProgressCallback
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float | None) -> torch.Tensor:
@@ -47,20 +47,27 @@ def cast_weight_bias(
         dtype = dtype or input.dtype
         bias_dtype = bias_dtype or dtype
         target = target if target is not None else compute_target(input)
-    weight_functions = getattr(layer, "weight_function", ())
-    bias_functions = getattr(layer, "bias_function", ())
     bias = None
     if getattr(layer, "bias", None) is not None:
-        bias = to_target(layer.bias, target, copy=bool(bias_functions))
-        bias = bias.to(dtype=bias_dtype) if bias_dtype is not None else bias
-        for function in bias_functions:
-            bias = function(bias)
-    weight = to_target(layer.weight, target, copy=bool(weight_functions))
-    if weight_functions or (dtype is not None and weight.dtype != dtype):
-        weight = weight.to(dtype=dtype)
-        for function in weight_functions:
-            weight = function(weight)
+        bias = _cast_one(layer.bias, target, bias_dtype, getattr(layer, "bias_function", ()), always=True)
+    weight = _cast_one(layer.weight, target, dtype, getattr(layer, "weight_function", ()), always=False)
     return weight, bias
+
+
+def _cast_one(
+    tensor: torch.Tensor, target: Target | None, dtype: torch.dtype | None, functions: Sequence, *, always: bool
+) -> torch.Tensor:
+    """``tensor`` on ``target`` in ``dtype`` with the owner's patch ``functions`` applied (a copy when there are
+    any, so the stored tensor is never changed). The weight is cast only when its dtype differs or functions
+    apply; the bias is always brought to its dtype (ComfyUI's order of operations, for identical results)."""
+    result = to_target(tensor, target, copy=bool(functions))
+    if always:
+        result = result.to(dtype=dtype) if dtype is not None else result
+    elif functions or (dtype is not None and result.dtype != dtype):
+        result = result.to(dtype=dtype)
+    for function in functions:
+        result = function(result)
+    return result
 
 
 def _casting(layer: torch.nn.Module) -> bool:

@@ -12,18 +12,21 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import psutil
 import torch
 
-from .simulated import SimTensor, SimulatedDevice
+from ..errors import InvalidSizeError
+from .simtensor import SimTensor
+from .simulated import SimulatedDevice
+from .tensors import Target
 
 log = logging.getLogger("device_control")
 
-Target = torch.device | SimulatedDevice
 _STREAM_BACKENDS = ("cuda", "xpu")
 _streams: dict[torch.device, object] = {}
 _streams_lock = threading.Lock()
@@ -71,17 +74,50 @@ def to_target(tensor: torch.Tensor, target: Target, *, copy: bool = False) -> to
     return moved
 
 
+PINNED_FRACTION_ENV = "DEVICE_CONTROL_MAX_PINNED_FRACTION"
+DEFAULT_PINNED_FRACTION = 0.45
+_pinned_fraction = DEFAULT_PINNED_FRACTION
+
+
+def pinned_fraction_from_env(environ: Mapping[str, str] | None = None) -> float:
+    """The share of physical RAM that may be pinned, from ``DEVICE_CONTROL_MAX_PINNED_FRACTION`` (default 0.45).
+
+    Raises:
+        InvalidSizeError: the value is not a number from 0 to 1 (the message shows how to write it).
+    """
+    text = (os.environ if environ is None else environ).get(PINNED_FRACTION_ENV, "").strip()
+    if not text:
+        return DEFAULT_PINNED_FRACTION
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= 1:  # NaN fails too
+        raise InvalidSizeError(
+            f"{PINNED_FRACTION_ENV}={text!r} is not a share of RAM from 0 to 1; write it like "
+            f"{PINNED_FRACTION_ENV}=0.45 (0 turns pinning off)."
+        )
+    return value
+
+
+def use_pinned_fraction(fraction: float) -> None:
+    """Cap pinned host memory at ``fraction`` of physical RAM from now on (the settings do this at start)."""
+    global _pinned_fraction, _pinned
+    _pinned_fraction = fraction
+    if _pinned is not None and not _pinned.pinned:  # nothing pinned yet: the next account uses the new cap
+        _pinned = None
+
+
 class PinnedMemory:
     """Pins host tensors in place (page-locked, for fast non-blocking copies) up to a byte cap.
 
     Args:
-        max_bytes: the cap; default ``DEVICE_CONTROL_MAX_PINNED_FRACTION`` (0.45) of physical RAM.
+        max_bytes: the cap; default the configured share of physical RAM (:func:`use_pinned_fraction`).
     """
 
     def __init__(self, max_bytes: int | None = None) -> None:
         if max_bytes is None:
-            fraction = float(os.environ.get("DEVICE_CONTROL_MAX_PINNED_FRACTION", "0.45"))
-            max_bytes = int(psutil.virtual_memory().total * fraction)
+            max_bytes = int(psutil.virtual_memory().total * _pinned_fraction)
         self.max_bytes = max_bytes
         self.pinned: dict[int, int] = {}  # data pointer -> bytes
         self.failed = False

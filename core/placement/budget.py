@@ -1,4 +1,4 @@
-"""VRAM budgets: how much of a device one model may use, as users type it.
+"""VRAM budgets and placements: how much of a device one model may use, as users type it, and where it lives.
 
 A budget is ``"all"`` (as much as the model needs, if the device has it), a size (``"6GB"``, ``"1.5 GiB"``,
 binary units as everywhere in the pack) or a share of the device (``"50%"``). It covers the model's
@@ -12,11 +12,28 @@ import math
 import re
 from dataclasses import dataclass
 
-from .errors import InvalidSizeError
-from .units import format_bytes, parse_size
+from ..devices.memory import capacity_bytes
+from ..devices.tensors import Target, label_of
+from ..errors import InvalidSizeError
+from ..units import format_bytes, parse_size
 
 _PERCENT_RE = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+|nan|inf)\s*%\s*$", re.IGNORECASE)
 _FORMS = "'all', a size such as '6GB' or '512MiB', or a share of the device such as '50%'"
+
+
+def _share(text: str) -> float:
+    """``"50%"`` -> 0.5.
+
+    Raises:
+        InvalidSizeError: not a percentage, or outside 0 to 100 %.
+    """
+    match = _PERCENT_RE.match(text)
+    if match is None:
+        raise InvalidSizeError(f"VRAM budget {text!r} is not a share of the device; write it like '50%'.")
+    share = float(match.group(1))
+    if math.isnan(share) or math.isinf(share) or not 0 <= share <= 100:
+        raise InvalidSizeError(f"VRAM budget {text!r} must be a share between 0% and 100% of the device.")
+    return share / 100
 
 
 @dataclass(frozen=True)
@@ -39,13 +56,7 @@ class Budget:
         if text is None or (isinstance(text, str) and text.strip().lower() in ("", "all")):
             return ALL
         if isinstance(text, str) and "%" in text:
-            match = _PERCENT_RE.match(text)
-            if match is None:
-                raise InvalidSizeError(f"VRAM budget {text!r} is not a share of the device; write it like '50%'.")
-            share = float(match.group(1))
-            if math.isnan(share) or math.isinf(share) or not 0 <= share <= 100:
-                raise InvalidSizeError(f"VRAM budget {text!r} must be a share between 0% and 100% of the device.")
-            return cls(fraction=share / 100)
+            return cls(fraction=_share(text))
         if isinstance(text, str) and text.strip().lower().lstrip("+-") in ("nan", "inf", "infinity"):
             raise InvalidSizeError(f"VRAM budget {text!r} is not a finite number. Accepted forms: {_FORMS}.")
         try:
@@ -85,3 +96,29 @@ class Budget:
 
 #: The whole model, as far as the device has room.
 ALL = Budget()
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a model should live: its compute device, its budget there, and whether it may be evicted.
+
+    ``device_id`` is the user's name for the device (``gpu:0``), for messages.
+    """
+
+    target: Target
+    budget: Budget = ALL
+    keep_resident: bool = False
+    device_id: str = ""
+
+    @property
+    def name(self) -> str:
+        """The device's name in messages: the user's, else the backend's."""
+        return self.device_id or label_of(self.target)
+
+    def budget_bytes(self) -> int:
+        """The budget in bytes on this device now.
+
+        Raises:
+            InvalidSizeError: an absolute budget larger than the device.
+        """
+        return self.budget.resolve(capacity_bytes(self.target), device=self.name)

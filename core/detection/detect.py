@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from os import PathLike
 from typing import Any
@@ -154,60 +154,78 @@ def _match(view: KeyView, branches: tuple[Branch, ...], diffusers: bool = False)
     return family, fields, diffusers
 
 
-def _components(tensors: Mapping[str, TensorInfo], prefix: str, family: Family) -> tuple[Component, ...]:
-    groups: dict[str, list[TensorInfo]] = {}
-    kinds: dict[str, tuple[str, str]] = {}
-    remaining = dict(tensors)
+class _Grouping:
+    """Tensors of a file sorted into components, each tensor in the first component that takes it."""
 
-    def take(name: str, kind: str, stem: str) -> None:
-        chosen = [t for key, t in remaining.items() if key.startswith(stem)]
+    def __init__(self, tensors: Mapping[str, TensorInfo]) -> None:
+        self.remaining = dict(tensors)
+        self.groups: dict[str, list[TensorInfo]] = {}
+        self.kinds: dict[str, tuple[str, str]] = {}
+
+    def take(self, name: str, kind: str, stem: str) -> None:
+        """Every remaining tensor under ``stem`` goes to component ``name`` of ``kind``."""
+        chosen = [t for key, t in self.remaining.items() if key.startswith(stem)]
         for info in chosen:
-            del remaining[info.name]
+            del self.remaining[info.name]
         if chosen:
-            groups.setdefault(name, []).extend(chosen)
-            kinds.setdefault(name, (kind, stem))
+            self.groups.setdefault(name, []).extend(chosen)
+            self.kinds.setdefault(name, (kind, stem))
 
-    take("diffusion_model", family.name, prefix)
+    def components(self) -> tuple[Component, ...]:
+        """The components, and what no component took (tensors with data) as ``other``."""
+        leftover = [t for t in self.remaining.values() if t.numel > 0]
+        if leftover:
+            self.groups["other"] = leftover
+            self.kinds["other"] = ("other", "")
+        return tuple(measure(name, *self.kinds[name], infos) for name, infos in self.groups.items())
+
+
+def _components(tensors: Mapping[str, TensorInfo], prefix: str, family: Family) -> tuple[Component, ...]:
+    grouping = _Grouping(tensors)
+    grouping.take("diffusion_model", family.name, prefix)
     vae = vae_kind(KeyView(tensors, family.vae_prefix)) if family.vae_prefix else None
     if vae is not None:
-        take("vae", vae, family.vae_prefix)
+        grouping.take("vae", vae, family.vae_prefix)
     for container in TEXT_ENCODER_CONTAINERS:
-        slots = sorted({key[len(container) :].split(".", 1)[0] for key in remaining if key.startswith(container)})
-        found = None
-        for stem in [f"{container}{slot}." for slot in slots] + [container]:
-            encoder = text_encoder_kind(KeyView(tensors, stem))
-            if encoder is not None and any(k.startswith(stem) for k in remaining):
-                found = f"text_encoder:{_slot_name(encoder)}"
-                take(found, encoder, stem)
-        if found is not None:  # tokenizer blobs and scalars beside the encoders belong to them
-            take(found, kinds[found][0], container)
-    leftover = [t for t in remaining.values() if t.numel > 0]
-    if leftover:
-        groups["other"] = leftover
-        kinds["other"] = ("other", "")
-    return tuple(measure(name, kinds[name][0], kinds[name][1], infos) for name, infos in groups.items())
+        _take_text_encoders(grouping, tensors, container)
+    return grouping.components()
+
+
+def _take_text_encoders(grouping: _Grouping, tensors: Mapping[str, TensorInfo], container: str) -> None:
+    """The text encoders under ``container`` (each in a numbered slot, or the container itself)."""
+    slots = sorted({key[len(container) :].split(".", 1)[0] for key in grouping.remaining if key.startswith(container)})
+    found = None
+    for stem in [f"{container}{slot}." for slot in slots] + [container]:
+        encoder = text_encoder_kind(KeyView(tensors, stem))
+        if encoder is not None and any(k.startswith(stem) for k in grouping.remaining):
+            found = f"text_encoder:{_slot_name(encoder)}"
+            grouping.take(found, encoder, stem)
+    if found is not None:  # tokenizer blobs and scalars beside the encoders belong to them
+        grouping.take(found, grouping.kinds[found][0], container)
 
 
 def _slot_name(encoder: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", encoder.lower()).strip("_")
 
 
-def _variants(family: Family, fields: Mapping[str, Any], view: KeyView, header: FileHeader, diffusers: bool) -> tuple:
-    variants = []
-    in_channels = fields.get("in_channels")
-    if (family.branch == "unet" and in_channels == 9) or family.comfy_class == "FluxInpaint":
-        variants.append("inpaint")
-    if family.branch == "unet" and in_channels == 5:
-        variants.append("depth")
-    if "instructpix2pix" in family.comfy_class:
-        variants.append("instruct-pix2pix")
-    if "Refiner" in family.comfy_class:
-        variants.append("refiner")
+def _v_prediction(family: Family, view: KeyView) -> bool:
     model_type = family.type_of(view)
-    if model_type.startswith("V_PREDICTION") and family.model_type != model_type:
-        variants.append("v-prediction")
-    if view.root_has("ztsnr"):
-        variants.append("zero terminal SNR")
+    return model_type.startswith("V_PREDICTION") and family.model_type != model_type
+
+
+#: Variants told from the family, its configuration and its keys.
+_VARIANTS: tuple[tuple[str, Callable[[Family, Mapping[str, Any], KeyView], bool]], ...] = (
+    ("inpaint", lambda f, c, v: (f.branch == "unet" and c.get("in_channels") == 9) or f.comfy_class == "FluxInpaint"),
+    ("depth", lambda f, c, v: f.branch == "unet" and c.get("in_channels") == 5),
+    ("instruct-pix2pix", lambda f, c, v: "instructpix2pix" in f.comfy_class),
+    ("refiner", lambda f, c, v: "Refiner" in f.comfy_class),
+    ("v-prediction", lambda f, c, v: _v_prediction(f, v)),
+    ("zero terminal SNR", lambda f, c, v: v.root_has("ztsnr")),
+)
+
+
+def _variants(family: Family, fields: Mapping[str, Any], view: KeyView, header: FileHeader, diffusers: bool) -> tuple:
+    variants = [name for name, applies in _VARIANTS if applies(family, fields, view)]
     scaled = view.dtype("scaled_fp8")
     if scaled is not None:
         variants.append(f"scaled fp8 ({'e5m2' if scaled == 'F8_E5M2' else 'e4m3fn'})")
@@ -224,24 +242,10 @@ def _explain_unknown(tensors: Mapping[str, TensorInfo]) -> dict[str, Any]:
         return {"reason": "the file holds no tensors", "candidates": ()}
     prefix = diffusion_prefix(tensors)
     for view in (KeyView(tensors, prefix), KeyView(tensors, "")):
-        branch = find_branch(view)
-        fields = branch.fields(view) if branch is not None else None
-        if fields:
-            related = [(f.mismatches(fields, view), f) for f in FAMILIES if f.branch == branch.name]
-            related.sort(key=lambda pair: len(pair[0]))  # closest first: fewest differences
-            near = [f"{f.comfy_class}: {'; '.join(reasons)}" for reasons, f in related]
-            return {
-                "reason": f"the keys are of the {branch.name} architecture, but no known family of it matches",
-                "candidates": tuple(near[:5]),
-                "config": fields,
-            }
-    # No marker at the expected place: maybe the markers are there under a prefix we do not know.
-    stems = {}
-    for branch in BRANCHES:
-        marker = branch.markers[0]
-        found = next((name for name in tensors if name.endswith("." + marker)), None)
-        if found is not None:
-            stems[branch.name] = found[: -len(marker)]
+        near = _near_families(view)
+        if near is not None:
+            return near
+    stems = _markers_elsewhere(tensors)
     if stems:
         near = tuple(f"{name}: marker found under the unknown prefix {stem!r}" for name, stem in stems.items())
         return {"reason": "architecture markers sit under a key prefix no loader uses", "candidates": near}
@@ -249,9 +253,29 @@ def _explain_unknown(tensors: Mapping[str, TensorInfo]) -> dict[str, Any]:
     return {"reason": f"no known architecture marker; top-level key groups: {', '.join(top)}", "candidates": ()}
 
 
-if __name__ == "__main__":  # python -m core.detection FILE [--json]
-    import sys
+def _near_families(view: KeyView) -> dict[str, Any] | None:
+    """The families of the architecture ``view``'s keys are of, closest first, with what each lacks."""
+    branch = find_branch(view)
+    fields = branch.fields(view) if branch is not None else None
+    if not fields:
+        return None
+    related = sorted(
+        ((f.mismatches(fields, view), f) for f in FAMILIES if f.branch == branch.name),
+        key=lambda pair: len(pair[0]),  # closest first: fewest differences
+    )
+    return {
+        "reason": f"the keys are of the {branch.name} architecture, but no known family of it matches",
+        "candidates": tuple(f"{f.comfy_class}: {'; '.join(reasons)}" for reasons, f in related[:5]),
+        "config": fields,
+    }
 
-    from .detection_report import main
 
-    sys.exit(main())
+def _markers_elsewhere(tensors: Mapping[str, TensorInfo]) -> dict[str, str]:
+    """Architecture markers found at the end of keys under a prefix we do not know: branch -> that prefix."""
+    stems = {}
+    for branch in BRANCHES:
+        marker = branch.markers[0]
+        found = next((name for name in tensors if name.endswith("." + marker)), None)
+        if found is not None:
+            stems[branch.name] = found[: -len(marker)]
+    return stems

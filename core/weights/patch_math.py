@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .errors import PatchError
+from ..errors import PatchError
 
 log = logging.getLogger("device_control")
 
@@ -48,15 +49,23 @@ def patch_kind(value: Any) -> str:
     name = getattr(value, "name", None)
     if name in ADAPTERS and hasattr(value, "weights"):
         return name
-    if isinstance(value, tuple) and len(value) == 1:
-        return "diff"
-    if isinstance(value, tuple) and len(value) == 2 and value[0] in RAW_TYPES:
-        return value[0]
+    raw = _raw_kind(value)
+    if raw is not None:
+        return raw
     shown = name or (value[0] if isinstance(value, tuple) and value else type(value).__name__)
     raise PatchError(
         f"unknown patch type {shown!r}; Device Control applies {', '.join(ADAPTERS + RAW_TYPES)}. The LoRA or "
         "model patch was made by a node or format this ComfyUI does not support: update that node pack."
     )
+
+
+def _raw_kind(value: Any) -> str | None:
+    """``diff`` for a 1-tuple, the named type of a ``(type, data)`` tuple, else ``None``."""
+    if not isinstance(value, tuple):
+        return None
+    if len(value) == 1:
+        return "diff"
+    return value[0] if len(value) == 2 and value[0] in RAW_TYPES else None
 
 
 def calculate_weight(
@@ -79,34 +88,54 @@ def calculate_weight(
         PatchError: a patch of an unknown type.
     """
     for strength, value, strength_model, offset, function in patches:
-        function = function or _identity
         whole = None
         if offset is not None:
             whole, weight = weight, weight.narrow(offset[0], offset[1], offset[2])
         if strength_model != 1.0:
             weight *= strength_model
-        kind = patch_kind(value)
-        if kind == "nested":
-            base, convert = value[0]
-            start = convert(_cast(base, weight.device, intermediate_dtype, copy=True), inplace=True)
-            value = (calculate_weight(value[1:], start, key, intermediate_dtype),)
-            kind = "diff"
-        if kind in ADAPTERS:
-            try:
-                weight = _ADAPTER_MATH[kind](value.weights, weight, strength, function, intermediate_dtype)
-            except Exception as exc:  # a patch that does not fit its weight: skip it, as ComfyUI does
-                log.warning("[Device Control] %s patch for %s not applied: %s", kind, key, exc)
-        elif kind == "diff":
-            weight = _diff(value, weight, key, strength, function)
-        elif kind == "set":
-            weight.copy_(value[1][0])
-        else:
-            target, base = value[1][0], original_weights[key][0][0]
-            delta = _cast(target, weight.device, intermediate_dtype) - _cast(base, weight.device, intermediate_dtype)
-            weight += function(strength * _cast(delta, weight.device, weight.dtype))
+        patch = _Patch(key, strength, value, function or _identity, intermediate_dtype, original_weights)
+        weight = patch.apply(weight)
         if whole is not None:
             weight = whole
     return weight
+
+
+@dataclass(frozen=True)
+class _Patch:
+    """One patch of a weight, in the terms of ComfyUI's patch tuple."""
+
+    key: str
+    strength: float
+    value: Any
+    function: Callable[[torch.Tensor], torch.Tensor]
+    intermediate_dtype: torch.dtype
+    original_weights: dict | None
+
+    def apply(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` with this patch applied (in place where the math allows)."""
+        kind, value = patch_kind(self.value), self.value
+        if kind == "nested":
+            base, convert = value[0]
+            start = convert(_cast(base, weight.device, self.intermediate_dtype, copy=True), inplace=True)
+            value, kind = (calculate_weight(value[1:], start, self.key, self.intermediate_dtype),), "diff"
+        if kind in ADAPTERS:
+            return self._adapter(kind, value, weight)
+        if kind == "diff":
+            return _diff(value, weight, self.key, self.strength, self.function)
+        if kind == "set":
+            return weight.copy_(value[1][0])
+        target, base = value[1][0], self.original_weights[self.key][0][0]
+        dtype = self.intermediate_dtype
+        delta = _cast(target, weight.device, dtype) - _cast(base, weight.device, dtype)
+        weight += self.function(self.strength * _cast(delta, weight.device, weight.dtype))
+        return weight
+
+    def _adapter(self, kind: str, value: Any, weight: torch.Tensor) -> torch.Tensor:
+        try:
+            return _ADAPTER_MATH[kind](value.weights, weight, self.strength, self.function, self.intermediate_dtype)
+        except Exception as exc:  # a patch that does not fit its weight: skip it, as ComfyUI does
+            log.warning("[Device Control] %s patch for %s not applied: %s", kind, self.key, exc)
+            return weight
 
 
 def _identity(tensor: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ModelFileError, UnsafePickleError
+from ..errors import ModelFileError, UnsafePickleError, first_line
 
 #: safetensors dtype name -> (bytes per element, torch dtype or None where torch has none).
 SAFETENSORS_DTYPES: dict[str, tuple[int, torch.dtype | None]] = {
@@ -163,22 +163,35 @@ def _read_safetensors(file: Path, size: int) -> FileHeader:
 
 
 def _tensor_info(file: Path, name: str, entry: object, data_size: int) -> TensorInfo:
-    if not isinstance(entry, dict):
-        raise _broken(file, f"the entry for tensor {name!r} is not an object")
-    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPES:
-        raise _broken(file, f"tensor {name!r} has unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_count(d, MAX_DIM) for d in shape):
-        raise _broken(file, f"tensor {name!r} has an invalid shape {shape!r}")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o, 2**63) for o in offsets)):
-        raise _broken(file, f"tensor {name!r} has invalid data offsets {offsets!r}")
-    begin, end = offsets
-    info = TensorInfo(name, dtype, tuple(shape), begin, end)
+    problem = _entry_problem(name, entry)
+    if problem is not None:
+        raise _broken(file, problem)
+    begin, end = entry["data_offsets"]
+    info = TensorInfo(name, entry["dtype"], tuple(entry["shape"]), begin, end)
     if end < begin or end > data_size:
-        raise _broken(file, f"tensor {name!r} has offsets {offsets} outside the {data_size} bytes of data")
+        raise _broken(file, f"tensor {name!r} has offsets {[begin, end]} outside the {data_size} bytes of data")
     if end - begin != info.nbytes:
         raise _broken(file, f"tensor {name!r} spans {end - begin} bytes but its shape and dtype need {info.nbytes}")
     return info
+
+
+def _entry_problem(name: str, entry: object) -> str | None:
+    """What is wrong with a header entry's form (its dtype, shape and offsets), or ``None``."""
+    if not isinstance(entry, dict):
+        return f"the entry for tensor {name!r} is not an object"
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPES:
+        return f"tensor {name!r} has unknown dtype {dtype!r}"
+    if not _is_counts(shape, MAX_DIM, MAX_DIMS):
+        return f"tensor {name!r} has an invalid shape {shape!r}"
+    if not _is_counts(offsets, 2**63, 2) or len(offsets) != 2:
+        return f"tensor {name!r} has invalid data offsets {offsets!r}"
+    return None
+
+
+def _is_counts(values: object, limit: int, most: int) -> bool:
+    """A list of at most ``most`` whole numbers from 0 to below ``limit``."""
+    return isinstance(values, list) and len(values) <= most and all(_is_count(v, limit) for v in values)
 
 
 def _is_count(value: object, limit: int) -> bool:
@@ -206,14 +219,14 @@ def load_pickled_state(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
         raise _unsafe(file, exc) from exc
     except RuntimeError as exc:
         if "mmap" not in str(exc):
-            raise ModelFileError(f"{file.name} cannot be read as a PyTorch checkpoint ({_first_line(exc)}).") from exc
+            raise ModelFileError(f"{file.name} cannot be read as a PyTorch checkpoint ({first_line(exc)}).") from exc
         try:  # files saved before torch 1.6 cannot be memory-mapped; read them whole
             loaded = torch.load(file, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as inner:
             raise _unsafe(file, inner) from inner
     except (EOFError, OSError, ValueError) as exc:
         raise ModelFileError(
-            f"{file.name} cannot be read as a PyTorch checkpoint ({_first_line(exc)}); it is damaged or not a "
+            f"{file.name} cannot be read as a PyTorch checkpoint ({first_line(exc)}); it is damaged or not a "
             "model file: download it again."
         ) from exc
     state = _state_dict_of(loaded)
@@ -224,7 +237,7 @@ def load_pickled_state(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
 
 def _unsafe(file: Path, exc: BaseException) -> UnsafePickleError:
     return UnsafePickleError(
-        f"{file.name} is an unsafe pickle: torch.load(weights_only=True) refuses it ({_first_line(exc)}). "
+        f"{file.name} is an unsafe pickle: torch.load(weights_only=True) refuses it ({first_line(exc)}). "
         "Loading it anyway could run code hidden in the file, so Device Control will not. Convert it to "
         ".safetensors with a tool you trust, or use a safetensors release of the model."
     )
@@ -249,8 +262,3 @@ def _state_dict_of(loaded: object) -> dict[str, torch.Tensor] | None:
         if any(isinstance(v, torch.Tensor) for v in loaded.values()):
             return loaded
     return None
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__

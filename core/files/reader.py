@@ -17,16 +17,14 @@ from __future__ import annotations
 import mmap
 import os
 import warnings
-from collections.abc import Callable
 
 import torch
 
-from .errors import ModelFileError
-from .headers import SAFETENSORS_DTYPES, FileHeader, TensorInfo, load_pickled_state
+from ..detection.headers import SAFETENSORS_DTYPES, FileHeader, TensorInfo, load_pickled_state
+from ..errors import ModelFileError
 
 #: Called as ``progress(bytes_done, bytes_total)`` after every tensor; it may raise to stop the load
 #: (ComfyUI's interruption does), and the load stops cleanly between two tensors.
-ProgressCallback = Callable[[int, int], None]
 
 
 class WeightReader:
@@ -99,19 +97,23 @@ class WeightReader:
         if self._pickled is not None:
             with torch.no_grad():
                 dest.copy_(self._pickled[name].reshape(dest.shape))
-            return
+        elif dest.device.type == "cpu" and type(dest) is torch.Tensor:
+            self._read_on_host(info, dest)
+        else:
+            with torch.no_grad():
+                dest.copy_(self._stage(info).view(_torch_dtype(info)).reshape(dest.shape))
+
+    def _read_on_host(self, info: TensorInfo, dest: torch.Tensor) -> None:
+        """Into host memory: straight from the file when the dtype is the same, else converted from the mapping."""
         stored = _torch_dtype(info)
-        on_host = dest.device.type == "cpu" and type(dest) is torch.Tensor
-        if on_host and dest.dtype == stored and dest.is_contiguous():
-            self._pread_into(info, dest.reshape(-1).view(torch.uint8))
-            return
         start = self.header.data_start + info.begin
-        if on_host and self._map is not None and start % stored.itemsize == 0 and info.nbytes:
+        if dest.dtype == stored and dest.is_contiguous():
+            self._pread_into(info, dest.reshape(-1).view(torch.uint8))
+        elif self._map is not None and start % stored.itemsize == 0 and info.nbytes:
             self._convert_from_map(info, start, stored, dest)
-            return
-        source = self._stage(info).view(stored).reshape(dest.shape)
-        with torch.no_grad():
-            dest.copy_(source)
+        else:
+            with torch.no_grad():
+                dest.copy_(self._stage(info).view(stored).reshape(dest.shape))
 
     def _convert_from_map(self, info: TensorInfo, start: int, stored: torch.dtype, dest: torch.Tensor) -> None:
         self._check_within_file(info, start)

@@ -14,9 +14,9 @@ from typing import Any
 import psutil
 import torch
 
-from .errors import DeviceControlError
-from .placement import Target
+from ..errors import DeviceControlError
 from .simulated import SimulatedDevice
+from .tensors import Target
 
 
 def _backend(device: torch.device) -> Any:  # torch.cuda, torch.xpu, ... (or None)

@@ -1,27 +1,27 @@
-"""Weight patch sets: add LoRAs and friends, apply them to a module tree, restore it bit for bit.
+"""Applying weight patches (LoRAs and friends) to weights, resident or streamed, and checking them when added.
 
-* :class:`PatchSet` holds patches by weight name in ComfyUI's format. Cloning is cheap (the patch tensors are
-  shared, the lists are not) and its ``uuid`` changes whenever its patches do, so a model knows when the
-  patches it was built with are stale.
-* :meth:`PatchSet.apply` patches resident weights: each original tensor is kept as it is (the backup) and
-  replaced by a patched one computed in float32 and rounded back to the stored dtype (stochastically for fp8,
-  seeded per weight name, so the result is reproducible). :meth:`PatchSet.restore` puts the originals back:
-  the very same tensors, so the restore is exact.
+* :func:`check_patch` refuses a patch when it is added (an unknown type, NaN or infinite values), naming its
+  source and the weight, instead of failing or poisoning the image halfway through sampling.
+* Resident weights are patched in float32 and rounded back to their stored dtype with :func:`round_to`
+  (stochastically for fp8, seeded per weight name by :func:`key_seed`, so the result is reproducible);
+  :func:`get_weight` and :func:`set_weight` read and replace them, so the owner can keep the originals and put
+  the very same tensors back (an exact restore).
 * :class:`OnTheFlyPatch` applies the same patches to a weight that is not resident, each time it is cast for
   a computation (the ``weight_function`` path), so a LoRA gives the same result resident or streamed.
+
+The owner is ComfyUI's model patcher (``nodes/bridge/patcher.py``), through the protocol ComfyUI's own uses.
 """
 
 from __future__ import annotations
 
 import logging
-import uuid
 import zlib
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
+from ..errors import PatchError
 from .patch_math import Patch, calculate_weight, patch_kind
 
 log = logging.getLogger("device_control")
@@ -97,81 +97,29 @@ def set_weight(module: torch.nn.Module, key: str, value: torch.Tensor) -> None:
         owner._buffers[name] = value
 
 
-@dataclass
-class PatchSet:
-    """Patches by weight name, in ComfyUI's tuple format."""
+def check_patch(key: str, value: Any, source: str) -> None:
+    """Refuse a patch now, when it is added, rather than halfway through sampling.
 
-    patches: dict[str, list[Patch]] = field(default_factory=dict)
-    uuid: uuid.UUID = field(default_factory=uuid.uuid4)
+    Args:
+        key: the weight it patches (``diffusion_model.input_blocks.1.1.proj_in.weight``).
+        value: the patch value, as ``ModelPatcher.add_patches`` receives it.
+        source: what the patch comes from, for the message (``LoRA 'detail.safetensors'``).
 
-    def add(
-        self,
-        patches: Mapping[Any, Any],
-        strength_patch: float = 1.0,
-        strength_model: float = 1.0,
-        known: Iterable[str] | None = None,
-    ) -> set[str]:
-        """Add patches (as ``ModelPatcher.add_patches`` takes them); return the keys that were added.
-
-        A key may be a name, ``(name, offset)`` or ``(name, offset, function)``. Keys not in ``known`` (when
-        given) are skipped. Patch tensors with NaN or infinity are reported: they would poison the weights.
-
-        Raises:
-            PatchError: a patch of an unknown type.
-        """
-        allowed = set(known) if known is not None else None
-        added = set()
-        poisoned = []
-        for raw_key, value in patches.items():
-            name, offset, function = _split_key(raw_key)
-            if allowed is not None and name not in allowed:
-                continue
-            patch_kind(value)  # refuse what we cannot apply now, not halfway through sampling
-            if not _finite(value):
-                poisoned.append(name)
-            self.patches.setdefault(name, []).append((strength_patch, value, strength_model, offset, function))
-            added.add(name)
-        if poisoned:
-            log.warning(
-                "[Device Control] %d patched weights have NaN or infinite values in their patch (e.g. %s): "
-                "those weights will be NaN; the LoRA file is damaged",
-                len(poisoned),
-                poisoned[0],
-            )
-        if added:
-            self.uuid = uuid.uuid4()
-        return added
-
-    def clone(self) -> PatchSet:
-        """A copy whose lists are its own and whose tensors are shared."""
-        return PatchSet({key: list(value) for key, value in self.patches.items()}, self.uuid)
-
-    def apply(self, module: torch.nn.Module, device: torch.device | None = None) -> dict[str, torch.Tensor]:
-        """Patch every weight of ``module`` that has patches; return the originals (the backup)."""
-        backup = {}
-        for key, patches in self.patches.items():
-            weight = get_weight(module, key)
-            backup[key] = weight
-            work = weight.detach().to(device=device or weight.device, dtype=torch.float32, copy=True)
-            patched = calculate_weight(patches, work, key)
-            set_weight(module, key, round_to(patched, weight.dtype, key_seed(key)))
-        return backup
-
-    @staticmethod
-    def restore(module: torch.nn.Module, backup: Mapping[str, torch.Tensor]) -> None:
-        """Put the original tensors back (the same objects: bit for bit what was there)."""
-        for key, original in backup.items():
-            set_weight(module, key, original)
-
-    def on_the_fly(self, key: str) -> OnTheFlyPatch:
-        """A callable that patches weight ``key`` each time it is cast for a computation."""
-        return OnTheFlyPatch(key, self.patches)
-
-
-def _split_key(raw: Any) -> tuple[str, Any, Callable | None]:
-    if isinstance(raw, str):
-        return raw, None, None
-    return raw[0], raw[1], raw[2] if len(raw) > 2 else None
+    Raises:
+        PatchError: a patch of a type we do not apply, or one with NaN or infinite values (it would turn the
+            weight, and then the image, into NaN).
+    """
+    try:
+        patch_kind(value)
+    except PatchError as exc:
+        raise PatchError(f"{source}, patch for {key}: {exc}") from None
+    if not _finite(value):
+        from_key = sorted(getattr(value, "loaded_keys", ()) or ())
+        named = f" (LoRA key {from_key[0]})" if from_key else ""
+        raise PatchError(
+            f"{source} has NaN or infinite values in its patch for {key}{named}: the file is damaged. Download it "
+            "again, or remove it from the workflow."
+        )
 
 
 def _finite(value: Any) -> bool:

@@ -27,19 +27,20 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from .units import format_bytes, parse_size
+from ..units import format_bytes, parse_size
+from .simtensor import SimTensor
 
 #: Faults a simulated device can be told to inject (see ``SimulatedDevice(faults=...)``):
 #: ``stats``: memory statistics queries fail, as a broken driver query would;
 #: ``unreported_others``: what other programs use is left out of :meth:`SimulatedDevice.free` and the
 #: statistics, but still takes room, as when another program allocates between a query and a move;
-#: ``slow_moves``: every placement takes a few milliseconds, so a move can be interrupted half-way in tests.
+#: ``slow_moves``: every placement on the device and every release from it takes a few milliseconds, so a move
+#: can be interrupted half-way, and an offload lasts long enough to act meanwhile, in tests.
 KNOWN_FAULTS = frozenset({"stats", "unreported_others", "slow_moves"})
 SLOW_MOVE_SECONDS = 0.005
 
@@ -287,6 +288,8 @@ class SimulatedDevice:
         """
         if not isinstance(tensor, SimTensor):
             return tensor
+        if "slow_moves" in self.faults:
+            time.sleep(SLOW_MOVE_SECONDS)
         with torch._C.DisableTorchFunctionSubclass():
             return tensor.detach().as_subclass(torch.Tensor)
 
@@ -305,128 +308,3 @@ class SimulatedDevice:
             f"SimulatedDevice({self.label}, capacity={format_bytes(self.capacity)}, "
             f"allocated={format_bytes(self._allocated)})"
         )
-
-
-def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _tensors_in(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from _tensors_in(item)
-
-
-_STREAMED = "_device_control_streamed"
-
-
-def mark_streamed(tensor: torch.Tensor, streamed: bool = True) -> None:
-    """Mark a host weight as streamed: it stays in host memory and is cast to the device for each use."""
-    setattr(tensor, _STREAMED, streamed)
-
-
-def _is_stranded_weight(tensor: torch.Tensor) -> bool:
-    """A host parameter used in a device computation without being streamed: a forgotten move."""
-    return isinstance(tensor, torch.nn.Parameter) and tensor.dim() > 0 and not getattr(tensor, _STREAMED, False)
-
-
-#: Functions that move data between the host and a device, where mixing devices is the point.
-_TRANSFERS = {torch.Tensor.copy_, torch.Tensor.to, torch.Tensor.cpu}
-
-
-class SimTensor(torch.Tensor):
-    """A tensor resident on a :class:`SimulatedDevice` (its data lives in host memory)."""
-
-    _sim_device: SimulatedDevice
-
-    @property
-    def sim_device(self) -> SimulatedDevice:
-        """The simulated device this tensor is on."""
-        return self._sim_device
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if getattr(func, "__self__", None) is _DATA and func.__name__ == "__set__":
-            return _set_data(*args)
-        with torch._C.DisableTorchFunctionSubclass():
-            device = _common_device(func, args, kwargs)
-            if func is torch.Tensor.cpu or (func is torch.Tensor.to and _to_names_a_device(args, kwargs)):
-                source = args[0].as_subclass(torch.Tensor)
-                return func(source, *args[1:], **kwargs).clone()
-            result = func(*args, **kwargs)
-            if kwargs.get("device") is not None:  # e.g. empty_like(x, device="cpu"): the caller named a torch device
-                return result
-            return _wrap(result, device)
-
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
-        with torch._C.DisableTorchFunctionSubclass():
-            inner = torch.Tensor.__repr__(self.as_subclass(torch.Tensor))
-        return f"{inner[:-1]}, sim_device='{self._sim_device.label}')"
-
-
-_DATA = torch._C.TensorBase.__dict__["data"]  # the descriptor (each ``.__set__`` lookup is a new wrapper)
-
-
-def _set_data(tensor: SimTensor, data: torch.Tensor) -> None:
-    """``tensor.data = data`` (how ``Module.to`` moves parameters): the books follow the data.
-
-    Data from another place ends this tensor's stay on its device: the old storage is released now and the
-    object becomes the plain tensor (or parameter) it would be on that device.
-    """
-    device = tensor._sim_device
-    with torch._C.DisableTorchFunctionSubclass():
-        _DATA.__set__(tensor, data)
-        tensor._sim_release()  # the old storage is no longer this tensor's
-        if isinstance(data, SimTensor) and data.sim_device is device:
-            device._register(tensor)
-        else:
-            tensor.__class__ = torch.nn.Parameter if getattr(tensor, "_is_param", False) else torch.Tensor
-            del tensor._sim_device
-
-
-def _common_device(func: Any, args: tuple, kwargs: dict) -> SimulatedDevice | None:
-    """The one simulated device the operands are on; raise as a real device mismatch would for a weight."""
-    device: SimulatedDevice | None = None
-    stranded: torch.Tensor | None = None
-    for tensor in _tensors_in((args, kwargs)):
-        if isinstance(tensor, SimTensor):
-            other = tensor._sim_device
-            if device is not None and other is not device:
-                _raise_mismatch(device.label, other.label)
-            device = other
-        elif _is_stranded_weight(tensor):
-            stranded = tensor
-    if device is not None and stranded is not None and func not in _TRANSFERS:
-        _raise_mismatch(device.label, str(stranded.device))
-    return device
-
-
-def _raise_mismatch(first: str, second: str) -> None:
-    raise RuntimeError(
-        f"Expected all tensors to be on the same device, but found at least two devices, {first} and {second}! "
-        "(A weight was not moved to the compute device and has no cast path.)"
-    )
-
-
-def _to_names_a_device(args: tuple, kwargs: dict) -> bool:
-    parsed = {k: v for k, v in kwargs.items() if k != "copy"}  # the parser knows every argument of .to() but copy
-    device, _dtype, _non_blocking, _memory_format = torch._C._nn._parse_to(*args[1:], **parsed)
-    return device is not None
-
-
-def _wrap(result: Any, device: SimulatedDevice | None) -> Any:
-    if device is None:
-        return result
-    if isinstance(result, torch.Tensor):
-        if isinstance(result, SimTensor) and getattr(result, "_sim_device", None) is device:
-            return result
-        wrapped = result.as_subclass(SimTensor)
-        wrapped._sim_device = device
-        device._register(wrapped)
-        return wrapped
-    if isinstance(result, (list, tuple)) and any(isinstance(item, torch.Tensor) for item in result):
-        items = [_wrap(item, device) for item in result]
-        return type(result)(items) if not hasattr(result, "_fields") else type(result)(*items)
-    return result

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 
-from .backends import DeviceInfo
-from .components import CANDIDATE_DTYPES, Component
-from .units import format_bytes
+from ..detection.components import CANDIDATE_DTYPES, Component
+from ..devices.backends import DeviceInfo
+from ..units import format_bytes
 
 DEFAULT_HEADROOM = 512 * 1024**2
 _STORED_TO_CANDIDATE = {"F32": "fp32", "F64": "fp32", "F16": "fp16", "BF16": "bf16", "F8_E4M3": "fp8", "F8_E5M2": "fp8"}
@@ -104,24 +104,35 @@ def plan_fit(
             ``"text_encoder"``, ``"vae"``); components without a choice are not loaded and not counted.
         headroom: bytes kept free on accelerators for activations and workspace.
     """
+    planned, devices = _place(components, choices)
+    needed: dict[str, int] = {}
+    for part in planned:
+        needed[part.device] = needed.get(part.device, 0) + part.bytes
+    plans = [_device_plan(device, needed[device.id], headroom) for device in devices.values() if device.is_accelerator]
+    spill = sum(p.streamed for p in plans)
+    host = next((d for d in devices.values() if not d.is_accelerator), None)
+    if host is not None or spill:  # what does not fit on a GPU streams from RAM, which must hold it
+        plans.append(_device_plan(host or _UNLISTED_HOST, needed.get("cpu", 0) + spill, 0, spill))
+    return FitPlan(tuple(planned), tuple(plans))
+
+
+#: The host, when no component was placed there but some must stream from it.
+_UNLISTED_HOST = DeviceInfo("cpu", "cpu", "CPU", "cpu", None, None)
+
+
+def _place(
+    components: Iterable[Component], choices: Mapping[str, Choice]
+) -> tuple[list[ComponentPlan], dict[str, DeviceInfo]]:
+    """Each chosen component on its device in its dtype, and the devices chosen (by id)."""
     planned: list[ComponentPlan] = []
     devices: dict[str, DeviceInfo] = {}
     for component in components:
         choice = choices.get(component.name) or choices.get(component.name.split(":")[0])
-        if choice is None:
-            continue
-        planned.append(
-            ComponentPlan(component.name, choice.device.id, choice.dtype, component.bytes_by_dtype[choice.dtype])
-        )
-        devices[choice.device.id] = choice.device
-    needed = {device_id: sum(p.bytes for p in planned if p.device == device_id) for device_id in devices}
-    plans = [_device_plan(devices[i], needed[i], headroom) for i in devices if devices[i].is_accelerator]
-    spill = sum(p.streamed for p in plans)
-    cpu = next((d for d in devices.values() if not d.is_accelerator), None)
-    if cpu is not None or spill:
-        host = cpu or DeviceInfo("cpu", "cpu", "CPU", "cpu", None, None)
-        plans.append(_device_plan(host, needed.get("cpu", 0) + spill, 0, spill))
-    return FitPlan(tuple(planned), tuple(plans))
+        if choice is not None:
+            size = component.bytes_by_dtype[choice.dtype]
+            planned.append(ComponentPlan(component.name, choice.device.id, choice.dtype, size))
+            devices[choice.device.id] = choice.device
+    return planned, devices
 
 
 def _device_plan(device: DeviceInfo, needed: int, headroom: int, from_streaming: int = 0) -> DevicePlan:

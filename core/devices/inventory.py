@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import psutil
 
+from ..errors import DeviceNotFoundError, InvalidDeviceSpecError
+from ..units import parse_size
 from .backends import Backend, DeviceInfo, default_backends, this_process
-from .errors import DeviceNotFoundError, InvalidDeviceSpecError
 from .simulated import SimulatedDevice, SimulatedSpec
-from .units import parse_size
 
 log = logging.getLogger("device_control")
 
@@ -216,15 +216,19 @@ class DeviceInventory:
 
 
 def _find(spec: DeviceSpec, snapshot: InventorySnapshot) -> DeviceInfo | None:
-    usable = [d for d in snapshot.devices if d.id and d.error is None]
     if spec.kind == "auto":
-        return next((d for d in usable if d.is_accelerator), None) or snapshot.get("cpu")
-    if spec.kind == "cpu":
-        return snapshot.get("cpu")
-    if spec.kind == "gpu":
-        return snapshot.get(f"gpu:{spec.index}")
+        return next(_usable_accelerators(snapshot), None) or snapshot.get("cpu")
+    if spec.kind in ("cpu", "gpu"):
+        return snapshot.get("cpu" if spec.kind == "cpu" else f"gpu:{spec.index}")
     native = {"mps": "mps", "directml": f"privateuseone:{spec.index}"}.get(spec.kind, f"{spec.kind}:{spec.index}")
     return next((d for d in snapshot.devices if d.native == native), None)
+
+
+def _usable_accelerators(snapshot: InventorySnapshot) -> Iterator[DeviceInfo]:
+    """Accelerators with an id whose query did not fail, in the order they are numbered."""
+    for device in snapshot.devices:
+        if device.id and device.error is None and device.is_accelerator:
+            yield device
 
 
 def _with_id(info: DeviceInfo, device_id: str) -> DeviceInfo:

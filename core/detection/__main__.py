@@ -1,66 +1,24 @@
-"""The detection report, as text for people and JSON for scripts, and the ``python -m core.detection`` command."""
+"""``python -m core.detection FILE``: what a model file is, read from its header, and whether it fits here.
+
+An entry point, not a library module: it joins detection with the fit plan (``core.placement``) and the
+device inventory (``core.devices``), which the detection package itself never imports.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
-from dataclasses import asdict
-from typing import Any
 
+from ..devices.inventory import DeviceInventory, simulated_devices_from_env
+from ..errors import DeviceControlError
+from ..placement.fit import DEFAULT_HEADROOM, Choice, FitPlan, default_dtype, plan_fit
+from ..units import parse_size
 from .components import CANDIDATE_DTYPES
-from .detection import Detection, detect
-from .devices import DeviceInventory, simulated_devices_from_env
-from .errors import DeviceControlError
-from .fit import DEFAULT_HEADROOM, Choice, FitPlan, default_dtype, plan_fit
-from .units import format_bytes, parse_size
+from .detect import Detection, detect
+from .report import render_text, to_dict
 
-log = logging.getLogger("device_control")
 ROLES = ("diffusion_model", "text_encoder", "vae")
-
-
-def to_dict(detection: Detection, plan: FitPlan | None = None) -> dict[str, Any]:
-    """The detection (and fit plan) as a JSON-ready dictionary."""
-    data = asdict(detection)
-    data["components"] = [asdict(c) for c in detection.components]
-    data["lora"] = (
-        None if detection.lora is None else {**asdict(detection.lora), "comfyui_loads": detection.lora.comfyui_loads}
-    )
-    data["fit"] = plan.to_dict() if plan is not None else None
-    return data
-
-
-def render_text(detection: Detection, plan: FitPlan | None = None) -> str:
-    """The detection (and fit plan) for people."""
-    lines = [f"File: {detection.path} ({detection.file_format}, read in {detection.seconds * 1000:.1f} ms)"]
-    if detection.kind == "unknown":
-        lines.append(f"Unknown model: {detection.reason}.")
-        lines += [f"  closest: {candidate}" for candidate in detection.candidates]
-        return "\n".join(lines)
-    lines.append(f"Kind: {detection.kind.replace('_', ' ')}; family: {detection.family}")
-    if detection.comfy_class:
-        lines.append(f"ComfyUI class: {detection.comfy_class}; prediction: {detection.model_type}")
-    if detection.variants:
-        lines.append(f"Variant: {', '.join(detection.variants)}")
-    if detection.lora is not None:
-        lora = detection.lora
-        lines.append(
-            f"LoRA: {', '.join(lora.algorithms)}, rank {lora.rank}, {lora.layers} layers ({', '.join(lora.targets)}); "
-            f"naming: {', '.join(lora.naming)}; ComfyUI loads it: {lora.comfyui_loads}"
-        )
-    lines.append("Components:")
-    for c in detection.components:
-        sizes = ", ".join(f"{dtype} {format_bytes(size)}" for dtype, size in c.bytes_by_dtype.items())
-        lines.append(
-            f"  {c.name:<24} {c.kind}: {c.tensor_count} tensors, {c.parameter_count / 1e6:,.1f} M parameters, "
-            f"stored {'/'.join(c.stored_dtypes)} {format_bytes(c.stored_bytes)}; as {sizes}"
-        )
-    if plan is not None:
-        lines.append("Fit:")
-        lines += [f"  {p.component} -> {p.device} as {p.dtype}: {format_bytes(p.bytes)}" for p in plan.components]
-        lines += [f"  {d.device}: {d.verdict}" for d in plan.devices]
-    return "\n".join(lines)
 
 
 def default_plan(
@@ -126,3 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         (json.dumps(to_dict(detection, plan), indent=2) if args.json else render_text(detection, plan)) + "\n"
     )
     return 0 if detection.kind != "unknown" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from .backends import DeviceInfo
-from .devices import HostMemory, InventorySnapshot
-from .units import format_bytes
+from ..devices.backends import DeviceInfo
+from ..devices.inventory import HostMemory, InventorySnapshot
+from ..units import format_bytes
 
 
 @dataclass(frozen=True)
@@ -105,8 +105,7 @@ class MemoryReport:
     def to_text(self) -> str:
         """The report for people: one block per section, aligned, figures in binary units."""
         title = f"VRAM Report - {self.label}" if self.label else "VRAM Report"
-        lines = [f"{title} ({self.created})", "", "Devices:"]
-        lines += [_device_line(d) for d in self.devices] or ["  (none)"]
+        lines = [f"{title} ({self.created})", "", "Devices:", *_or_none([_device_line(d) for d in self.devices])]
         lines += [f"  ! {error}" for error in self.errors]
         host = self.host
         lines += [
@@ -115,21 +114,30 @@ class MemoryReport:
             f"{format_bytes(host.available)} available; this process (RSS): {format_bytes(host.process_rss)}",
         ]
         if self.mode is not None:
-            mode = self.mode
-            lines += [
-                "",
-                f"Memory mode: {mode.vram_state} - {mode.description}",
-                f"  compute device: {mode.compute_device}; smart memory: {'on' if mode.smart_memory else 'off'}; "
-                f"dynamic VRAM: {mode.dynamic_vram}"
-                + (f"; pinned host memory: {format_bytes(mode.pinned_bytes)}" if mode.pinned_bytes else ""),
-            ]
+            lines += ["", *_mode_lines(self.mode)]
         if self.subject is not None:
             lines += ["", "Input at this point:", _model_line(self.subject)]
-        lines += ["", f"Models loaded by ComfyUI ({len(self.models)}):"]
-        lines += [_model_line(m) for m in self.models] or ["  (none)"]
+        lines += [
+            "",
+            f"Models loaded by ComfyUI ({len(self.models)}):",
+            *_or_none([_model_line(m) for m in self.models]),
+        ]
         if self.notes:
             lines += ["", "Notes:"] + [f"  - {note}" for note in self.notes]
         return "\n".join(lines)
+
+
+def _or_none(lines: list[str]) -> list[str]:
+    return lines or ["  (none)"]
+
+
+def _mode_lines(mode: MemoryMode) -> list[str]:
+    pinned = f"; pinned host memory: {format_bytes(mode.pinned_bytes)}" if mode.pinned_bytes else ""
+    return [
+        f"Memory mode: {mode.vram_state} - {mode.description}",
+        f"  compute device: {mode.compute_device}; smart memory: {'on' if mode.smart_memory else 'off'}; "
+        f"dynamic VRAM: {mode.dynamic_vram}{pinned}",
+    ]
 
 
 def _shallow(record: Any) -> dict[str, Any]:

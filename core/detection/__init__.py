@@ -1,0 +1,5 @@
+"""What a model file is, from its header alone: ``headers`` reads and validates it, ``keyview`` looks keys up,
+``families`` and ``family_table`` match it against every model family, ``components`` measures its parts,
+``lora_info`` describes LoRAs, ``detect`` puts it together and ``report`` renders it.
+``python -m core.detection FILE`` (``__main__``) adds a fit plan for this machine.
+"""

@@ -1,0 +1,291 @@
+"""The loading engine: a model's layers moved in place between its compute device and host memory, under a
+budget, with an out-of-memory guard, for any module tree whose layers speak the cast protocol.
+
+**Books.** Residency is not kept in a ledger beside the model: it is read from where each tensor is, so the
+numbers cannot drift from the truth (a simulated device keeps books of its own; tests check both agree), and
+:meth:`PartialModel.holds` tells whether the tree is still as the engine left it.
+
+**Out of memory.** When a move runs out of device memory (another program took memory after the free
+figure was read, fragmentation), the guard lowers the budget to what fitted minus one more layer, empties
+the allocator's cache and tries once more; if that fails too, every layer that can stream streams. The
+report says what happened, the lowered budget is remembered for later loads of the same model on that
+device, and the model stays usable: every layer is either resident or streaming, never half-moved.
+
+**Interruption.** A progress callback runs after each layer moved; when it raises (a user's cancel), the
+layers moved so far stay resident, the others stream, and the exception goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ..devices.memory import empty_cache
+from ..devices.simulated import SimulatedDevice
+from ..devices.tensors import HOST, Target, label_of, same_target
+from ..errors import DeviceControlError, first_line
+from ..progress import ProgressCallback
+from ..units import format_bytes
+from .plan import DEFAULT_POLICY, STREAM_COPIES, Layer, Plan, Policy, layers_of, plan_layers
+from .streaming import NO_HOOKS, LayerHooks, apply_plan, is_streaming, leave, reset_flags, to_host
+
+log = logging.getLogger("device_control")
+
+
+@dataclass
+class LoadReport:
+    """What a load did, for logs and node outputs."""
+
+    target: str
+    asked: int
+    plan: Plan
+    total_bytes: int
+    resident_bytes: int
+    moved_in: int = 0
+    moved_out: int = 0
+    oom: str | None = None
+
+    @property
+    def streamed_bytes(self) -> int:
+        """Bytes that stay in host memory and stream."""
+        return self.total_bytes - self.resident_bytes
+
+    def summary(self) -> str:
+        """``3.20 GiB: 1.20 GiB resident on sim:0, 2.00 GiB streamed from cpu (412 layers)``, plus what the
+        guard did."""
+        text = f"{format_bytes(self.total_bytes)}: {format_bytes(self.resident_bytes)} resident on {self.target}"
+        if self.streamed_bytes:
+            text += (
+                f", {format_bytes(self.streamed_bytes)} streamed from {label_of(HOST)} "
+                f"({self.plan.streamed_layers} layers)"
+            )
+        if self.plan.over_budget:
+            text += (
+                f"; the budget {format_bytes(self.plan.budget)} is below the {format_bytes(self.plan.fixed_bytes)} "
+                "this model cannot stream, which stays resident anyway"
+            )
+        if self.oom:
+            text += f"; {self.oom}"
+        return text
+
+
+class PartialModel:
+    """The loading engine for one module tree (keep one per tree: :func:`partial_model_of`).
+
+    Args:
+        root: the module tree.
+    """
+
+    def __init__(self, root: torch.nn.Module) -> None:
+        self.root = root
+        self.target: Target | None = None
+        self.plan: Plan | None = None
+        self.policy = DEFAULT_POLICY
+        self.limits: dict[str, int] = {}
+        self._layers: list[Layer] | None = None
+
+    def layers(self) -> list[Layer]:
+        """The tree's layers (computed once; :meth:`refresh` after the tree changes)."""
+        if self._layers is None:
+            self._layers = layers_of(self.root)
+        return self._layers
+
+    def refresh(self) -> None:
+        """Forget the layer list (modules were added, removed or replaced)."""
+        self._layers = None
+
+    def total_bytes(self) -> int:
+        """Bytes of all the model's tensors."""
+        return sum(layer.nbytes for layer in self.layers())
+
+    def resident_bytes(self, target: Target | None = None) -> int:
+        """Bytes resident on ``target`` (default: the device the model was last loaded to)."""
+        target = self.target if target is None else target
+        if target is None:
+            return 0
+        return sum(layer.nbytes for layer in self.layers() if layer.is_resident(target))
+
+    def streamed_layers(self) -> list[Layer]:
+        """The layers that stream now."""
+        return [layer for layer in self.layers() if layer.streamable and not layer.is_resident(self.target)]
+
+    def describe(self, label: str, asked: int, *, oom: str | None = None) -> LoadReport:
+        """The model as it is now, in the words of a load report (``label``: the user's name for the device).
+
+        Raises:
+            DeviceControlError: the engine holds no plan (nothing was loaded, or the tree was moved since).
+        """
+        if self.plan is None or self.target is None:
+            raise DeviceControlError("the model is not loaded by Device Control now: no placement to describe.")
+        resident = self.resident_bytes(self.target)
+        return LoadReport(label, asked, self.plan, self.total_bytes(), resident, oom=oom)
+
+    def holds(self, target: Target | None) -> bool:
+        """Whether the tree is exactly as this engine's last load or unload left it, on ``target``.
+
+        Every layer of the last plan is resident on ``target`` and not streaming; every other layer is in host
+        memory and streams. Anything else means someone else moved the tree since (ComfyUI's own loader working
+        on a clone that shares these weights, a cancelled move): a placement is then not in force, whatever
+        the engine remembers. Read from the tensors, like every figure here.
+        """
+        plan = self.plan
+        if plan is None or target is None or not same_target(self.target, target):
+            return False
+        return all(_as_planned(layer, layer.name in plan.resident, target) for layer in self.layers())
+
+    # -- loading -----------------------------------------------------------------------------------
+
+    def load(
+        self,
+        target: Target,
+        budget: int,
+        *,
+        policy: Policy | None = None,
+        hooks: LayerHooks = NO_HOOKS,
+        progress: ProgressCallback | None = None,
+        fresh: bool = False,
+    ) -> LoadReport:
+        """Make the model resident on ``target`` as far as ``budget`` allows; the rest streams.
+
+        Args:
+            target: the compute device.
+            budget: bytes the model may take there (weights plus casting room).
+            policy: which layers to prefer (default: the last one used, initially :data:`DEFAULT_POLICY`).
+            hooks: the owner's reactions to layer changes (patching).
+            progress: called with ``(layers done, layers to do)`` after each layer; may raise to stop.
+            fresh: forget a budget the out-of-memory guard lowered on an earlier load.
+
+        Raises:
+            DeviceControlError: not even the layers that cannot stream fit (the model is left in RAM).
+        """
+        self.policy = policy or self.policy
+        key = label_of(target)
+        if fresh:
+            self.limits.pop(key, None)
+        before_in, before_out = self.resident_bytes(target), self._resident_elsewhere(target)
+        plan = self._plan(target, min(budget, self.limits.get(key, budget)))
+        plan, oom = self._apply_guarded(plan, target, hooks, progress)
+        resident = self.resident_bytes(target)
+        moved_in, moved_out = max(0, resident - before_in), before_out + max(0, before_in - resident)
+        return LoadReport(key, budget, plan, self.total_bytes(), resident, moved_in, moved_out, oom)
+
+    def unload(self, nbytes: int, *, hooks: LayerHooks = NO_HOOKS, progress: ProgressCallback | None = None) -> int:
+        """Stream more layers, freeing at least ``nbytes`` on the device where possible; returns bytes freed."""
+        target = self.target
+        if target is None or nbytes <= 0:
+            return 0
+        before = self.resident_bytes(target)
+        if nbytes >= before:
+            return self.unload_all(hooks=hooks)
+        reserve = STREAM_COPIES * max((layer.nbytes for layer in self.streamed_layers()), default=0)
+        allowed = [layer.name for layer in self.layers() if layer.is_resident(target)]
+        plan = plan_layers(self.layers(), before + reserve - nbytes, self.policy, allowed=allowed)
+        self._apply(plan, target, hooks, progress)
+        return before - self.resident_bytes(target)
+
+    def unload_all(self, *, hooks: LayerHooks = NO_HOOKS) -> int:
+        """Move every layer to host memory and reset its cast flags (a model that computes on the host,
+        or waits there to be loaded again); returns the bytes freed on the device."""
+        target = self.target
+        freed = 0
+        for layer in self.layers():
+            if target is not None and layer.is_resident(target):
+                hooks.before_leaving(layer)  # patched weights are restored, on the host too
+                freed += 0 if same_target(target, HOST) else layer.nbytes
+            to_host(layer)
+            reset_flags(layer)
+        self.target = None
+        self.plan = None
+        return freed
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _plan(self, target: Target, budget: int) -> Plan:
+        if not isinstance(target, SimulatedDevice) and target.type == "cpu":
+            budget = self.total_bytes()  # on the host, everything is resident: there is nothing to stream from
+        return plan_layers(self.layers(), budget, self.policy)
+
+    def _resident_elsewhere(self, target: Target) -> int:
+        if self.target is None or same_target(self.target, target) or same_target(self.target, HOST):
+            return 0
+        return self.resident_bytes(self.target)
+
+    def _apply(self, plan: Plan, target: Target, hooks: LayerHooks, progress: ProgressCallback | None) -> None:
+        self.plan = None  # until the plan is in place, the tree is in between
+        leave(self.layers(), self.target, target, hooks)
+        self.target = target
+        apply_plan(self.layers(), plan, target, hooks, progress)
+        self.plan = plan
+
+    def _apply_guarded(
+        self, plan: Plan, target: Target, hooks: LayerHooks, progress: ProgressCallback | None
+    ) -> tuple[Plan, str | None]:
+        """Apply ``plan``; out of memory lowers the budget once, then streams all that can stream."""
+        try:
+            self._apply(plan, target, hooks, progress)
+            return plan, None
+        except torch.OutOfMemoryError as error:
+            oom = self._lower_limit(target, error)
+        lowered = self._plan(target, self.limits[label_of(target)])
+        try:
+            self._apply(lowered, target, hooks, progress)
+            return lowered, oom
+        except torch.OutOfMemoryError:
+            oom += "; out of memory again, so every layer that can stream streams"
+        return self._stream_all_that_can(target, hooks, progress), oom
+
+    def _lower_limit(self, target: Target, error: BaseException) -> str:
+        """Remember a budget one layer below what fitted on ``target``; say so."""
+        key = label_of(target)
+        resident = self.resident_bytes(target)
+        biggest = max((la.nbytes for la in self.layers() if la.streamable and la.is_resident(target)), default=0)
+        self.limits[key] = max(0, resident - biggest)
+        empty_cache(target)
+        oom = (
+            f"out of memory on {key} with {format_bytes(resident)} resident ({first_line(error)}); "
+            f"budget lowered to {format_bytes(self.limits[key])}"
+        )
+        log.warning("[Device Control] %s", oom)
+        return oom
+
+    def _stream_all_that_can(self, target: Target, hooks: LayerHooks, progress: ProgressCallback | None) -> Plan:
+        key = label_of(target)
+        self.limits[key] = 0
+        empty_cache(target)
+        plan = self._plan(target, 0)
+        try:
+            self._apply(plan, target, hooks, progress)
+        except torch.OutOfMemoryError as last:
+            self.unload_all(hooks=hooks)
+            raise DeviceControlError(
+                f"{key} has no room even for the {format_bytes(plan.fixed_bytes)} of this model that cannot stream "
+                f"({first_line(last)}); the model stays in RAM. Free memory on {key} (Offload To CPU, or close "
+                "other programs using it), or choose another device."
+            ) from last
+        return plan
+
+
+def _as_planned(layer: Layer, resident: bool, target: Target) -> bool:
+    """A planned-resident layer is on ``target`` and not streaming; any other one is on the host, streaming."""
+    if resident:
+        return layer.is_resident(target) and not is_streaming(layer)
+    return layer.is_resident(HOST) and is_streaming(layer)
+
+
+_ENGINE = "_device_control_engine"
+
+
+def engine_of(root: torch.nn.Module) -> PartialModel | None:
+    """The engine of ``root`` if it has been loaded by one (without creating one)."""
+    return root.__dict__.get(_ENGINE)
+
+
+def partial_model_of(root: torch.nn.Module) -> PartialModel:
+    """The engine of ``root`` (created on first use and kept on the module, so every owner shares it)."""
+    engine = root.__dict__.get(_ENGINE)
+    if engine is None:
+        engine = PartialModel(root)
+        root.__dict__[_ENGINE] = engine
+    return engine

@@ -1,0 +1,161 @@
+"""A checkpoint's models built with ComfyUI's own classes on stand-ins, and where each weight comes from.
+
+ComfyUI's ``load_state_dict_guess_config`` reads the whole file, builds each model in its compute dtype and
+copies the weights in, so for a while both are in memory. Here the same ComfyUI steps run on stand-ins
+(``core.files.lineage``): the models are built with their parameters on ``meta``, and ComfyUI's own key
+renames and value transforms run without touching a weight, which tells us, for every tensor of every
+model, where it comes from in the file (``core.files.skeleton`` then fills them once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...core.detection.detect import Detection
+from ...core.detection.headers import FileHeader
+from ...core.errors import ModelFileError, UnknownModelError
+from ...core.files.lineage import Tracer, capture_state_dict_loads, source_of, source_tensors
+from ...core.files.reader import WeightReader
+from ...core.files.skeleton import Source, weights_on_meta
+from .. import surface
+
+#: Tensors ComfyUI reads by value while it builds a model (not just by shape): read for real, they are small.
+VALUE_PROBES = (
+    "output_blocks.11.1.transformer_blocks.0.norm1.bias",  # SD2 tells eps from v-prediction by its spread
+    "edm_vpred.sigma_max",
+    "edm_vpred.sigma_min",
+    "cc_projection.weight",
+    "cc_projection.bias",
+    "spiece_model",
+    "tekken_model",
+)
+
+
+@dataclass
+class Traced:
+    """ComfyUI's objects built weightless, and the sources of their weights by root (``model``, ``clip``,
+    ``vae``) and parameter name."""
+
+    model: Any
+    clip: Any
+    vae: Any
+    sources: dict[str, dict[str, Source]]
+
+    @property
+    def roots(self) -> dict[str, torch.nn.Module]:
+        """The module trees to fill, by role."""
+        roots = {"model": self.model, "vae": self.vae.first_stage_model}
+        if self.clip is not None:
+            roots["clip"] = self.clip.cond_stage_model
+        return roots
+
+
+def config_of(sd: dict, header: FileHeader, detection: Detection) -> tuple[Any, str]:
+    """ComfyUI's model config for the stand-in state dict, and the diffusion model's key prefix.
+
+    Raises:
+        UnknownModelError: ComfyUI cannot build this file, or builds a different class than detected.
+    """
+    detect = surface.model_detection()
+    prefix = detect.unet_prefix_from_state_dict(sd)
+    config = detect.model_config_from_unet(sd, prefix, metadata=dict(header.metadata))
+    if config is None or type(config).__name__ != detection.comfy_class:
+        found = type(config).__name__ if config is not None else "nothing"
+        raise UnknownModelError(
+            f"ComfyUI builds {found} from {header.path}, but the header says {detection.comfy_class}; "
+            "load it with ComfyUI's Load Checkpoint instead, and report the file's layout."
+        )
+    return config, prefix
+
+
+def build_traced(config: Any, sd: dict, prefix: str, header: FileHeader, reader: WeightReader, places: Any) -> Traced:
+    """Build the model, the VAE and the text encoder with ComfyUI's classes, weightless, and trace their sources.
+
+    ``places`` gives the VAE's and the text encoder's ``device`` and ``dtype`` (``vae`` and ``clip`` attributes).
+    """
+    utils = surface.comfy_utils()
+    # Weights are created on meta while ComfyUI builds the models (values it constructs stay real), and
+    # ComfyUI's own renames and transforms run on the stand-ins, traced.
+    with capture_state_dict_loads() as captured, weights_on_meta():
+        model = config.get_model(sd, prefix, device=torch.device("cpu"))
+        with Tracer():  # only the steps that rename and transform weights need tracing
+            model.load_model_weights(sd, prefix)
+            vae_sd = config.process_vae_state_dict(
+                utils.state_dict_prefix_replace(sd, dict.fromkeys(config.vae_key_prefix, ""), filter_keys=True)
+            )
+            vae = surface.comfy_sd().VAE(
+                sd=vae_sd, device=places.vae.device, dtype=places.vae.dtype, metadata=dict(header.metadata)
+            )
+            clip = _build_clip(config, sd, places.clip)
+    traced = Traced(model, clip, vae, {})
+    sources = _sources(captured, traced.roots, reader.read)
+    traced.sources = {name: _with_exact_names(root, sources[name], header) for name, root in traced.roots.items()}
+    return traced
+
+
+def stand_ins(header: FileHeader, reader: WeightReader) -> dict:
+    """The file as a state dict of tagged ``meta`` tensors (the few ComfyUI reads by value are read for real)."""
+    return source_tensors(header.tensors, _probes(header, reader))
+
+
+def _probes(header: FileHeader, reader: WeightReader) -> dict[str, torch.Tensor]:
+    wanted = [name for name in header.tensors if any(name.endswith(probe) for probe in VALUE_PROBES)]
+    return {name: reader.read(name) for name in wanted if header.tensors[name].nbytes < 64 * 1024**2}
+
+
+def _build_clip(config: Any, sd: dict, place: Any) -> Any:
+    """The text encoder ComfyUI builds for this checkpoint (``None`` when it has none), on ``place``'s device and
+    in its dtype (``place``: a component plan)."""
+    target = config.clip_target(state_dict=sd)
+    if target is None:
+        return None
+    clip_sd = config.process_clip_state_dict(sd)
+    if not clip_sd:
+        return None
+    # Built on the host (its weights on meta, see weights_on_meta). "cpu:0" is the host, but not equal to "cpu":
+    # so ComfyUI skips the first load it makes when the build device is the load device; we make it later.
+    options: dict[str, Any] = {"initial_device": torch.device("cpu", 0)}
+    if place.device is not None:
+        options |= {"load_device": place.device, "offload_device": torch.device("cpu")}
+    if place.dtype is not None:
+        options["dtype"] = place.dtype
+    folders = surface.folder_paths()
+    clip = surface.comfy_sd().CLIP(
+        target,
+        embedding_directory=folders.get_folder_paths("embeddings"),
+        tokenizer_data=clip_sd,
+        parameters=surface.comfy_utils().calculate_parameters(clip_sd),
+        model_options=options,
+    )
+    clip.load_sd(clip_sd, full_model=True)
+    return clip
+
+
+def _sources(captured: list, roots: dict[str, torch.nn.Module], read: Callable[[str], torch.Tensor]) -> dict:
+    """Turn what each module would have been given into sources, keyed by the module's own names."""
+    paths = {id(module): (name, path) for name, root in roots.items() for path, module in root.named_modules()}
+    sources: dict[str, dict[str, Source]] = {name: {} for name in roots}
+    for module, state in captured:
+        owner = paths.get(id(module))
+        if owner is None:
+            continue
+        root, path = owner
+        for key, value in state.items():
+            source = source_of(value, read)
+            if source is None:
+                raise ModelFileError(
+                    f"ComfyUI computes {key!r} in a way Device Control cannot stream; load this file with "
+                    "ComfyUI's Load Checkpoint."
+                )
+            sources[root][f"{path}.{key}" if path else key] = source
+    return sources
+
+
+def _with_exact_names(root: torch.nn.Module, sources: dict[str, Source], header: FileHeader) -> dict[str, Source]:
+    """Parameters a model copies in while it is built (not through ``load_state_dict``) keep their file name."""
+    extra = {name: name for name, _ in root.named_parameters() if name not in sources and name in header.tensors}
+    return {**sources, **extra}

@@ -1,0 +1,43 @@
+"""The repository's own commands answer ``--help`` with how to use them, and start nothing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_run_tests_help_prints_usage_and_provisions_nothing():
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "tools/run_tests.py", "--help"], cwd=REPO, capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0 and done.stdout.startswith("usage: python3 tools/run_tests.py")
+    assert "--soak-cycles" in done.stdout and "Any other argument goes to pytest" in done.stdout
+    assert "pip" not in done.stdout + done.stderr and time.monotonic() - started < 10
+
+
+def test_the_surface_check_names_a_missing_symbol_and_fails(tmp_path):
+    """On a ComfyUI tree that lacks what the pack uses, the command says which symbols and exits 1."""
+    (tmp_path / "comfy").mkdir()
+    (tmp_path / "comfy" / "model_management.py").write_text("def load_models_gpu(models): ...\nvram_state = 0\n")
+    (tmp_path / "comfyui_version.py").write_text('__version__ = "9.9.9"\n')
+    done = subprocess.run(
+        [sys.executable, "-m", "tools.surface_check", str(tmp_path)], cwd=REPO, capture_output=True, text=True
+    )
+    assert done.returncode == 1 and "(version 9.9.9)" in done.stdout
+    assert "comfy.model_management.load_models_gpu" in done.stdout and "MISSING" in done.stdout
+    present = {line.split()[0] for line in done.stdout.splitlines() if line.endswith("  present")}
+    expected = {"comfy.model_management.load_models_gpu", "comfy.model_management.vram_state"}
+    assert present == expected | {"comfyui_version.__version__"}
+    assert "comfy.memory_management.aimdo_enabled" in done.stdout and "absent (optional" in done.stdout
+
+
+def test_the_surface_check_refuses_a_folder_that_is_not_comfyui(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "tools.surface_check", str(tmp_path)], cwd=REPO, capture_output=True, text=True
+    )
+    assert done.returncode == 2 and "is not a ComfyUI folder" in done.stderr

@@ -1,0 +1,228 @@
+"""The benchmark sections: what each measures, ``runs`` times, and the Markdown table it makes.
+
+Each section is ``section(runs, paths, worker, aggregate) -> (raw runs, table)``; ``tools/bench.py`` drives
+them and writes both. Cells are medians with the smallest and largest run (``Spread.show``).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tools.runtime import REPO, fixtures_dir, venv_python
+
+GiB = 1024**3
+SD15 = "SD1.5 (synthetic, 2.0 GiB fp16)"
+SDXL = "SDXL base checkpoint (sparse)"
+Worker = Callable[..., dict]
+Section = Callable[[int, dict[str, Path], Worker, Callable[[list[Any]], Any]], tuple[list[Any], str]]
+
+
+def _gib(value: float) -> str:
+    return f"{value / GiB:.2f} GiB"
+
+
+def _s(value: float) -> str:
+    return f"{value:.1f} s"
+
+
+def _ms(value: float) -> str:
+    return f"{value:.1f} ms"
+
+
+def _ratio(value: float) -> str:
+    return f"{value:.2f}x"
+
+
+def loader(runs: int, paths: dict[str, Path], worker: Worker, aggregate: Callable) -> tuple[list, str]:
+    rows = [
+        "| checkpoint (loaded to CPU, default dtypes) | loader | time | ratio to ComfyUI (same run) "
+        "| peak RSS above baseline | resident | peak / resident |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    raw = []
+    for label, path in ((SD15, paths[SD15]), ("SDXL (sparse, 6.5 GiB fp16)", paths[SDXL])):
+        pairs = [{who: worker("load", who, str(path)) for who in ("comfyui", "ours")} for _ in range(runs)]
+        raw.append({"file": label, "runs": pairs})
+        for who, name in (("comfyui", "ComfyUI"), ("ours", "Device Control")):
+            spread = aggregate([_load_figures(pair, who) for pair in pairs])
+            rows.append(
+                f"| {label} | {name} | {spread['seconds'].show(_s)} | {spread['ratio'].show(_ratio)} "
+                f"| {spread['extra'].show(_gib)} | {spread['resident'].show(_gib)} | "
+                f"{spread['peak_ratio'].show(lambda v: f'{v:.2f}')} |"
+            )
+    return raw, "\n".join(rows)
+
+
+def _load_figures(pair: dict[str, dict], who: str) -> dict[str, float]:
+    r = pair[who]
+    extra = r["peak"] - r["baseline"]
+    return {
+        "seconds": r["seconds"],
+        "ratio": r["seconds"] / pair["comfyui"]["seconds"],
+        "extra": extra,
+        "resident": r["resident"],
+        "peak_ratio": extra / r["resident"],
+    }
+
+
+def detection(runs: int, paths: dict[str, Path], worker: Worker, aggregate: Callable) -> tuple[list, str]:
+    rows = [
+        "| file | size | Device Control (header only) | ComfyUI (state dict + detection) | class |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    raw = []
+    for label, path in paths.items():
+        size = path.stat().st_size
+        ours = [worker("detect", "ours", str(path), "7") for _ in range(runs)]
+        theirs = [worker("detect", "comfyui", str(path), "3") for _ in range(runs)] if size < 8 * GiB else []
+        raw.append({"file": label, "ours": ours, "comfyui": theirs})
+        comfy = (
+            aggregate([t["median"] * 1000 for t in theirs]).show(lambda v: f"{v:.0f} ms")
+            if theirs
+            else "not run (larger than this machine's RAM allows)"
+        )
+        mine = aggregate([o["median"] * 1000 for o in ours]).show(_ms)
+        rows.append(f"| {label} | {_gib(size)} | {mine} | {comfy} | {ours[0]['found']} |")
+    return raw, "\n".join(rows)
+
+
+OPS_COLUMNS = ["plain fp32", "ours, no cast", "ComfyUI float16", "ours float16", "ComfyUI bfloat16", "ours bfloat16"]
+
+
+def ops(runs: int, _paths: dict[str, Path], worker: Worker, aggregate: Callable) -> tuple[list, str]:
+    raw = [worker("ops") for _ in range(runs)]
+    rows = [
+        "| layer (CPU, fp32 input) | " + " | ".join(OPS_COLUMNS) + " | ours / ComfyUI fp16 | ours / ComfyUI bf16 "
+        "| no cast / plain |",
+        "| --- |" + " --- |" * (len(OPS_COLUMNS) + 3),
+    ]
+    for label in raw[0]:
+        per_run = [run[label] for run in raw]
+        cells = aggregate(per_run)
+        ratios = aggregate(
+            [
+                {
+                    "fp16": r["ours float16"] / r["ComfyUI float16"],
+                    "bf16": r["ours bfloat16"] / r["ComfyUI bfloat16"],
+                    "plain": r["ours, no cast"] / r["plain fp32"],
+                }
+                for r in per_run
+            ]
+        )
+        shown = " | ".join(cells[column].show(lambda v: f"{v:.2f} ms") for column in OPS_COLUMNS)
+        rows.append(
+            f"| {label} | {shown} | {ratios['fp16'].show(_ratio)} | {ratios['bf16'].show(_ratio)} "
+            f"| {ratios['plain'].show(_ratio)} |"
+        )
+    return raw, "\n".join(rows)
+
+
+def patching(runs: int, paths: dict[str, Path], worker: Worker, aggregate: Callable) -> tuple[list, str]:
+    lora = fixtures_dir() / "bench" / "bench_sd15_lora_r32.safetensors"
+    code = (
+        "import sys, tools.make_fixtures as m, tools.comfy_inprocess as c; from pathlib import Path\n"
+        "c.import_comfy(); m.make_sd15_lora(Path(sys.argv[1]), rank=32)"
+    )
+    subprocess.run([str(venv_python()), "-c", code, str(lora)], cwd=REPO, check=True, capture_output=True)
+    raw = [worker("patch", str(paths[SD15]), str(lora)) for _ in range(runs)]
+    base_label = next(iter(raw[0]))
+    rows = [
+        "| rank-32 LoRA on the SD1.5 UNet (fp16, CPU) | patch + restore | ratio to ComfyUI (same run) | layers "
+        "| restore bit-exact |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for label in raw[0]:
+        times = aggregate([run[label]["ms"] for run in raw])
+        ratio = aggregate([run[label]["ms"] / run[base_label]["ms"] for run in raw])
+        exact = all(run[label]["exact"] for run in raw)
+        rows.append(
+            f"| {label} | {times.show(lambda v: f'{v:.0f} ms')} | {ratio.show(_ratio)} | {raw[0][label]['layers']} "
+            f"| {exact} |"
+        )
+    return raw, "\n".join(rows)
+
+
+def policy(runs: int, paths: dict[str, Path], worker: Worker, aggregate: Callable) -> tuple[list, str]:
+    raw = [worker("policy", str(paths[SD15])) for _ in range(runs)]
+    rows = [
+        "| budget (of the 1.6 GiB fp16 UNet) | policy | resident | streamed per step | streamed layers "
+        "| casting room | step (simulated GPU) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for key, r in raw[0].items():
+        policy_name, share = key.split("|")
+        step = aggregate([run[key]["ms"] for run in raw]).show(lambda v: f"{v:.0f} ms")
+        rows.append(
+            f"| {float(share):.0%} | {policy_name} | {_gib(r['resident'])} | {_gib(r['total'] - r['resident'])} "
+            f"| {r['streamed_layers']} | {r['reserve'] / 1024**2:.0f} MiB | {step} |"
+        )
+    return raw, "\n".join(rows)
+
+
+def panel(runs: int, _paths: dict[str, Path], worker: Worker, aggregate: Callable) -> tuple[list, str]:
+    raw = [worker(module="tools.bench_panel") for _ in range(runs)]
+    load = worker("load", module="tools.bench_panel")["load"]
+    r = aggregate(raw)
+    rows = [
+        "| measured with the example workflow's models loaded | Device Control | ComfyUI |",
+        "| --- | --- | --- |",
+    ]
+    for when, figures in (("idle", r["idle_latency"]), ("while sampling", r["latency"])):
+        ours, theirs = figures["snapshot"], figures["system_stats"]
+        for what, key in (("median", "median_ms"), ("p99", "p99_ms"), ("max", "max_ms")):
+            rows.append(f"| GET latency {when}, {what} of 1,000 | {ours[key].show(_ms)} | {theirs[key].show(_ms)} |")
+        made = figures["snapshot_made"]
+        rows.append(
+            f"| snapshot made on the server {when}, median / p99 | {made['median_ms'].show(_ms)} / "
+            f"{made['p99_ms'].show(_ms)} | - |"
+        )
+    push, flow = r["push"], r["workflow"]
+    cost = aggregate([run["workflow"]["open_s"] / run["workflow"]["closed_s"] - 1 for run in raw])
+    rows += [
+        f"| push thread CPU at 1 s | {push['cpu_share'].show(lambda v: f'{v:.2%}')} of one core "
+        f"({push['ms_per_push'].show(_ms)} per push) | - |",
+        f"| workflow time, panel open / closed | {flow['open_s'].show(lambda v: f'{v:.2f} s')} / "
+        f"{flow['closed_s'].show(lambda v: f'{v:.2f} s')}; open costs {cost.show(lambda v: f'{v:+.1%}')} | - |",
+        f"| {load['requests']:,} snapshot GETs (4 concurrent clients) with {load['clients']} websocket clients "
+        f"listening, while sampling (one run): median / p99 / max | {load['median_ms']:.1f} / {load['p99_ms']:.1f} "
+        f"/ {load['max_ms']:.0f} ms; {len(load['errors'])} errors; every client got >= {load['pushes_min']} pushes; "
+        f"{load['workflow_runs']} runs, {len(load['workflow_failures'])} failed | - |",
+    ]
+    table = (
+        "\n".join(rows) + "\n\nComfyUI column: its own `GET /system_stats`, interleaved with ours on one connection."
+    )
+    return [*raw, {"load": load}], table
+
+
+def soak(_runs: int, _paths: dict[str, Path], worker: Worker, aggregate: Callable) -> tuple[list, str]:
+    r = worker(module="tools.bench_soak")
+    cycles, warmup = r["cycles"], r["warmup"]
+    cycle = aggregate(r["seconds"]).show(_s)
+    table = "\n".join(
+        [
+            "| long soak (one run): load, Move To GPU (2 GB budget), sample, Offload To CPU, decode | Device Control |",
+            "| --- | --- |",
+            f"| cycles (one prompt each, the checkpoint loaded from disk each time) | {cycles} |",
+            f"| cycle time, median (min-max) over the cycles | {cycle} |",
+            f"| simulated GPU after each offload (bytes held, every cycle) | {sorted(set(r['gpu_after_offload']))} |",
+            f"| RSS after cycle {warmup} (baseline) / after cycle {cycles} | {r['baseline_rss'] / GiB:.2f} GiB / "
+            f"{r['final_rss'] / GiB:.2f} GiB |",
+            f"| drift / highest RSS after the baseline | {r['drift'] / 1024**2:+.0f} MiB "
+            f"({r['drift'] / r['baseline_rss']:+.2%}) / {r['max_rss'] / GiB:.2f} GiB |",
+        ]
+    )
+    return [r], table
+
+
+TABLES: dict[str, Section] = {
+    "loader": loader,
+    "detection": detection,
+    "ops": ops,
+    "patching": patching,
+    "policy": policy,
+    "panel": panel,
+    "soak": soak,
+}
