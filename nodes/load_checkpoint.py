@@ -32,6 +32,7 @@ from ..core.units import format_bytes
 from . import surface
 from .bridge import device_id
 from .bridge.checkpoint import BuiltCheckpoint, ComponentPlan, build_checkpoint, built_dtypes, default_dtype
+from .bridge.comfy_detection import detect_with_comfyui
 from .state import device_options, inventory
 
 log = logging.getLogger("device_control")
@@ -187,6 +188,8 @@ class LoadCheckpointWithDevice(surface.io.ComfyNode):
         path = _checkpoint_path(ckpt_name)
         header = read_header(path)
         detection = detect_header(header)
+        if detection.kind == "unknown":  # a family the running ComfyUI may know and our table not (yet)
+            detection = detect_with_comfyui(header) or detection
         _require_checkpoint(ckpt_name, detection)
         snapshot = inventory.snapshot()
         notes: list[str] = []
@@ -220,7 +223,8 @@ def _require_checkpoint(name: str, detection: Detection) -> None:
     if detection.kind == "unknown":
         closest = "; ".join(detection.candidates[:3])
         raise UnknownModelError(
-            f"{name} is not a model family ComfyUI can build: {detection.reason}."
+            f"{name} is not a model family ComfyUI can build (neither our header rules nor ComfyUI's own "
+            f"detection recognise it): {detection.reason}."
             + (f" Closest: {closest}." if closest else "")
             + " Check that the file is a complete checkpoint."
         )

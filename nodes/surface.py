@@ -58,6 +58,7 @@ COMFY_SYMBOLS: dict[str, tuple[str, ...]] = {
         "String",
         "Vae",
     ),
+    "comfy.float": ("_CK_STOCHASTIC_ROUNDING_AVAILABLE",),
     "comfy.lora": ("model_lora_keys_clip", "model_lora_keys_unet"),
     "comfy.memory_management": ("aimdo_enabled",),
     "comfy.model_base": ("BaseModel",),
@@ -131,6 +132,7 @@ COMFY_ATTRIBUTES: dict[str, tuple[str, ...]] = {
         "model.model_lowvram",
         "model.model_offload_buffer_memory",
     ),
+    "comfy.model_patcher:ModelPatcherDynamic": ("get_non_dynamic_delegate",),
     "comfy.model_base:BaseModel": ("get_dtype", "load_model_weights", "manual_cast_dtype", "model_config"),
     "comfy.model_management:LoadedModel": ("currently_used", "device", "model", "model_unload"),
     "comfy.sd:CLIP": ("clone", "cond_stage_model", "load_sd", "patcher"),
@@ -151,8 +153,10 @@ COMFY_ATTRIBUTES: dict[str, tuple[str, ...]] = {
 #: What a ComfyUI may lack: each is looked up by feature, and its absence reads as "not available".
 OPTIONAL: frozenset[str] = frozenset(
     {
+        "comfy.float._CK_STOCHASTIC_ROUNDING_AVAILABLE",
         "comfy.memory_management.aimdo_enabled",
         "comfy.model_management.TOTAL_PINNED_MEMORY",
+        "comfy.model_patcher:ModelPatcherDynamic.get_non_dynamic_delegate",
         "comfy.model_patcher:ModelPatcher.is_dynamic",
         "comfy.model_patcher:ModelPatcher.model.model_offload_buffer_memory",
         "comfy.patcher_extension.CallbacksMP",
@@ -166,12 +170,14 @@ __all__ = [
     "OPTIONAL",
     "ComfyExtension",
     "base_model_class",
+    "classic_clone",
     "comfy_lora",
     "comfy_sd",
     "comfy_utils",
     "comfyui_version",
     "dynamic_vram_enabled",
     "folder_paths",
+    "fp8_rounding_noise",
     "io",
     "is_dynamic",
     "key_weight",
@@ -291,6 +297,28 @@ def is_dynamic(patcher: Any) -> bool:
     feature does not exist."""
     check = getattr(patcher, "is_dynamic", None)
     return bool(check()) if callable(check) else False
+
+
+def fp8_rounding_noise() -> str:
+    """How the running ComfyUI draws the noise of fp8 stochastic rounding (``core.weights.patching.FP8_NOISE``):
+    ``bytes`` where ``comfy.float`` rounds through comfy-kitchen (ComfyUI 0.2x), ``uniform`` before."""
+    try:
+        kitchen = getattr(importlib.import_module("comfy.float"), "_CK_STOCHASTIC_ROUNDING_AVAILABLE", False)
+    except ImportError:
+        kitchen = False
+    return "bytes" if kitchen else "uniform"
+
+
+def classic_clone(patcher: Any) -> Any:
+    """A classic (non-dynamic) clone of a Dynamic VRAM patcher, sharing weights as ComfyUI allows.
+
+    ComfyUI rebuilds a dynamic model's classic twin from its loader (``cached_patcher_init``: the file is read
+    again). Where the patcher offers ``get_non_dynamic_delegate`` (ComfyUI 0.2x), that twin is kept on the
+    dynamic patcher and reused, so a second placement does not read the file again; before, every
+    ``clone(disable_dynamic=True)`` read it.
+    """
+    delegate = getattr(patcher, "get_non_dynamic_delegate", None)
+    return delegate() if callable(delegate) else patcher.clone(disable_dynamic=True)
 
 
 def prompt_server() -> Any:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tools.comfy_server import ComfyServer
-from tools.runtime import comfyui_dir
+from tools.runtime import DEFAULT_VERSION, comfyui_dir, missing_source
 
 REPO = Path(__file__).resolve().parent.parent
 STRICT = (
@@ -58,7 +58,8 @@ def comfy_runtime() -> Path:
     """The provisioned ComfyUI tree (the tests must run in the runtime's interpreter)."""
     root = comfyui_dir()
     if not (root / "main.py").exists():
-        unavailable(f"ComfyUI is not provisioned at {root}; run 'python3 tools/runtime.py'")
+        reason = missing_source(DEFAULT_VERSION)
+        unavailable(reason or f"ComfyUI is not provisioned at {root}; run 'python3 tools/runtime.py'")
     return root
 
 

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from tools.runtime import DEFAULT_VERSION, PACK_FOLDER, REPO, comfyui_dir
+from tools.runtime import DEFAULT_VERSION, PACK_FOLDER, REPO, comfyui_dir, release_paths
 
 
 def import_comfy(version: str = DEFAULT_VERSION) -> ModuleType:
@@ -24,8 +24,9 @@ def import_comfy(version: str = DEFAULT_VERSION) -> ModuleType:
     root = comfyui_dir(version)
     if not (root / "comfy").is_dir():
         raise RuntimeError(f"ComfyUI {version} is not provisioned at {root}; run 'python3 tools/runtime.py' first.")
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
+    for path in (root, *reversed(release_paths(version))):  # its own pins end up first, as on its server
+        if str(path) not in sys.path:
+            sys.path.insert(0, str(path))
     cli_args = importlib.import_module("comfy.cli_args")
     # Without a GPU ComfyUI must run with --cpu, or model_management fails at import.
     cli_args.args.cpu = True

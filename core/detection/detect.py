@@ -96,6 +96,27 @@ def detect_header(header: FileHeader) -> Detection:
     return Detection(**base, kind="unknown", **_explain_unknown(tensors))
 
 
+def detection_for(header: FileHeader, family: Family, prefix: str) -> Detection:
+    """The file described as a model of ``family`` whose diffusion model sits under ``prefix``.
+
+    For a family that another source identified (ComfyUI's own detection, for a class our table lacks): the
+    components are found and weighed as for any detected file, so plans and reports work the same.
+    """
+    components = _components(header.tensors, prefix, family)
+    whole = KeyView(header.tensors, prefix)
+    return Detection(
+        path=header.path,
+        file_format=header.format,
+        kind=_kind(components),
+        family=family.name,
+        comfy_class=family.comfy_class,
+        model_type=family.type_of(whole),
+        variants=_variants(family, {}, whole, header, diffusers=False),
+        prefix=prefix,
+        components=components,
+    )
+
+
 def diffusion_prefix(tensors: Mapping[str, TensorInfo]) -> str:
     """The key prefix of the diffusion model: the most common known prefix, else ``model.``."""
     counts = dict.fromkeys(DIFFUSION_PREFIXES, 0)
@@ -111,26 +132,21 @@ def diffusion_prefix(tensors: Mapping[str, TensorInfo]) -> str:
 def _diffusion_model(header: FileHeader) -> dict[str, Any] | None:
     tensors = header.tensors
     prefix = diffusion_prefix(tensors)
-    whole = KeyView(tensors, prefix)
+    whole = KeyView(tensors, prefix, header.metadata)
     hit = _match(whole, BRANCHES)
     if hit is None:  # as a diffusion-model-only file: the prefix stripped, every other key dropped
         stripped = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
         if not stripped:  # a bare diffusion model: its keys carry no prefix at all
             stripped, prefix = dict(tensors), ""
-        view = KeyView(stripped, "")
+        view = KeyView(stripped, "", header.metadata)
         hit = _match(view, BRANCHES) or _match(view, DIFFUSERS_BRANCHES, diffusers=True)
         if hit is None:
             return None
-        whole = KeyView(tensors, prefix)
+        whole = KeyView(tensors, prefix, header.metadata)
     family, fields, diffusers = hit
     components = _components(tensors, whole.prefix, family)
-    kind = (
-        "checkpoint"
-        if any(c.name != "diffusion_model" and c.kind != "other" for c in components)
-        else "diffusion_model"
-    )
     return {
-        "kind": kind,
+        "kind": _kind(components),
         "family": family.name,
         "comfy_class": family.comfy_class,
         "model_type": family.type_of(whole),
@@ -139,6 +155,15 @@ def _diffusion_model(header: FileHeader) -> dict[str, Any] | None:
         "components": components,
         "config": fields,
     }
+
+
+def _kind(components: tuple[Component, ...]) -> str:
+    """A checkpoint holds more than the diffusion model (a VAE or text encoder); else a diffusion model."""
+    return (
+        "checkpoint"
+        if any(c.name != "diffusion_model" and c.kind != "other" for c in components)
+        else "diffusion_model"
+    )
 
 
 def _match(view: KeyView, branches: tuple[Branch, ...], diffusers: bool = False) -> tuple[Family, dict, bool] | None:

@@ -1,4 +1,4 @@
-"""The families table: every diffusion-model family ComfyUI 0.3.75 builds, in its matching order.
+"""The families table: every diffusion-model family ComfyUI builds (0.3.75 and 0.28), in its matching order.
 
 Each row names the ``comfy.supported_models`` class, what users call the family, the architecture branch
 (see ``core.families``), the hyper-parameters that must match, the prediction type, where the VAE sits in a
@@ -46,11 +46,31 @@ _SDXL |= {"use_temporal_attention": False}
 _SVD = {"model_channels": 320, "in_channels": 8, "use_linear_in_transformer": True, "context_dim": 1024}
 _SVD |= {"transformer_depth": [1, 1, 1, 1, 1, 1, 0, 0], "use_temporal_attention": True, "use_temporal_resblock": True}
 _BF16 = ("bf16", "fp32")
+_BF16_FIRST = ("bf16", "fp16", "fp32")
+_ANY = ("fp16", "bf16", "fp32")
 _DIT = {"vae_prefix": "vae."}
 
 
 def _wan_family(cls: str, name: str, **match: Any) -> Family:
     return Family(cls, name, "wan", {"image_model": "wan2.1", **match}, model_type="FLOW", **_DIT)
+
+
+def _dit(
+    cls: str, name: str, branch: str, model: str = "", mt: str = "FLOW", dt: tuple = _BF16, **match: Any
+) -> Family:
+    """A transformer family: its class needs ``image_model`` ``model`` (else the branch's name) and ``match``.
+
+    Computed in ``dt``; its VAE sits under ``vae.`` in a checkpoint unless ``match`` gives a ``vae_prefix``.
+    """
+    vae = match.pop("vae_prefix", "vae.")
+    fields = {"image_model": model or branch, **match}
+    return Family(cls, name, branch, fields, model_type=mt, vae_prefix=vae, dtypes=dt)
+
+
+_OWN_VAE = {"vae_prefix": "first_stage_model."}  # classes that keep ComfyUI's default VAE prefix
+_HV = ("hunyuan_video", "hunyuan_video")
+_FLUX = ("flux", "flux")
+_DDPM = "V_PREDICTION_DDPM"
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -162,6 +182,14 @@ FAMILIES: tuple[Family, ...] = (
         model_type="FLOW",
     ),
     Family(
+        "StableAudio3",
+        "Stable Audio 3",
+        "stable_audio",
+        {"audio_model": "dit1.0", "global_cond_shared_embed": True},
+        model_type="FLOW",
+        vae_prefix="pretransform.model.",
+    ),
+    Family(
         "StableAudio",
         "Stable Audio",
         "stable_audio",
@@ -173,143 +201,64 @@ FAMILIES: tuple[Family, ...] = (
     Family("PixArtAlpha", "PixArt-Alpha", "pixart", {"image_model": "pixart_alpha"}, **_DIT),
     Family("PixArtSigma", "PixArt-Sigma", "pixart", {"image_model": "pixart_sigma"}, **_DIT),
     Family("HunyuanDiT", "Hunyuan-DiT", "hunyuan_dit", {"image_model": "hydit"}, model_type="V_PREDICTION", **_DIT),
-    Family(
-        "HunyuanDiT1",
-        "Hunyuan-DiT 1.0/1.1",
-        "hunyuan_dit",
-        {"image_model": "hydit1"},
-        model_type="V_PREDICTION",
-        **_DIT,
+    _dit("HunyuanDiT1", "Hunyuan-DiT 1.0/1.1", "hunyuan_dit", "hydit1", "V_PREDICTION", _ANY),
+    _dit("FluxInpaint", "Flux.1 Fill", *_FLUX, "FLUX", guidance_embed=True, in_channels=96),
+    _dit("Flux", "Flux.1 dev", *_FLUX, "FLUX", _BF16_FIRST, guidance_embed=True),
+    _dit(
+        "LongCatImage",
+        "LongCat-Image",
+        *_FLUX,
+        "FLUX",
+        _BF16_FIRST,
+        guidance_embed=False,
+        vec_in_dim=None,
+        context_in_dim=3584,
     ),
-    Family(
-        "FluxInpaint",
-        "Flux.1 Fill",
-        "flux",
-        {"image_model": "flux", "guidance_embed": True, "in_channels": 96},
-        model_type="FLUX",
-        dtypes=_BF16,
-        **_DIT,
-    ),
-    Family(
-        "Flux",
-        "Flux.1 dev",
-        "flux",
-        {"image_model": "flux", "guidance_embed": True},
-        model_type="FLUX",
-        dtypes=("bf16", "fp16", "fp32"),
-        **_DIT,
-    ),
-    Family(
-        "FluxSchnell",
-        "Flux.1 schnell",
-        "flux",
-        {"image_model": "flux", "guidance_embed": False},
-        model_type="FLOW",
-        dtypes=("bf16", "fp16", "fp32"),
-        **_DIT,
-    ),
+    _dit("FluxSchnell", "Flux.1 schnell", *_FLUX, "FLOW", _BF16_FIRST, guidance_embed=False),
     Family("GenmoMochi", "Mochi", "mochi", {"image_model": "mochi_preview"}, model_type="FLOW", dtypes=_BF16, **_DIT),
     Family("LTXV", "LTX-Video", "ltxv", {"image_model": "ltxv"}, model_type="FLUX", dtypes=_BF16, **_DIT),
-    Family(
+    _dit("LTXAV", "LTX-2 (audio-video)", "ltxv", "ltxav", "FLUX"),
+    _dit(
         "HunyuanVideo15_SR_Distilled",
         "HunyuanVideo 1.5 super-resolution",
-        "hunyuan_video",
-        {"image_model": "hunyuan_video", "vision_in_dim": 1152, "in_channels": 98},
-        model_type="FLOW",
-        **_DIT,
+        *_HV,
+        dt=_ANY,
+        vision_in_dim=1152,
+        in_channels=98,
     ),
-    Family(
-        "HunyuanVideo15",
-        "HunyuanVideo 1.5",
-        "hunyuan_video",
-        {"image_model": "hunyuan_video", "vision_in_dim": 1152},
-        model_type="FLOW",
-        **_DIT,
-    ),
-    Family(
-        "HunyuanImage21Refiner",
-        "HunyuanImage 2.1 refiner",
-        "hunyuan_video",
-        {"image_model": "hunyuan_video", "patch_size": [1, 1, 1], "vec_in_dim": None},
-        model_type="FLOW",
-        dtypes=_BF16,
-        **_DIT,
-    ),
-    Family(
-        "HunyuanImage21",
-        "HunyuanImage 2.1",
-        "hunyuan_video",
-        {"image_model": "hunyuan_video", "vec_in_dim": None},
-        model_type="FLOW",
-        dtypes=_BF16,
-        **_DIT,
-    ),
-    Family(
-        "HunyuanVideoSkyreelsI2V",
-        "HunyuanVideo SkyReels I2V",
-        "hunyuan_video",
-        {"image_model": "hunyuan_video", "in_channels": 32},
-        model_type="FLOW",
-        dtypes=_BF16,
-        **_DIT,
-    ),
-    Family(
-        "HunyuanVideoI2V",
-        "HunyuanVideo I2V",
-        "hunyuan_video",
-        {"image_model": "hunyuan_video", "in_channels": 33},
-        model_type="FLOW",
-        dtypes=_BF16,
-        **_DIT,
-    ),
-    Family(
-        "HunyuanVideo",
-        "HunyuanVideo",
-        "hunyuan_video",
-        {"image_model": "hunyuan_video"},
-        model_type="FLOW",
-        dtypes=_BF16,
-        **_DIT,
-    ),
-    Family(
-        "CosmosT2V",
-        "Cosmos 1 text-to-video",
-        "cosmos",
-        {"image_model": "cosmos", "in_channels": 16},
-        model_type="EDM",
-        **_DIT,
-    ),
-    Family(
-        "CosmosI2V",
-        "Cosmos 1 image-to-video",
-        "cosmos",
-        {"image_model": "cosmos", "in_channels": 17},
-        model_type="EDM",
-        **_DIT,
-    ),
-    Family(
+    _dit("HunyuanVideo15", "HunyuanVideo 1.5", *_HV, dt=_ANY, vision_in_dim=1152),
+    _dit("HunyuanImage21Refiner", "HunyuanImage 2.1 refiner", *_HV, patch_size=[1, 1, 1], vec_in_dim=None),
+    _dit("HunyuanImage21", "HunyuanImage 2.1", *_HV, vec_in_dim=None),
+    _dit("HunyuanVideoSkyreelsI2V", "HunyuanVideo SkyReels I2V", *_HV, in_channels=32),
+    _dit("HunyuanVideoI2V", "HunyuanVideo I2V", *_HV, in_channels=33),
+    _dit("HunyuanVideo", "HunyuanVideo", *_HV),
+    _dit("CosmosT2V", "Cosmos 1 text-to-video", "cosmos", mt="EDM", dt=_ANY, in_channels=16),
+    _dit("CosmosI2V", "Cosmos 1 image-to-video", "cosmos", mt="EDM", dt=_ANY, in_channels=17),
+    _dit(
         "CosmosT2IPredict2",
         "Cosmos Predict2 text-to-image",
         "cosmos_predict2",
-        {"image_model": "cosmos_predict2", "in_channels": 16},
-        model_type="FLOW_COSMOS",
-        dtypes=_BF16,
+        mt="FLOW_COSMOS",
+        in_channels=16,
+        **_OWN_VAE,
     ),
-    Family(
+    _dit(
         "CosmosI2VPredict2",
         "Cosmos Predict2 image-to-video",
         "cosmos_predict2",
-        {"image_model": "cosmos_predict2", "in_channels": 17},
-        model_type="FLOW_COSMOS",
-        dtypes=_BF16,
+        mt="FLOW_COSMOS",
+        in_channels=17,
+        **_OWN_VAE,
     ),
-    Family(
-        "ZImage", "Z-Image", "lumina2", {"image_model": "lumina2", "dim": 3840}, model_type="FLOW", dtypes=_BF16, **_DIT
-    ),
-    Family(
-        "Lumina2", "Lumina Image 2.0", "lumina2", {"image_model": "lumina2"}, model_type="FLOW", dtypes=_BF16, **_DIT
-    ),
+    _dit("ZImagePixelSpace", "Z-Image (pixel space)", "lumina2", "zimage_pixel"),
+    _dit("ZImage", "Z-Image", "lumina2", dim=3840),
+    _dit("PiD", "PiD (pixel diffusion decoder)", "pid"),
+    _dit("PixelDiTT2I", "PixelDiT", "pixeldit_t2i"),
+    _dit("Lumina2", "Lumina Image 2.0", "lumina2"),
     _wan_family("WAN22_T2V", "Wan 2.2 TI2V 5B", model_type="t2v", out_dim=48),
+    _wan_family(
+        "WAN21_CausalAR_T2V", "Wan 2.1 causal (autoregressive) text-to-video", model_type="t2v", causal_ar=True
+    ),
     _wan_family("WAN21_T2V", "Wan 2.1/2.2 text-to-video", model_type="t2v"),
     _wan_family("WAN21_I2V", "Wan 2.1 image-to-video", model_type="i2v", in_dim=36),
     _wan_family("WAN21_FunControl2V", "Wan 2.1 Fun Control", model_type="i2v", in_dim=48),
@@ -319,31 +268,49 @@ FAMILIES: tuple[Family, ...] = (
     _wan_family("WAN22_S2V", "Wan 2.2 speech-to-video", model_type="s2v"),
     _wan_family("WAN21_HuMo", "Wan 2.1 HuMo", model_type="humo"),
     _wan_family("WAN22_Animate", "Wan 2.2 Animate", model_type="animate"),
-    Family(
-        "Hunyuan3Dv2mini",
-        "Hunyuan3D 2 mini",
-        "hunyuan3d2",
-        {"image_model": "hunyuan3d2", "depth": 8},
-        model_type="FLOW",
-        vae_prefix="vae.",
-    ),
-    Family("Hunyuan3Dv2", "Hunyuan3D 2", "hunyuan3d2", {"image_model": "hunyuan3d2"}, model_type="FLOW", **_DIT),
-    Family(
-        "Hunyuan3Dv2_1", "Hunyuan3D 2.1", "hunyuan3d2_1", {"image_model": "hunyuan3d2_1"}, model_type="FLOW", **_DIT
-    ),
-    Family("HiDream", "HiDream-I1", "hidream", {"image_model": "hidream"}, model_type="FLOW", dtypes=_BF16, **_DIT),
-    Family("Chroma", "Chroma", "flux", {"image_model": "chroma"}, model_type="FLUX", dtypes=("bf16", "fp16", "fp32")),
-    Family("ChromaRadiance", "Chroma Radiance", "flux", {"image_model": "chroma_radiance"}, model_type="FLUX"),
+    _wan_family("WAN21_FlowRVS", "Wan 2.1 FlowRVS", model_type="flow_rvs"),
+    _wan_family("WAN21_SCAIL", "Wan 2.1 SCAIL", model_type="scail"),
+    _wan_family("WAN21_SCAIL2", "Wan 2.1 SCAIL 2", model_type="scail2"),
+    _wan_family("WAN22_WanDancer", "Wan 2.2 WanDancer", model_type="wandancer", in_dim=36),
+    _dit("Hunyuan3Dv2mini", "Hunyuan3D 2 mini", "hunyuan3d2", dt=_ANY, depth=8),
+    _dit("Hunyuan3Dv2", "Hunyuan3D 2", "hunyuan3d2", dt=_ANY),
+    _dit("Hunyuan3Dv2_1", "Hunyuan3D 2.1", "hunyuan3d2_1", dt=_ANY),
+    _dit("TripoSplat", "TripoSplat", "triposplat", dt=_ANY, **_OWN_VAE),
+    _dit("HiDream", "HiDream-I1", "hidream"),
+    _dit("HiDreamO1", "HiDream-O1", "hidream_o1"),
+    _dit("Chroma", "Chroma", "flux", "chroma", "FLUX", _BF16_FIRST, **_OWN_VAE),
+    _dit("SeedVR2", "SeedVR2", "seedvr2", dt=_BF16_FIRST, conditioning=True),
+    _dit("ChromaRadiance", "Chroma Radiance", "flux", "chroma_radiance", "FLUX", _ANY, **_OWN_VAE),
     Family("ACEStep", "ACE-Step", "ace", {"audio_model": "ace"}, model_type="FLOW", dtypes=_BF16, **_DIT),
-    Family("Omnigen2", "OmniGen2", "omnigen2", {"image_model": "omnigen2"}, model_type="FLOW", dtypes=_BF16, **_DIT),
-    Family(
-        "QwenImage", "Qwen-Image", "qwen_image", {"image_model": "qwen_image"}, model_type="FLUX", dtypes=_BF16, **_DIT
-    ),
-    Family(
-        "Flux2", "Flux.2", "flux", {"image_model": "flux2"}, model_type="FLUX", dtypes=("bf16", "fp16", "fp32"), **_DIT
-    ),
+    Family("ACEStep15", "ACE-Step 1.5", "ace15", {"audio_model": "ace1.5"}, model_type="FLOW", dtypes=_BF16, **_DIT),
+    _dit("Omnigen2", "OmniGen2", "omnigen2"),
+    _dit("Boogu", "Boogu-Image", "boogu"),
+    _dit("QwenImage", "Qwen-Image", "qwen_image", mt="FLUX"),
+    _dit("JoyImage", "JoyImage", "joyimage"),
+    _dit("Ideogram4", "Ideogram 4", "ideogram4"),
+    _dit("Krea2", "Krea 2", "krea2", mt="FLUX", dt=_BF16_FIRST),
+    _dit("Flux2", "Flux.2", "flux", "flux2", "FLUX", _BF16_FIRST),
+    _dit("Lens", "Lens", "lens", mt="FLUX"),
+    _dit("Kandinsky5Image", "Kandinsky 5.0 Image", "kandinsky5", model_dim=2560, visual_embed_dim=64),
+    _dit("Kandinsky5", "Kandinsky 5.0 Video", "kandinsky5"),
+    _dit("Anima", "Anima", "cosmos_predict2", "anima", dt=_BF16_FIRST, **_OWN_VAE),
+    _dit("RT_DETR_v4", "RT-DETRv4 (object detection)", "rt_detr_v4", "RT_DETR_v4", dt=("fp16", "fp32"), **_OWN_VAE),
+    _dit("ErnieImage", "ERNIE-Image", "ernie"),
+    _dit("SAM3", "SAM 3 (segmentation)", "sam3", "SAM3", dt=_ANY, **_OWN_VAE),
+    _dit("SAM31", "SAM 3.1 (segmentation)", "sam3", "SAM31", dt=_ANY, **_OWN_VAE),
+    _dit("CogVideoX_Inpaint", "CogVideoX inpaint", "cogvideox", mt=_DDPM, dt=_BF16_FIRST, in_channels=48),
+    _dit("CogVideoX_I2V", "CogVideoX image-to-video", "cogvideox", mt=_DDPM, dt=_BF16_FIRST, in_channels=32),
+    _dit("CogVideoX_T2V", "CogVideoX", "cogvideox", mt=_DDPM, dt=_BF16_FIRST),
     Family(
         "SVD_img2vid", "Stable Video Diffusion", "unet", {**_SVD, "adm_in_channels": 768}, model_type="V_PREDICTION_EDM"
+    ),
+    _dit(
+        "DepthAnything3",
+        "Depth Anything 3 (depth estimation)",
+        "depth_anything3",
+        "DepthAnything3",
+        dt=_ANY,
+        **_OWN_VAE,
     ),
 )
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 from .headers import TensorInfo
 
@@ -15,9 +17,12 @@ class KeyView:
     ``v_pred`` sit outside the prefix).
     """
 
-    def __init__(self, tensors: Mapping[str, TensorInfo], prefix: str = "") -> None:
+    def __init__(
+        self, tensors: Mapping[str, TensorInfo], prefix: str = "", metadata: Mapping[str, str] | None = None
+    ) -> None:
         self.tensors = tensors
         self.prefix = prefix
+        self.metadata = metadata or {}
         self._names: list[str] | None = None  # built on first use: most rules only test single names
         self._stems: set[str] | None = None
 
@@ -26,6 +31,15 @@ class KeyView:
         if self._names is None:
             self._names = [k for k in self.tensors if k.startswith(self.prefix)]
         return self._names
+
+    def declared(self, section: str) -> dict[str, Any]:
+        """What the file's ``config`` metadata declares under ``section`` (some writers state hyper-parameters
+        that no tensor shows, such as Wan's causal variants); empty when absent or not JSON."""
+        try:
+            declared = json.loads(self.metadata.get("config", "{}")).get(section, {})
+        except (ValueError, AttributeError):
+            return {}
+        return declared if isinstance(declared, dict) else {}
 
     def has(self, key: str) -> bool:
         """Whether ``prefix + key`` is a tensor of the file."""

@@ -33,7 +33,7 @@ class ModelResidency:
         compute_device: the device it computes on (ComfyUI's load device).
         partial: part of it stays off the compute device and streams in when used.
         dtype: the storage dtype of its weights, when known.
-        managed_by: who decides its placement (``"ComfyUI"`` or ``"Device Control"``).
+        managed_by: who decides its placement (``"ComfyUI"``, ``"ComfyUI Dynamic VRAM"`` or ``"Device Control"``).
         in_use: ComfyUI's ``currently_used`` flag (False means it is first in line to be unloaded).
         key: a stable name for this model while it is loaded (the panel's actions refer to it).
         kept: placed with keep-resident: it is not evicted to make room.

@@ -38,8 +38,11 @@ def key_seed(key: str) -> int:
     return zlib.crc32(key.encode("latin-1", errors="replace"))
 
 
-def _stochastic_fp8(value: torch.Tensor, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
-    """Round to fp8 up or down at random, in proportion to closeness (unbiased on average)."""
+def _stochastic_fp8(value: torch.Tensor, dtype: torch.dtype, noise: torch.Tensor) -> torch.Tensor:
+    """Round to fp8 up or down at random, in proportion to closeness (unbiased on average).
+
+    ``noise`` holds one value in [0, 1) per element (fp16): where it falls decides the direction.
+    """
     exponent_bits, mantissa_bits, bias = _FP8[dtype]
     value = value.half()
     sign = torch.sign(value)
@@ -52,9 +55,7 @@ def _stochastic_fp8(value: torch.Tensor, dtype: torch.dtype, generator: torch.Ge
         (magnitude / (2.0 ** (exponent - bias)) - 1.0) * (2**mantissa_bits),
         magnitude / (2.0 ** (-bias + 1 - mantissa_bits)),
     )
-    scaled += torch.rand(
-        scaled.size(), dtype=scaled.dtype, layout=scaled.layout, device=scaled.device, generator=generator
-    )
+    scaled += noise
     magnitude[:] = scaled.floor() / (2**mantissa_bits)
     sign *= torch.where(normal, (2.0 ** (exponent - bias)) * (1.0 + magnitude), (2.0 ** (-bias + 1)) * magnitude)
     limits = torch.finfo(dtype)
@@ -62,16 +63,29 @@ def _stochastic_fp8(value: torch.Tensor, dtype: torch.dtype, generator: torch.Ge
     return sign
 
 
-def round_to(value: torch.Tensor, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
-    """``value`` in ``dtype``: a plain cast, or seeded stochastic rounding for fp8 (row blocks of 16M values)."""
+#: How the random draws of fp8 stochastic rounding are made, as the host application makes them (so a patched
+#: fp8 weight is bit-identical to its own): ``uniform``, an fp16 uniform draw per value, drawn per block of 16M
+#: values (ComfyUI before comfy-kitchen's rounding); ``bytes``, one random byte per value for the whole tensor,
+#: scaled by 1/256 (ComfyUI 0.2x with comfy-kitchen).
+FP8_NOISE = ("uniform", "bytes")
+
+
+def round_to(value: torch.Tensor, dtype: torch.dtype, seed: int = 0, noise: str = "uniform") -> torch.Tensor:
+    """``value`` in ``dtype``: a plain cast, or seeded stochastic rounding for fp8 (draws made as ``noise`` says,
+    one of :data:`FP8_NOISE`)."""
     if dtype not in _FP8:
         return value.to(dtype=dtype)
     generator = torch.Generator(device=value.device)
     generator.manual_seed(seed)
+    if noise == "bytes":
+        draws = torch.randint(0, 256, value.size(), dtype=torch.uint8, device=value.device, generator=generator)
+        return _stochastic_fp8(value, dtype, draws.to(torch.float16) * (1.0 / 256.0)).to(dtype)
     out = torch.empty_like(value, dtype=dtype)
     rows = max(1, round(value.shape[0] / max(1, value.numel() / (4096 * 4096))))
     for start in range(0, value.shape[0], rows):
-        out[start : start + rows].copy_(_stochastic_fp8(value[start : start + rows], dtype, generator))
+        block = value[start : start + rows]
+        draws = torch.rand(block.size(), dtype=torch.float16, device=value.device, generator=generator)
+        out[start : start + rows].copy_(_stochastic_fp8(block, dtype, draws))
     return out
 
 
@@ -148,6 +162,7 @@ class OnTheFlyPatch:
         patches: the patch dictionary (shared: patches added later apply too).
         storage_dtype: the dtype the layer stores this weight in.
         convert_func / set_func: the layer's own conversion hooks, when it stores weights in a special form.
+        fp8_noise: how fp8 rounding draws its noise, as the host application does (:data:`FP8_NOISE`).
     """
 
     def __init__(
@@ -157,24 +172,26 @@ class OnTheFlyPatch:
         storage_dtype: torch.dtype | None = None,
         convert_func: Callable | None = None,
         set_func: Callable | None = None,
+        fp8_noise: str = "uniform",
     ) -> None:
         self.key = key
         self.patches = patches
         self.storage_dtype = storage_dtype
         self.convert_func = convert_func
         self.set_func = set_func
+        self.fp8_noise = fp8_noise
 
     def __call__(self, weight: torch.Tensor) -> torch.Tensor:
         dtype = weight.dtype
         if self.storage_dtype is not None and self.convert_func is None and self.set_func is None:
             patched = calculate_weight(self.patches[self.key], weight.to(torch.float32, copy=True), self.key)
-            return round_to(patched, self.storage_dtype, key_seed(self.key)).to(dtype)
+            return round_to(patched, self.storage_dtype, key_seed(self.key), self.fp8_noise).to(dtype)
         if self.convert_func is not None:
             weight = self.convert_func(weight, inplace=False)
         if dtype not in COMPUTABLE:
             out = calculate_weight(self.patches[self.key], weight.to(torch.float32), self.key, torch.float32)
             if self.set_func is None:
-                return round_to(out, weight.dtype, key_seed(self.key))
+                return round_to(out, weight.dtype, key_seed(self.key), self.fp8_noise)
             return self.set_func(out, seed=key_seed(self.key), return_weight=True)
         out = calculate_weight(self.patches[self.key], weight, self.key, intermediate_dtype=dtype)
         if self.set_func is not None:

@@ -37,12 +37,19 @@ from .subjects import Subject, require_subject
 log = logging.getLogger("device_control")
 
 
+#: Said when the model came from ComfyUI's Dynamic VRAM: what was placed is a classic copy ComfyUI made of it.
+DYNAMIC_NOTE = (
+    "ComfyUI's Dynamic VRAM manages this model: placed is the classic copy ComfyUI builds of it (read from its "
+    "file once); the dynamic model itself stays as ComfyUI keeps it"
+)
+
+
 def _classic_clone(patcher: Any) -> Any:
     """A clone of ``patcher`` that ComfyUI loads the classic way (our engine), even under Dynamic VRAM."""
     if not surface.is_dynamic(patcher):
         return patcher.clone()
     try:
-        return patcher.clone(disable_dynamic=True)
+        return surface.classic_clone(patcher)
     except (TypeError, RuntimeError) as exc:
         raise DeviceControlError(
             "this model is managed by ComfyUI's Dynamic VRAM and cannot be rebuilt for explicit placement "
@@ -108,6 +115,8 @@ def move(value: Any, device: str, vram_budget: str, keep_resident: bool, invento
     placement = Placement(target, Budget.parse(vram_budget), keep_resident, device_id=chosen_id)
     budget = placement.budget_bytes()  # a budget larger than the device is refused here, before anything moves
     notes = [f"before: {state_before(subject, snapshot)}"]
+    if surface.is_dynamic(subject.patcher):
+        notes.append(DYNAMIC_NOTE)
     log.info("[Device Control] Move To GPU: moving %s to %s (budget %s)", subject.name, chosen_id, placement.budget)
     moved = placed_clone(subject, placement)
     eviction = _make_room(moved.patcher, target, budget)
@@ -174,7 +183,7 @@ def where_now(patcher: Any, snapshot: InventorySnapshot) -> str:
     if residency.managed_by == "Device Control":
         budget = f", budget {residency.budget}" if residency.budget else ""
         return f"{where}, placed by Device Control{budget}"
-    return f"{where}, loaded by ComfyUI"
+    return f"{where}, loaded by {residency.managed_by}"
 
 
 def state_before(subject: Subject, snapshot: InventorySnapshot) -> str:

@@ -296,11 +296,12 @@ class DeviceControlPatcher(surface.model_patcher_class()):
         if return_weight:  # only newer ComfyUI asks, and its set functions take return_weight
             if set_func is not None:
                 return set_func(patched, inplace_update=False, seed=key_seed(key), return_weight=True)
-            return round_to(patched, weight.dtype, key_seed(key))
+            return round_to(patched, weight.dtype, key_seed(key), surface.fp8_rounding_noise())
         if set_func is not None:
             set_func(patched, inplace_update=inplace, seed=key_seed(key))
         else:
-            _put_weight(self.model, key, round_to(patched, weight.dtype, key_seed(key)), inplace)
+            rounded = round_to(patched, weight.dtype, key_seed(key), surface.fp8_rounding_noise())
+            _put_weight(self.model, key, rounded, inplace)
         return None
 
     def _back_up(self, key: str, weight: torch.Tensor, inplace: bool) -> None:
@@ -325,6 +326,7 @@ class DeviceControlPatcher(surface.model_patcher_class()):
             storage_dtype=param.dtype if plain else None,
             convert_func=convert_func,
             set_func=set_func,
+            fp8_noise=surface.fp8_rounding_noise(),
         )
 
     def _sync_books(self, device: Any) -> None:

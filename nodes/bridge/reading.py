@@ -80,13 +80,21 @@ def residency_of(patcher: Any, snapshot: InventorySnapshot, *, in_use: bool = Tr
         compute_device=compute,
         partial=partial,
         dtype=str(dtype).replace("torch.", "") if dtype is not None else None,
-        managed_by="Device Control" if holding is not None else "ComfyUI",
+        managed_by=_manager(patcher, holding),
         in_use=in_use,
         key=model_key(patcher),
         kept=bool(placement and placement.keep_resident),
         budget=str(placement.budget) if placement is not None else None,
         note=_pending_note(patcher, holding, loaded),
     )
+
+
+def _manager(patcher: Any, holding: Any) -> str:
+    """Who decides where the weights are: our engine, ComfyUI's Dynamic VRAM (which moves them itself, per
+    layer, while sampling: no fixed placement to report), or ComfyUI's classic loader."""
+    if holding is not None:
+        return "Device Control"
+    return "ComfyUI Dynamic VRAM" if surface.is_dynamic(patcher) else "ComfyUI"
 
 
 def _pending_note(patcher: Any, holding: Any, loaded: int) -> str | None:

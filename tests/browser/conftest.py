@@ -47,6 +47,12 @@ class FrontendPage:
             timeout=90_000,
         )
 
+    def click_run(self) -> None:
+        """Press the frontend's Run button (queue the workflow). Frontend 1.45 adds a menu button also named Run
+        beside it (the queue mode); the queue button itself carries ``data-testid="queue-button"`` there."""
+        queue = self.page.locator('[data-testid="queue-button"]')
+        (queue if queue.count() else self.page.get_by_role("button", name="Run", exact=True)).click()
+
     def load_workflow(self, path: Path) -> None:
         """Open a UI-format workflow file the way the frontend's Load does."""
         self.page.evaluate("async (wf) => { await window.app.loadGraphData(wf); }", json.loads(path.read_text()))

@@ -47,7 +47,7 @@ def test_workflow_runs_from_the_page_and_reports_show_on_the_canvas(frontend, ar
             }
         }"""
     )
-    page.get_by_role("button", name="Run", exact=True).click()
+    frontend.click_run()
     page.wait_for_function(
         "window.__deviceControlTest.some(([type]) => type === 'execution_success' || type === 'execution_error')",
         timeout=300_000,

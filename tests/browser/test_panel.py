@@ -60,7 +60,7 @@ def run_workflow(frontend: FrontendPage, workflow: Path) -> list[dict[str, Any]]
     page = frontend.page
     frontend.load_workflow(workflow)
     record_panel(page)
-    page.get_by_role("button", name="Run", exact=True).click()
+    frontend.click_run()
     page.wait_for_function("window.__dcDone", timeout=300_000)
     page.wait_for_timeout(1500)  # one more push after the end
     assert page.evaluate("window.__dcDone") == "execution_success"

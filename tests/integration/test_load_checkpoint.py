@@ -175,7 +175,11 @@ def test_bad_files_get_a_clear_error_and_the_server_keeps_serving(bad_server, na
         bad_server.run(prompt_of(bad_server, OURS, ckpt_name=name, model_device="cpu"))
     assert not Path("/tmp/device_control_pwned").exists()
     entry = bad_server.run(prompt_of(bad_server, OURS, model_device="cpu"))  # the next prompt still works
-    assert "Stable Diffusion 1.5 (SD15, EPS)" in loader(entry)
+    cached = [
+        node for kind, data in entry["status"]["messages"] if kind == "execution_cached" for node in data["nodes"]
+    ]
+    # ComfyUI 0.28 leaves a node whose output it had cached out of the history's outputs (0.3.x repeats them).
+    assert "1" in cached or "Stable Diffusion 1.5 (SD15, EPS)" in loader(entry)
 
 
 def test_the_error_dialog_names_our_exception_type_readably(bad_server):

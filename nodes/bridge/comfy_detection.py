@@ -1,0 +1,52 @@
+"""ComfyUI's own detection, for a file of a family that the running ComfyUI knows and our table does not.
+
+ComfyUI grows new families every month (0.28 builds 96 classes); our header rules follow, but never ahead of
+the ComfyUI a user runs. A file our rules do not recognise is asked of ComfyUI before it is refused: if
+ComfyUI builds a class for it, the file is described as that class (its components found and weighed like any
+other) and the family name says that ComfyUI, not Device Control, recognised it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ...core.detection.detect import Detection, detection_for
+from ...core.detection.families import Family
+from ...core.detection.headers import FileHeader
+from ...core.files.reader import WeightReader
+from .. import surface
+from .tracing import stand_ins
+
+log = logging.getLogger("device_control")
+
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+#: What the family name adds, so every summary and report shows where the detection came from.
+COMFY_DETECTED = "recognised by ComfyUI's detection; not in Device Control's family table"
+
+
+def detect_with_comfyui(header: FileHeader) -> Detection | None:
+    """The file as ComfyUI's detection sees it, or ``None`` when ComfyUI builds nothing from it either."""
+    with WeightReader(header) as reader:
+        sd = stand_ins(header, reader)
+    detect = surface.model_detection()
+    # A checkpoint's diffusion model sits under a prefix; a diffusion-model-only file has none (UNETLoader).
+    for prefix in dict.fromkeys((detect.unet_prefix_from_state_dict(sd), "")):
+        config = detect.model_config_from_unet(sd, prefix, metadata=dict(header.metadata))
+        if config is not None:
+            break
+    else:
+        return None
+    name = type(config).__name__
+    family = Family(
+        name,
+        f"{name} ({COMFY_DETECTED})",
+        "comfyui",
+        # The prediction type is decided when ComfyUI builds the model (many classes override it there).
+        model_type="prediction type as ComfyUI builds it",
+        vae_prefix=config.vae_key_prefix[0] if config.vae_key_prefix else "",
+        dtypes=tuple(_DTYPE_NAMES[d] for d in config.supported_inference_dtypes if d in _DTYPE_NAMES),
+    )
+    log.warning("[Device Control] %s: %s is a %s", header.path, name, COMFY_DETECTED)
+    return detection_for(header, family, prefix)

