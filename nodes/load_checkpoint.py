@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..core.detection.detect import Detection, detect_header
-from ..core.detection.headers import read_header
+from ..core.detection.headers import FileHeader, read_header
 from ..core.devices.backends import DeviceInfo
 from ..core.devices.inventory import InventorySnapshot, parse_device_spec
 from ..core.errors import (
@@ -187,9 +187,7 @@ class LoadCheckpointWithDevice(surface.io.ComfyNode):
     ) -> Any:
         path = _checkpoint_path(ckpt_name)
         header = read_header(path)
-        detection = detect_header(header)
-        if detection.kind == "unknown":  # a family the running ComfyUI may know and our table not (yet)
-            detection = detect_with_comfyui(header) or detection
+        detection = detection_for_this_comfyui(header, detect_header(header))
         _require_checkpoint(ckpt_name, detection)
         snapshot = inventory.snapshot()
         notes: list[str] = []
@@ -213,6 +211,20 @@ class LoadCheckpointWithDevice(surface.io.ComfyNode):
         summary = _summary(ckpt_name, detection, choices, plan, built, notes)
         log.info("[Device Control] %s", summary)
         return surface.io.NodeOutput(built.model, built.clip, built.vae, summary, ui={"text": (summary,)})
+
+
+def detection_for_this_comfyui(header: FileHeader, detection: Detection) -> Detection:
+    """Our detection, or the running ComfyUI's own where ours names no class it builds.
+
+    Our table follows the newest ComfyUI tested: a file it does not know may be of a family the user's ComfyUI
+    knows (a newer one), and a class it names may be newer than the user's ComfyUI (which then builds the file as
+    an older class, or not at all). Either way, what ComfyUI will build is what it detects.
+    """
+    if detection.kind == "unknown" or (
+        detection.comfy_class is not None and not surface.has_model_class(detection.comfy_class)
+    ):
+        return detect_with_comfyui(header) or detection
+    return detection
 
 
 def _with_fit(place: ComponentPlan, fits: bool) -> ComponentPlan:

@@ -85,6 +85,7 @@ COMFY_SYMBOLS: dict[str, tuple[str, ...]] = {
     "comfy.model_patcher": ("LowVramPatch", "ModelPatcher", "get_key_weight"),
     "comfy.patcher_extension": ("CallbacksMP",),
     "comfy.sd": ("CLIP", "VAE"),
+    "comfy.supported_models": ("models",),
     "comfy.utils": ("ProgressBar", "calculate_parameters", "state_dict_prefix_replace", "weight_dtype"),
     "comfyui_version": ("__version__",),
     "folder_paths": ("get_filename_list", "get_folder_paths", "get_full_path"),
@@ -178,6 +179,7 @@ __all__ = [
     "dynamic_vram_enabled",
     "folder_paths",
     "fp8_rounding_noise",
+    "has_model_class",
     "io",
     "is_dynamic",
     "key_weight",
@@ -297,6 +299,11 @@ def is_dynamic(patcher: Any) -> bool:
     feature does not exist."""
     check = getattr(patcher, "is_dynamic", None)
     return bool(check()) if callable(check) else False
+
+
+def has_model_class(name: str) -> bool:
+    """Whether the running ComfyUI builds the model family class ``name`` (``comfy.supported_models``)."""
+    return any(cls.__name__ == name for cls in getattr(supported_models(), "models", ()))
 
 
 def fp8_rounding_noise() -> str:

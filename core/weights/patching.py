@@ -63,10 +63,11 @@ def _stochastic_fp8(value: torch.Tensor, dtype: torch.dtype, noise: torch.Tensor
     return sign
 
 
-#: How the random draws of fp8 stochastic rounding are made, as the host application makes them (so a patched
-#: fp8 weight is bit-identical to its own): ``uniform``, an fp16 uniform draw per value, drawn per block of 16M
-#: values (ComfyUI before comfy-kitchen's rounding); ``bytes``, one random byte per value for the whole tensor,
-#: scaled by 1/256 (ComfyUI 0.2x with comfy-kitchen).
+#: How the random draws of fp8 stochastic rounding are made, as the host application makes them, so a patched
+#: fp8 weight is bit-identical to its own (checked against comfy-kitchen's CPU implementation, not its CUDA one):
+#: ``uniform``, an fp16 uniform draw per value, drawn per block of 16M values (ComfyUI before comfy-kitchen's
+#: rounding); ``bytes``, one random byte per value for the whole tensor, scaled by 1/256 (ComfyUI 0.2x with
+#: comfy-kitchen).
 FP8_NOISE = ("uniform", "bytes")
 
 
@@ -77,14 +78,19 @@ def round_to(value: torch.Tensor, dtype: torch.dtype, seed: int = 0, noise: str 
         return value.to(dtype=dtype)
     generator = torch.Generator(device=value.device)
     generator.manual_seed(seed)
+    # One byte per value for the whole tensor, drawn at once (the draws' order is the host's); the rounding
+    # itself runs in row blocks of about 16M values either way, so its fp16 temporaries stay small.
+    whole = None
     if noise == "bytes":
-        draws = torch.randint(0, 256, value.size(), dtype=torch.uint8, device=value.device, generator=generator)
-        return _stochastic_fp8(value, dtype, draws.to(torch.float16) * (1.0 / 256.0)).to(dtype)
+        whole = torch.randint(0, 256, value.size(), dtype=torch.uint8, device=value.device, generator=generator)
     out = torch.empty_like(value, dtype=dtype)
     rows = max(1, round(value.shape[0] / max(1, value.numel() / (4096 * 4096))))
     for start in range(0, value.shape[0], rows):
         block = value[start : start + rows]
-        draws = torch.rand(block.size(), dtype=torch.float16, device=value.device, generator=generator)
+        if whole is not None:
+            draws = whole[start : start + rows].to(torch.float16) * (1.0 / 256.0)
+        else:
+            draws = torch.rand(block.size(), dtype=torch.float16, device=value.device, generator=generator)
         out[start : start + rows].copy_(_stochastic_fp8(block, dtype, draws))
     return out
 

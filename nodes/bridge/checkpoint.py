@@ -17,6 +17,7 @@ import torch
 from ...core.detection.detect import Detection
 from ...core.detection.headers import FileHeader
 from ...core.devices.simulated import SimulatedDevice
+from ...core.errors import UnknownModelError
 from ...core.files.reader import WeightReader
 from ...core.files.skeleton import MaterializeResult, Source, materialize
 from ...core.placement.budget import Placement
@@ -193,7 +194,12 @@ def default_dtype(role: str, device: torch.device, detection: Detection) -> torc
     mm = surface.model_management()
     if role == "diffusion_model":
         unet = detection.component("diffusion_model")[0]
-        family = getattr(surface.supported_models(), detection.comfy_class)
+        family = getattr(surface.supported_models(), detection.comfy_class, None)
+        if family is None:
+            raise UnknownModelError(
+                f"{detection.path} is a {detection.family} ({detection.comfy_class}), which this ComfyUI "
+                f"({surface.comfyui_version()}) cannot build; update ComfyUI to load it."
+            )
         stored = _STORED.get(unet.stored_dtypes[0]) if len(unet.stored_dtypes) == 1 else None
         return mm.unet_dtype(
             device=device,

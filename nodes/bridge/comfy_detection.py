@@ -1,9 +1,9 @@
-"""ComfyUI's own detection, for a file of a family that the running ComfyUI knows and our table does not.
+"""ComfyUI's own detection, for a file our table does not know or names a class the running ComfyUI lacks.
 
-ComfyUI grows new families every month (0.28 builds 96 classes); our header rules follow, but never ahead of
-the ComfyUI a user runs. A file our rules do not recognise is asked of ComfyUI before it is refused: if
-ComfyUI builds a class for it, the file is described as that class (its components found and weighed like any
-other) and the family name says that ComfyUI, not Device Control, recognised it.
+ComfyUI grows new families every month (0.28 builds 96 classes); our header rules follow the newest ComfyUI
+tested, which is neither ahead of nor behind every user's. Such a file is asked of the running ComfyUI before
+it is refused: if ComfyUI builds a class for it, the file is described as that class (its components found and
+weighed like any other, by our VAE and text-encoder rules) and the family name says that ComfyUI recognised it.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ log = logging.getLogger("device_control")
 
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 #: What the family name adds, so every summary and report shows where the detection came from.
-COMFY_DETECTED = "recognised by ComfyUI's detection; not in Device Control's family table"
+COMFY_DETECTED = "as the running ComfyUI's own detection recognises it"
 
 
 def detect_with_comfyui(header: FileHeader) -> Detection | None:
@@ -32,11 +32,17 @@ def detect_with_comfyui(header: FileHeader) -> Detection | None:
         sd = stand_ins(header, reader)
     detect = surface.model_detection()
     # A checkpoint's diffusion model sits under a prefix; a diffusion-model-only file has none (UNETLoader).
-    for prefix in dict.fromkeys((detect.unet_prefix_from_state_dict(sd), "")):
-        config = detect.model_config_from_unet(sd, prefix, metadata=dict(header.metadata))
-        if config is not None:
-            break
-    else:
+    try:
+        for prefix in dict.fromkeys((detect.unet_prefix_from_state_dict(sd), "")):
+            config = detect.model_config_from_unet(sd, prefix, metadata=dict(header.metadata))
+            if config is not None:
+                break
+        else:
+            return None
+    except Exception as exc:  # ComfyUI's detection assumes a file it half-recognises is whole
+        log.warning(
+            "[Device Control] %s: ComfyUI's detection failed on it too (%s: %s)", header.path, type(exc).__name__, exc
+        )
         return None
     name = type(config).__name__
     family = Family(
@@ -48,5 +54,5 @@ def detect_with_comfyui(header: FileHeader) -> Detection | None:
         vae_prefix=config.vae_key_prefix[0] if config.vae_key_prefix else "",
         dtypes=tuple(_DTYPE_NAMES[d] for d in config.supported_inference_dtypes if d in _DTYPE_NAMES),
     )
-    log.warning("[Device Control] %s: %s is a %s", header.path, name, COMFY_DETECTED)
+    log.warning("[Device Control] %s: loaded as %s, %s", header.path, name, COMFY_DETECTED)
     return detection_for(header, family, prefix)

@@ -39,8 +39,8 @@ log = logging.getLogger("device_control")
 
 #: Said when the model came from ComfyUI's Dynamic VRAM: what was placed is a classic copy ComfyUI made of it.
 DYNAMIC_NOTE = (
-    "ComfyUI's Dynamic VRAM manages this model: placed is the classic copy ComfyUI builds of it (read from its "
-    "file once); the dynamic model itself stays as ComfyUI keeps it"
+    "ComfyUI's Dynamic VRAM manages this model: placed is the classic copy ComfyUI builds of it from the model's "
+    "file; the dynamic model itself stays as ComfyUI keeps it"
 )
 
 

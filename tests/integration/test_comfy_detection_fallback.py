@@ -9,6 +9,7 @@ the same components weighing the same bytes, and a family name that says who rec
 from __future__ import annotations
 
 import importlib
+import json
 
 import pytest
 
@@ -46,3 +47,22 @@ def test_a_file_comfyui_does_not_know_either_stays_unknown(fallback, tmp_path):
     layout = {"tensors": {"encoder.weight": [[8, 8], "F16"], "decoder.weight": [[8, 8], "F16"]}}
     path = write_sparse_safetensors(layout, tmp_path / "nothing.safetensors")
     assert fallback.detect_with_comfyui(read_header(path)) is None
+
+
+def test_the_loader_takes_what_the_running_comfyui_builds(fallback, tmp_path):
+    """A Wan file whose metadata marks it causal: ComfyUI 0.28 builds WAN21_CausalAR_T2V (our rules agree), while
+    0.3.x, which lacks that class and reads no metadata for Wan, builds WAN21_T2V: the loader must take that."""
+    loader = importlib.import_module(fallback.__name__.replace("nodes.bridge.comfy_detection", "nodes.load_checkpoint"))
+    surface = importlib.import_module(fallback.__name__.replace("bridge.comfy_detection", "surface"))
+    metadata = {"config": json.dumps({"transformer": {"causal_ar": True}})}
+    path = write_sparse_safetensors(
+        layouts()["wan21_t2v_1_3b.diffusion_model.json"], tmp_path / "w.safetensors", metadata
+    )
+    header = read_header(path)
+    ours = detect_header(header)
+    assert ours.comfy_class == "WAN21_CausalAR_T2V"
+    seen = loader.detection_for_this_comfyui(header, ours)
+    if surface.has_model_class("WAN21_CausalAR_T2V"):
+        assert seen is ours
+    else:
+        assert seen.comfy_class == "WAN21_T2V" and fallback.COMFY_DETECTED in seen.family
