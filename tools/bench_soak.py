@@ -20,7 +20,10 @@ CYCLES = 200
 def main() -> int:
     cycles = int(sys.argv[1]) if len(sys.argv) > 1 else CYCLES
     with tempfile.TemporaryDirectory(prefix="dc-bench-soak-") as base:
-        server = ComfyServer(Path(base), env={"DEVICE_CONTROL_SIMULATE_GPU": "8GiB"}).start()
+        # --cache-classic: what 0.3.x does by default; ComfyUI 0.28 would otherwise keep earlier prompts' models
+        # until RAM runs short, and RSS would grow by design (the soak measures what the pack keeps).
+        env = {"DEVICE_CONTROL_SIMULATE_GPU": "8GiB"}
+        server = ComfyServer(Path(base), env=env, extra_args=("--cache-classic",)).start()
         try:
             result = soak(server, cycles)
             sys.stdout.write(json.dumps({**result.to_dict(), "rss": result.rss, "seconds": result.seconds}) + "\n")
