@@ -116,9 +116,20 @@ def assert_the_chart_is_readable(page: Any, timeline: Any) -> None:
         assert label["y"] >= 0 and label["y"] + label["height"] <= box["height"] + 0.5, label
         clashes = [other["text"] for other in labels[i + 1 :] if overlap(label, other)]
         assert not clashes, f"{label['text']!r} is drawn over {clashes}"
-    legend = [e.bounding_box() for e in page.locator(f"{PANEL} .dc-legend-entry").all()]
-    assert legend and all(b["y"] + b["height"] <= box["y"] + 0.5 for b in legend)  # above the chart
-    legend = [{"x": b["x"], "y": b["y"], "width": b["width"], "height": b["height"]} for b in legend]
+    # Measured in one step in the page: the panel re-renders every push, so an entry found first and measured
+    # after may be gone by then.
+    chart, legend = page.evaluate(
+        """(panel) => {
+            const box = (e) => {
+                const r = e.getBoundingClientRect();
+                return {x: r.x, y: r.y, width: r.width, height: r.height};
+            };
+            const shown = [...document.querySelectorAll(panel + ' .dc-legend-entry')].map(box).filter(b => b.width > 0);
+            return [box(document.querySelector(panel + ' canvas.dc-timeline')), shown];
+        }""",
+        PANEL,
+    )
+    assert legend and all(b["y"] + b["height"] <= chart["y"] + 0.5 for b in legend)  # above the chart
     assert not any(overlap(a, b) for i, a in enumerate(legend) for b in legend[i + 1 :])
     markers = page.evaluate(
         "() => { const c = document.querySelector('.device-control-panel canvas.dc-timeline');"
