@@ -17,7 +17,7 @@ import torch
 
 from ..core.detection.detect import Detection, detect_header
 from ..core.detection.headers import FileHeader, read_header
-from ..core.devices.backends import DeviceInfo
+from ..core.devices.backends import DeviceInfo, backend_of
 from ..core.devices.inventory import InventorySnapshot, parse_device_spec
 from ..core.errors import (
     DeviceControlError,
@@ -94,11 +94,11 @@ def resolve_placement(
     """Turn the node's device and dtype choice for one role into a placement and a fit-plan choice."""
     info, torch_device, chosen = _chosen_device(role, spec, snapshot, notes)
     dtype = _storage_dtype(role, dtype_name)
-    simulated = inventory.simulated_device(info.id, snapshot)
-    compute = torch.device("cpu") if simulated is not None else torch_device
+    target = inventory.target(info.id, snapshot) if chosen and info.id else torch_device
+    compute = backend_of(target).comfy_device(target)  # the host, for a device ComfyUI does not know
     # The user chose this device: the placement goes with the model. (auto: ComfyUI decides, as its loader does.)
-    managed = Placement(simulated or torch_device, device_id=info.id) if chosen and info.id else None
-    place = ComponentPlan(compute if simulated is not None else torch_device, simulated, dtype, placement=managed)
+    managed = Placement(target, device_id=info.id) if chosen and info.id else None
+    place = ComponentPlan(compute, target, dtype, placement=managed)
     return place, Choice(info, _CANDIDATE[dtype or default_dtype(role, compute, detection)])
 
 

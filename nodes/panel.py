@@ -137,8 +137,7 @@ def _offload(key: str | None, everything: bool) -> dict[str, Any]:
 def _free_caches() -> dict[str, Any]:
     gc.collect()
     surface.soft_empty_cache()
-    for device in inventory.simulated:
-        device.empty_cache()
+    inventory.empty_caches()
     return {"freed_caches": True}
 
 

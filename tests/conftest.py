@@ -40,6 +40,33 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+#: Set to 1 on a machine with a GPU: a GPU test that finds none fails instead of skipping.
+REQUIRE_GPU_ENV = "DEVICE_CONTROL_REQUIRE_GPU"
+
+
+def gpus_here() -> int:
+    """How many CUDA (or ROCm) devices this machine has."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test marked ``gpu`` runs where the GPUs it needs are; elsewhere it skips saying what it would prove,
+    or fails under ``DEVICE_CONTROL_REQUIRE_GPU=1`` (so a GPU run cannot pass by skipping everything)."""
+    marker = item.get_closest_marker("gpu")
+    if marker is None:
+        return
+    needed, found = int(marker.kwargs.get("count", 1)), gpus_here()
+    if found >= needed:
+        return
+    reason = f"needs {needed} GPU(s), found {found}; would prove: {marker.kwargs.get('proves', item.name)}"
+    if os.environ.get(REQUIRE_GPU_ENV) == "1":
+        pytest.fail(f"{reason} ({REQUIRE_GPU_ENV}=1: the GPU tests must run here)", pytrace=False)
+    pytest.skip(reason)
+
+
 def unavailable(reason: str) -> None:
     """Skip a test whose tier cannot run here, or fail it when every tier is required."""
     if STRICT:

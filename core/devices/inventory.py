@@ -1,7 +1,7 @@
 """Which devices this machine has, how much memory each has free, and what a device string means.
 
-The :class:`DeviceInventory` asks every backend probe (``core.backends``) and every
-:class:`~core.simulated.SimulatedDevice` for its devices, numbers accelerators ``gpu:0``, ``gpu:1``, ...
+The :class:`DeviceInventory` asks every backend probe (``core.devices.backends``), the simulated GPUs' among
+them when the settings ask for some, for its devices, numbers accelerators ``gpu:0``, ``gpu:1``, ...
 (ComfyUI core's convention), and never lets a failing probe take the others down: a probe that raises is
 reported in :attr:`InventorySnapshot.backends` with its error.
 
@@ -17,10 +17,20 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import psutil
+import torch
 
 from ..errors import DeviceNotFoundError, InvalidDeviceSpecError
 from ..units import parse_size
-from .backends import Backend, DeviceInfo, default_backends, this_process
+from .backends import (
+    DeviceBackend,
+    DeviceInfo,
+    SimulatedBackend,
+    Target,
+    backend_of,
+    default_backends,
+    this_process,
+)
+from .simlink import LINK_ENV
 from .simulated import SimulatedDevice, SimulatedSpec
 
 log = logging.getLogger("device_control")
@@ -130,22 +140,26 @@ class Resolution:
 
 @dataclass
 class DeviceInventory:
-    """All devices: real ones found by the backend probes, then simulated ones.
+    """All devices: those every backend probe finds, simulated ones (numbered after the real accelerators) included.
 
     Args:
         backends: the probes to ask (default: every backend torch may have).
-        simulated: simulated devices, numbered after the real accelerators.
+        simulated: simulated devices the settings asked for (``DEVICE_CONTROL_SIMULATE_GPU``).
     """
 
-    backends: Sequence[Backend] = field(default_factory=default_backends)
+    backends: Sequence[DeviceBackend] = field(default_factory=default_backends)
     simulated: Sequence[SimulatedDevice] = ()
+
+    def _probes(self) -> list[DeviceBackend]:
+        """The probes in numbering order: real accelerators, then simulated ones (the host is not numbered)."""
+        return [*self.backends, SimulatedBackend(self.simulated)] if self.simulated else list(self.backends)
 
     def snapshot(self) -> InventorySnapshot:
         """Query every backend now. Never raises because a backend failed."""
         devices: list[DeviceInfo] = []
         statuses: list[BackendStatus] = []
         next_gpu = 0
-        for backend in self.backends:
+        for backend in self._probes():
             try:
                 if not backend.available():
                     statuses.append(BackendStatus(backend.name, False))
@@ -160,32 +174,39 @@ class DeviceInventory:
                     next_gpu += 1
                 devices.append(info)
             statuses.append(BackendStatus(backend.name, True, len(found)))
-        for sim in self.simulated:
-            devices.append(_simulated_info(sim, f"gpu:{next_gpu}"))
-            next_gpu += 1
-        if self.simulated:
-            statuses.append(BackendStatus("simulated", True, len(self.simulated)))
         return InventorySnapshot(tuple(devices), tuple(statuses), host_memory())
 
     def reset_peaks(self) -> None:
         """Start measuring every device's peak allocation again from now. Never raises: a backend that fails
         keeps its old peak, which only makes the next figure larger, never wrong the other way."""
-        for backend in self.backends:
+        for backend in self._probes():
             try:
                 if backend.available():
                     backend.reset_peaks()
             except Exception as exc:  # a broken driver query must not fail a report
                 log.debug("[Device Control] could not reset the peaks of %s: %s", backend.name, exc)
-        for sim in self.simulated:
-            sim.reset_peak()
 
-    def simulated_device(self, device_id: str, snapshot: InventorySnapshot | None = None) -> SimulatedDevice | None:
-        """The :class:`SimulatedDevice` behind ``device_id`` (``"gpu:N"``), or ``None`` for a real one."""
+    def target(self, device_id: str, snapshot: InventorySnapshot | None = None) -> Target:
+        """What places a model on the device ``device_id`` (``"gpu:N"``, ``"cpu"``): a ``torch.device``, or
+        the device object of a backend torch does not know.
+
+        Raises:
+            DeviceNotFoundError: there is no such device.
+        """
         snapshot = snapshot or self.snapshot()
         info = snapshot.get(device_id)
-        if info is None or info.kind != SimulatedDevice.kind:
-            return None
-        return next((sim for sim in self.simulated if sim.label == info.native), None)
+        if info is None:
+            raise DeviceNotFoundError(f"device '{device_id}' does not exist on this machine.")
+        backend = next((b for b in self._probes() if b.name == info.kind), None)
+        return backend.target_for(info) if backend is not None else torch.device(info.native)
+
+    def empty_caches(self) -> None:
+        """Give the memory every device's allocator keeps cached back to its device."""
+        snapshot = self.snapshot()
+        for info in snapshot.devices:
+            if info.id and info.error is None:
+                target = self.target(info.id, snapshot)
+                backend_of(target).empty_cache(target)
 
     def resolve(self, text: str, *, fallback: bool = False, snapshot: InventorySnapshot | None = None) -> Resolution:
         """Resolve a device string to a device of this machine.
@@ -235,26 +256,6 @@ def _with_id(info: DeviceInfo, device_id: str) -> DeviceInfo:
     return DeviceInfo(**{**info.__dict__, "id": device_id})
 
 
-def _simulated_info(sim: SimulatedDevice, device_id: str) -> DeviceInfo:
-    try:
-        stats = sim.stats()
-    except Exception as exc:  # an injected (or real) failure is reported like a driver failure
-        return DeviceInfo(device_id, sim.kind, sim.name, sim.label, None, None, error=f"{type(exc).__name__}: {exc}")
-    return DeviceInfo(
-        device_id,
-        sim.kind,
-        sim.name,
-        sim.label,
-        stats["total"],
-        stats["free"],
-        stats["torch_allocated"],
-        stats["torch_reserved"],
-        stats["used_by_others"],
-        ("fp32", "fp16", "bf16"),
-        peak_allocated=stats["peak_allocated"],
-    )
-
-
 def host_memory() -> HostMemory:
     """System RAM and this process's RSS, now."""
     memory = psutil.virtual_memory()
@@ -266,7 +267,8 @@ def simulated_devices_from_env(environ: dict[str, str] | None = None) -> list[Si
 
     ``DEVICE_CONTROL_SIMULATE_GPU=8GiB`` makes one device, ``8GiB,4GiB`` two.
     ``DEVICE_CONTROL_SIMULATE_USED_BY_OTHERS=1GiB`` pretends another process holds that much on each;
-    ``DEVICE_CONTROL_SIMULATE_FAULTS=stats`` makes their statistics queries fail (fault tests).
+    ``DEVICE_CONTROL_SIMULATE_FAULTS=stats`` makes their statistics queries fail (fault tests);
+    ``DEVICE_CONTROL_SIMULATE_LINK=16GB/s,10us`` makes copies to and from them take that time (free if unset).
 
     Raises:
         InvalidSizeError: a size in the variables cannot be parsed.
@@ -275,9 +277,9 @@ def simulated_devices_from_env(environ: dict[str, str] | None = None) -> list[Si
     import os
 
     env = os.environ if environ is None else environ
-    spec = SimulatedSpec.parse(env.get(SIMULATE_ENV), env.get(SIMULATE_FAULTS_ENV))
+    spec = SimulatedSpec.parse(env.get(SIMULATE_ENV), env.get(SIMULATE_FAULTS_ENV), env.get(LINK_ENV))
     others = parse_size(env.get(SIMULATE_OTHERS_ENV) or 0)
     return [
-        SimulatedDevice(capacity, ordinal=i, used_by_others=others, faults=spec.faults)
+        SimulatedDevice(capacity, ordinal=i, used_by_others=others, faults=spec.faults, link=spec.link)
         for i, capacity in enumerate(spec.capacities)
     ]

@@ -3,11 +3,14 @@ device.
 
 Every operation that touches a :class:`SimTensor` runs on the host data and its result is placed on the same
 simulated device (counted in its books). Computing with a tensor on one simulated device and a *weight*
-(``nn.Parameter``) that is on the host and not marked as streamed (:func:`mark_streamed`) raises the
+(``nn.Parameter``) that is on the host and not marked as streamed (``core.devices.marks``) raises the
 ``RuntimeError`` a real device mismatch raises, so a forgotten move fails in tests. Other host tensors count
 as uploaded inputs. ``.cpu()`` and ``.to("cpu")`` give plain host tensors.
 
-The device is any object with ``label`` and ``_register(tensor)`` (``core.devices.simulated.SimulatedDevice``).
+A tensor copied on a side stream carries the stream position of its copy (``_sim_pending``); computing with
+it on a stream that has not waited for that position raises (``core.devices.simlink``).
+
+The device is any object with ``label``, ``link`` and ``_register(tensor)`` (``core.devices.simulated``).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from .marks import is_streamed
 
 if TYPE_CHECKING:
     from .simulated import SimulatedDevice
@@ -32,17 +37,9 @@ def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors_in(item)
 
 
-_STREAMED = "_device_control_streamed"
-
-
-def mark_streamed(tensor: torch.Tensor, streamed: bool = True) -> None:
-    """Mark a host weight as streamed: it stays in host memory and is cast to the device for each use."""
-    setattr(tensor, _STREAMED, streamed)
-
-
 def _is_stranded_weight(tensor: torch.Tensor) -> bool:
     """A host parameter used in a device computation without being streamed: a forgotten move."""
-    return isinstance(tensor, torch.nn.Parameter) and tensor.dim() > 0 and not getattr(tensor, _STREAMED, False)
+    return isinstance(tensor, torch.nn.Parameter) and tensor.dim() > 0 and not is_streamed(tensor)
 
 
 #: Functions that move data between the host and a device, where mixing devices is the point.
@@ -57,6 +54,11 @@ class SimTensor(torch.Tensor):
     @property
     def sim_device(self) -> SimulatedDevice:
         """The simulated device this tensor is on."""
+        return self._sim_device
+
+    @property
+    def placement_target(self) -> SimulatedDevice:
+        """Where the tensor is, for code that serves every backend (``core.devices.backends.target_of``)."""
         return self._sim_device
 
     @classmethod
@@ -110,6 +112,9 @@ def _common_device(func: Any, args: tuple, kwargs: dict) -> SimulatedDevice | No
             if device is not None and other is not device:
                 _raise_mismatch(device.label, other.label)
             device = other
+            pending = getattr(tensor, "_sim_pending", None)
+            if pending is not None:
+                other.link.check_ready(pending, other.label)
         elif _is_stranded_weight(tensor):
             stranded = tensor
     if device is not None and stranded is not None and func not in _TRANSFERS:

@@ -19,6 +19,11 @@ cannot do for a device torch does not know. Results of such operations are on th
 Tensors on the device are instances of :class:`SimTensor`, a ``torch.Tensor`` subclass that shares
 storage with the host tensor it was made from (a move costs no host memory). Moving back with
 :meth:`SimulatedDevice.to_host`, ``.cpu()`` or ``.to("cpu")`` returns a plain tensor.
+
+Every move crosses the device's :class:`~core.devices.simlink.Link`: it is counted there, takes the time the
+link's cost says (none by default), and a copy queued on the side stream carries its stream position until a
+wait makes it usable on the main stream. The device is driven through its backend
+(``core.devices.backends.simulated``), like any other.
 """
 
 from __future__ import annotations
@@ -28,11 +33,12 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..units import format_bytes, parse_size
+from .simlink import Link, LinkCost
 from .simtensor import SimTensor
 
 #: Faults a simulated device can be told to inject (see ``SimulatedDevice(faults=...)``):
@@ -51,13 +57,14 @@ class SimulatedSpec:
 
     capacities: tuple[int, ...]
     faults: frozenset[str] = frozenset()
+    link: LinkCost = field(default_factory=LinkCost)
 
     @classmethod
-    def parse(cls, capacities: str | None, faults: str | None = None) -> SimulatedSpec:
-        """Parse ``"8GiB"`` or ``"8GiB,4GiB"`` (one device each) and an optional fault list.
+    def parse(cls, capacities: str | None, faults: str | None = None, link: str | None = None) -> SimulatedSpec:
+        """Parse ``"8GiB"`` or ``"8GiB,4GiB"`` (one device each), an optional fault list and a link cost.
 
         Raises:
-            InvalidSizeError: a capacity is not a size.
+            InvalidSizeError: a capacity is not a size, or the link is not a bandwidth and latency.
             ValueError: a fault name is unknown.
         """
         sizes = tuple(parse_size(part) for part in (capacities or "").split(",") if part.strip())
@@ -65,7 +72,7 @@ class SimulatedSpec:
         unknown = names - KNOWN_FAULTS
         if unknown:
             raise ValueError(f"unknown simulated fault(s) {sorted(unknown)}; known faults: {sorted(KNOWN_FAULTS)}.")
-        return cls(sizes, names)
+        return cls(sizes, names, LinkCost.parse(link))
 
 
 class _Entry:
@@ -86,6 +93,7 @@ class SimulatedDevice:
         ordinal: index among simulated devices; the device calls itself ``sim:<ordinal>`` in errors.
         used_by_others: bytes another process is pretending to hold (lowers what is free).
         faults: names from :data:`KNOWN_FAULTS` to inject, for fault-tolerance tests.
+        link: what a copy to or from the device costs (default: nothing).
     """
 
     kind = "simulated"
@@ -97,6 +105,7 @@ class SimulatedDevice:
         ordinal: int = 0,
         used_by_others: int = 0,
         faults: Iterable[str] = (),
+        link: LinkCost | None = None,
     ) -> None:
         if capacity <= 0:
             raise ValueError(f"a simulated device needs a positive capacity, not {capacity}.")
@@ -110,6 +119,7 @@ class SimulatedDevice:
         self._peak = 0
         self._lock = threading.Lock()
         self._fail_after: int | None = None
+        self.link = Link(link or LinkCost())
 
     @property
     def label(self) -> str:
@@ -232,8 +242,10 @@ class SimulatedDevice:
 
     # -- moves -------------------------------------------------------------------------------------
 
-    def place(self, tensor: torch.Tensor) -> SimTensor:
+    def place(self, tensor: torch.Tensor, *, host_waits: bool = True) -> SimTensor:
         """Move ``tensor`` onto this device (the books count it; the host data is shared, not copied).
+
+        The copy is queued on the link's current stream; the host waits for it to end when ``host_waits``.
 
         Raises:
             torch.OutOfMemoryError: the tensor does not fit in what is free.
@@ -251,6 +263,9 @@ class SimulatedDevice:
             placed = tensor.detach().as_subclass(SimTensor)
             placed._sim_device = self
             self._register(placed)
+        pending = self.link.copy(_nbytes(tensor), "to_device", host_waits=host_waits)
+        if pending is not None:
+            placed._sim_pending = pending
         return placed
 
     def place_in_place(self, tensor: torch.Tensor) -> None:
@@ -281,6 +296,7 @@ class SimulatedDevice:
                 tensor.__class__ = original
                 del tensor._sim_device
                 raise
+        self.link.copy(_nbytes(tensor), "to_device", host_waits=True)
 
     def release(self, tensor: torch.Tensor) -> torch.Tensor:
         """Move ``tensor`` off this device, sharing its host data (no copy): for callers that drop the device
@@ -290,6 +306,7 @@ class SimulatedDevice:
             return tensor
         if "slow_moves" in self.faults:
             time.sleep(SLOW_MOVE_SECONDS)
+        self.link.copy(_nbytes(tensor), "to_host", host_waits=True)
         with torch._C.DisableTorchFunctionSubclass():
             return tensor.detach().as_subclass(torch.Tensor)
 
@@ -297,14 +314,17 @@ class SimulatedDevice:
         """Return a plain host tensor with the data of ``tensor`` (a copy, as a device-to-host move is)."""
         if not isinstance(tensor, SimTensor):
             return tensor
+        self.link.copy(_nbytes(tensor), "to_host", host_waits=True)
         with torch._C.DisableTorchFunctionSubclass():
             return tensor.as_subclass(torch.Tensor).clone()
-
-    def empty_cache(self) -> None:
-        """Nothing is cached on a simulated device; present so callers treat every device alike."""
 
     def __repr__(self) -> str:
         return (
             f"SimulatedDevice({self.label}, capacity={format_bytes(self.capacity)}, "
             f"allocated={format_bytes(self._allocated)})"
         )
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    """The bytes a copy of ``tensor`` moves (its elements, as a real copy of a view moves)."""
+    return tensor.numel() * tensor.element_size()

@@ -1,41 +1,27 @@
 """Moving one module's own tensors between host memory and a compute device, in place.
 
 A parameter keeps its identity when it moves (its data changes, as ``Module.to`` does it), so weights tied
-between modules stay tied and references held elsewhere follow; a buffer is replaced. One set of functions
-serves real devices and the simulated one: a ``torch.device`` target moves data with ``Tensor.to``; a
-:class:`~core.simulated.SimulatedDevice` target counts the tensor in its books and shares the host data.
+between modules stay tied and references held elsewhere follow; a buffer is replaced. The backend of the
+device a tensor leaves lets go of it first, then the backend of the device it goes to takes it
+(``core.devices.backends``); each move is counted in :func:`traffic`.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
-from .simtensor import SimTensor
-from .simulated import SimulatedDevice
+from .backends import HOST, Target, backend_of, label_of, same_target, target_of
 
-Target = torch.device | SimulatedDevice
-HOST = torch.device("cpu")
+__all__ = ["HOST", "Target", "is_on", "label_of", "move_own", "own_tensors", "same_target", "tensor_bytes", "traffic"]
 
 
 def is_on(tensor: torch.Tensor, target: Target) -> bool:
     """Whether ``tensor`` is resident on ``target``."""
-    if isinstance(target, SimulatedDevice):
-        return isinstance(tensor, SimTensor) and tensor.sim_device is target
-    return tensor.device == target and not isinstance(tensor, SimTensor)
-
-
-def same_target(a: Target | None, b: Target | None) -> bool:
-    """Whether two targets are the same device (a simulated one by identity)."""
-    if isinstance(a, SimulatedDevice) or isinstance(b, SimulatedDevice):
-        return a is b
-    return a is not None and b is not None and a == b
-
-
-def label_of(target: Target) -> str:
-    """``cuda:0``, ``cpu``, ``sim:0``: how errors and logs name a target."""
-    return target.label if isinstance(target, SimulatedDevice) else str(target)
+    return backend_of(target).holds(tensor, target)
 
 
 def own_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, bool]]:
@@ -54,25 +40,63 @@ def move_own(module: torch.nn.Module, name: str, target: Target) -> None:
     Raises:
         torch.OutOfMemoryError: the target has no room (nothing changed).
     """
+    backend = backend_of(target)
     if name in module._parameters:
         param = module._parameters[name]
-        if param is None or is_on(param, target):
+        if param is None or backend.holds(param, target):
             return
-        if isinstance(param, SimTensor):  # leaving a simulated device: the books follow the data
-            param.data = param.sim_device.release(param)
-        if isinstance(target, SimulatedDevice):
-            target.place_in_place(param)
-        else:
-            param.data = param.data.to(target)
+        source = target_of(param)
+        released = backend_of(source).release(param)
+        if released is not param:
+            param.data = released
+        backend.adopt(param, target)
+        _count(source, target, param)
         return
     buffer = module._buffers[name]
-    if buffer is None or is_on(buffer, target):
+    if buffer is None or backend.holds(buffer, target):
         return
-    if isinstance(buffer, SimTensor):
-        buffer = buffer.sim_device.release(buffer)
-    module._buffers[name] = target.place(buffer) if isinstance(target, SimulatedDevice) else buffer.to(target)
+    source = target_of(buffer)
+    module._buffers[name] = backend.place(backend_of(source).release(buffer), target)
+    _count(source, target, buffer)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
     """The bytes a tensor's elements take (views count their own elements, as ComfyUI counts them)."""
     return tensor.numel() * tensor.element_size()
+
+
+@dataclass
+class Traffic:
+    """Bytes the product moved between host memory and one device, each way, and how many copies."""
+
+    to_device: int = 0
+    to_host: int = 0
+    copies: int = 0
+
+
+_traffic: dict[str, Traffic] = {}
+_traffic_lock = threading.Lock()
+
+
+def traffic(target: Target) -> Traffic:
+    """What the product has moved to and from ``target`` so far (weights moved in place, and copies for one
+    use); read it before and after a step to know the bytes that step moved."""
+    with _traffic_lock:
+        return _traffic.setdefault(label_of(target), Traffic())
+
+
+def count_copy(source: Target, target: Target, nbytes: int) -> None:
+    """Book one copy of ``nbytes`` from ``source`` to ``target`` (on the device side of the move)."""
+    to_device = backend_of(source).is_host
+    device = target if to_device else source
+    with _traffic_lock:
+        books = _traffic.setdefault(label_of(device), Traffic())
+        if to_device:
+            books.to_device += nbytes
+        else:
+            books.to_host += nbytes
+        books.copies += 1
+
+
+def _count(source: Target, target: Target, tensor: torch.Tensor) -> None:
+    count_copy(source, target, tensor_bytes(tensor))

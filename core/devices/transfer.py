@@ -1,76 +1,58 @@
-"""Moving weights to the compute device for one use: side streams, pinned host memory, and the simulated GPU.
+"""Moving weights to the compute device for one use: side streams, events and pinned host memory.
 
-On CUDA and XPU a streamed weight is copied on a side stream (one per device), non-blocking when its host
-memory is pinned, and the compute stream waits for that copy only where it needs the result: earlier layers
+A streamed weight is copied on its device's side stream, without the host waiting when its host memory is
+pinned, and the compute stream waits for that copy (an event) only where it needs the result: earlier layers
 still compute while the copy runs. Host memory is pinned in place, up to a cap (a fraction of RAM, default
 45 %, ``DEVICE_CONTROL_MAX_PINNED_FRACTION`` to change it); when pinning fails or the cap is reached the copy
-is simply blocking. On the CPU and on a :class:`~core.simulated.SimulatedDevice` there is no stream: the same
-functions run, and a copy to the simulated device is a placement its books count while the copy lives.
+is simply blocking. The same code runs on every backend (``core.devices.backends``): where a backend has no
+streams or cannot pin, its answers make the copy a plain blocking one.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
-import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 import psutil
 import torch
 
 from ..errors import InvalidSizeError
-from .simtensor import SimTensor
-from .simulated import SimulatedDevice
-from .tensors import Target
+from .backends import Target, backend_of, label_of, target_of
+from .tensors import count_copy, tensor_bytes
 
 log = logging.getLogger("device_control")
 
-_STREAM_BACKENDS = ("cuda", "xpu")
-_streams: dict[torch.device, object] = {}
-_streams_lock = threading.Lock()
-
 
 def compute_target(tensor: torch.Tensor) -> Target:
-    """Where a computation on ``tensor`` happens: its simulated device, or its torch device."""
-    return tensor.sim_device if isinstance(tensor, SimTensor) else tensor.device
+    """Where a computation on ``tensor`` happens."""
+    return target_of(tensor)
 
 
-def side_stream(device: torch.device) -> object | None:
-    """The copy stream of ``device`` (created once), or ``None`` where the backend has no streams."""
-    if device.type not in _STREAM_BACKENDS:
-        return None
-    with _streams_lock:
-        if device not in _streams:
-            backend = getattr(torch, device.type)
-            _streams[device] = backend.Stream(device=device)
-        return _streams[device]
-
-
-@contextlib.contextmanager
-def _on(stream: object) -> Iterator[None]:
-    backend = getattr(torch, stream.device.type)
-    with backend.stream(stream):
-        yield
+def side_stream(target: Target) -> object | None:
+    """The copy stream of ``target`` (created once), or ``None`` where the backend has no streams."""
+    return backend_of(target).side_stream(target)
 
 
 def to_target(tensor: torch.Tensor, target: Target, *, copy: bool = False) -> torch.Tensor:
-    """``tensor`` on ``target`` for one computation (copied only when it is elsewhere, or when ``copy``)."""
-    if isinstance(target, SimulatedDevice):
-        if isinstance(tensor, SimTensor) and tensor.sim_device is target:
-            return tensor.clone() if copy else tensor
-        return target.place(tensor.detach().clone() if copy else tensor.detach())
-    if tensor.device == target and not isinstance(tensor, SimTensor):
+    """``tensor`` on ``target`` for one computation (copied only when it is elsewhere, or when ``copy``).
+
+    The copy runs on the side stream; the current stream waits for it through an event, so work queued before
+    it (the previous layers) overlaps the copy.
+    """
+    backend = backend_of(target)
+    if backend.holds(tensor, target):
         return tensor.clone() if copy else tensor
-    stream = side_stream(target)
+    count_copy(target_of(tensor), target, tensor_bytes(tensor))
+    stream = backend.side_stream(target)
     if stream is None:
-        return tensor.to(target, copy=True)
-    with _on(stream):
-        moved = tensor.to(target, non_blocking=tensor.is_pinned(), copy=True)
-    current = getattr(torch, target.type).current_stream(target)
-    current.wait_stream(stream)  # the compute stream waits here, not the host
-    moved.record_stream(current)  # keep the memory until the compute stream is done with it
+        return backend.copy_to(tensor, target, copy=copy)
+    with backend.on_stream(stream):
+        moved = backend.copy_to(tensor, target, non_blocking=backend.is_pinned(tensor), copy=copy)
+    current = backend.current_stream(target)
+    backend.wait(current, backend.record(stream))  # the compute stream waits here, not the host
+    backend.keep_for(moved, current)  # keep the memory until the compute stream is done with it
     return moved
 
 
@@ -119,36 +101,38 @@ class PinnedMemory:
         if max_bytes is None:
             max_bytes = int(psutil.virtual_memory().total * _pinned_fraction)
         self.max_bytes = max_bytes
-        self.pinned: dict[int, int] = {}  # data pointer -> bytes
-        self.failed = False
+        self.pinned: dict[int, tuple[int, Target]] = {}  # data pointer -> (bytes, the device it was pinned for)
+        self.failed: set[str] = set()  # labels of devices whose pinning failed once
 
     @property
     def pinned_bytes(self) -> int:
         """Bytes pinned now."""
-        return sum(self.pinned.values())
+        return sum(size for size, _target in self.pinned.values())
 
-    def pin(self, tensor: torch.Tensor) -> bool:
-        """Pin ``tensor``'s host memory in place; ``False`` (and nothing changes) when that cannot be done."""
-        if self.failed or not torch.cuda.is_available() or tensor.device.type != "cpu" or tensor.is_pinned():
+    def pin(self, tensor: torch.Tensor, target: Target) -> bool:
+        """Pin ``tensor``'s host memory in place for copies to ``target``; ``False`` (and nothing changes) when
+        that cannot be done: the backend cannot pin, the cap is reached, or pinning failed before."""
+        label, backend = label_of(target), backend_of(target)
+        if not backend.can_pin or label in self.failed or not backend_of(target_of(tensor)).is_host:
             return False
         size = tensor.untyped_storage().nbytes()
-        if self.pinned_bytes + size > self.max_bytes:
-            return False
         pointer = tensor.untyped_storage().data_ptr()
-        if torch.cuda.cudart().cudaHostRegister(pointer, size, 1) != 0:  # cudaHostRegisterPortable
-            self.failed = True  # e.g. a locked-memory limit: stop trying, copies stay correct, just blocking
-            log.info("[Device Control] pinning host memory failed; weight copies to the GPU will be blocking")
+        if pointer in self.pinned or self.pinned_bytes + size > self.max_bytes:
             return False
-        self.pinned[pointer] = size
+        if not backend.pin(pointer, size):  # e.g. a locked-memory limit: stop trying; copies stay correct
+            self.failed.add(label)
+            log.info("[Device Control] pinning host memory failed; weight copies to %s will be blocking", label)
+            return False
+        self.pinned[pointer] = (size, target)
         return True
 
     def unpin(self, tensor: torch.Tensor) -> None:
         """Undo :meth:`pin` for ``tensor`` (before it is freed or moved)."""
         if not self.pinned:
             return
-        pointer = tensor.untyped_storage().data_ptr()
-        if self.pinned.pop(pointer, None) is not None:
-            torch.cuda.cudart().cudaHostUnregister(pointer)
+        entry = self.pinned.pop(tensor.untyped_storage().data_ptr(), None)
+        if entry is not None:
+            backend_of(entry[1]).unpin(tensor.untyped_storage().data_ptr())
 
 
 _pinned: PinnedMemory | None = None

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..devices.backends import backend_of
 from ..devices.memory import empty_cache
-from ..devices.simulated import SimulatedDevice
 from ..devices.tensors import HOST, Target, label_of, same_target
 from ..errors import DeviceControlError, first_line
 from ..progress import ProgressCallback
@@ -203,7 +203,7 @@ class PartialModel:
     # -- internals ---------------------------------------------------------------------------------
 
     def _plan(self, target: Target, budget: int) -> Plan:
-        if not isinstance(target, SimulatedDevice) and target.type == "cpu":
+        if backend_of(target).is_host:
             budget = self.total_bytes()  # on the host, everything is resident: there is nothing to stream from
         return plan_layers(self.layers(), budget, self.policy)
 

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-
-from ..devices.simtensor import mark_streamed
+from ..devices.marks import mark_streamed
 from ..devices.tensors import HOST, Target, move_own, own_tensors, same_target
 from ..devices.transfer import pinned_memory
 from ..progress import ProgressCallback
@@ -56,12 +54,11 @@ def to_host(layer: Layer) -> None:
 def stream(layer: Layer, target: Target | None, hooks: LayerHooks) -> None:
     """Mark ``layer`` (in host memory) to be cast to ``target`` on each use; the owner then adds its patches."""
     module = layer.module
-    pin = isinstance(target, torch.device) and target.type == "cuda"
     for _name, tensor, is_param in own_tensors(module):
         if is_param:
             mark_streamed(tensor)
-        if pin:  # copies from pinned memory run on the side stream without stopping the host
-            pinned_memory().pin(tensor)
+        if target is not None:  # copies from pinned memory run on the side stream without stopping the host
+            pinned_memory().pin(tensor, target)
     if is_streaming(layer):
         return  # streams already, with its functions in place
     module.prev_comfy_cast_weights = module.comfy_cast_weights

@@ -16,7 +16,7 @@ import torch
 
 from ...core.detection.detect import Detection
 from ...core.detection.headers import FileHeader
-from ...core.devices.simulated import SimulatedDevice
+from ...core.devices.backends import Target, backend_of
 from ...core.errors import UnknownModelError
 from ...core.files.reader import WeightReader
 from ...core.files.skeleton import MaterializeResult, Source, materialize
@@ -34,16 +34,17 @@ log = logging.getLogger("device_control")
 
 @dataclass(frozen=True)
 class ComponentPlan:
-    """Where one component goes: ComfyUI's torch device, and a simulated device when that is the target.
+    """Where one component goes: the device ComfyUI computes on, and the target that holds its weights.
 
-    ``device`` ``None`` means ComfyUI's own default; ``dtype`` ``None`` means ComfyUI's own choice.
-    ``fits`` says whether the weights can be written straight onto a real accelerator (the fit plan's
-    verdict); when not, they are written to host memory and loaded, as far as they fit, when used.
+    ``device`` is ComfyUI's torch device (the host for a device torch does not know); ``None`` means ComfyUI's own
+    default. ``target`` is the device itself. ``dtype`` ``None`` means ComfyUI's own choice.
+    ``fits`` says whether the weights can be written straight onto the device (the fit plan's verdict); when
+    not, they are written to host memory and loaded, as far as they fit, when used.
     ``placement`` is what the component's patcher carries from then on (``None``: ComfyUI decides).
     """
 
     device: torch.device | None = None
-    simulated: SimulatedDevice | None = None
+    target: Target | None = None
     dtype: torch.dtype | None = None
     fits: bool = True
     placement: Placement | None = None
@@ -91,7 +92,7 @@ def build_checkpoint(
     with WeightReader(header, pin_staging=any(_is_cuda(p.device) for p in placements.values())) as reader:
         sd = stand_ins(header, reader)
         config, prefix = config_of(sd, header, detection)
-        compute, cast_device = _set_unet_dtype(config, sd, prefix, places.unet)
+        compute = _set_unet_dtype(config, sd, prefix, places.unet)
         traced = build_traced(config, sd, prefix, header, reader, places)
         fill = {"model": _fill_device(places.unet), "clip": _fill_device(places.clip), "vae": torch.device("cpu")}
         _fill_all(traced, reader, fill, _Progress(traced, progress), notes)
@@ -100,7 +101,7 @@ def build_checkpoint(
         convert(root, accept=_is_comfy_layer)
     patcher = DeviceControlPatcher(
         traced.model,
-        load_device=cast_device if places.unet.simulated else compute,
+        load_device=compute,
         offload_device=surface.model_management().unet_offload_device(),
     )
     patcher.device_control_placement = places.unet.placement
@@ -108,20 +109,19 @@ def build_checkpoint(
     return BuiltCheckpoint(patcher, traced.clip, traced.vae, notes)
 
 
-def _set_unet_dtype(config: Any, sd: dict, prefix: str, unet: ComponentPlan) -> tuple[torch.device, torch.device]:
+def _set_unet_dtype(config: Any, sd: dict, prefix: str, unet: ComponentPlan) -> torch.device:
     """Set the diffusion model's storage and compute dtypes on ``config``, as ComfyUI's loader would for the
-    chosen device; return that device and the one ComfyUI computes casts on (the host for a simulated GPU)."""
+    device it computes on; return that device."""
     mm, utils = surface.model_management(), surface.comfy_utils()
     compute = unet.device or mm.get_torch_device()
-    cast_device = torch.device("cpu") if unet.simulated is not None else compute
     dtype = unet.dtype or mm.unet_dtype(  # the same choice default_dtype() made for the fit plan
-        device=cast_device,
+        device=compute,
         model_params=utils.calculate_parameters(sd, prefix),
         supported_dtypes=config.supported_inference_dtypes,
         weight_dtype=utils.weight_dtype(sd, prefix),
     )
-    config.set_inference_dtype(dtype, mm.unet_manual_cast(dtype, cast_device, config.supported_inference_dtypes))
-    return compute, cast_device
+    config.set_inference_dtype(dtype, mm.unet_manual_cast(dtype, compute, config.supported_inference_dtypes))
+    return compute
 
 
 class _Progress:
@@ -235,24 +235,26 @@ def _is_comfy_layer(cls: type) -> bool:
 
 
 def _fill_device(place: ComponentPlan) -> torch.device:
-    """Where weights are first written: a real accelerator they fit on, else host memory.
-
-    (The VAE is always written to host memory: ComfyUI moves it to its device when it decodes.)
+    """Where weights are first written: the device they fit on, where its backend can write them directly;
+    else host memory. (The VAE is always written to host memory: ComfyUI moves it to its device when it decodes.)
     """
-    if place.device is not None and place.simulated is None and place.device.type != "cpu" and place.fits:
-        return place.device
+    if place.target is not None and place.fits:
+        return backend_of(place.target).fill_device(place.target)
     return torch.device("cpu")
 
 
 def _first_load(mm: Any, patcher: Any, place: ComponentPlan, filled_on: torch.device) -> None:
     """Register the model with ComfyUI where it now lives, as ComfyUI does after its own loading."""
-    if place.simulated is None and patcher.load_device != filled_on:
+    if patcher.load_device != filled_on:
         return  # in RAM, to be loaded where it belongs when a node first uses it
     if filled_on.type != "cpu":
         # The weights were written on the device: say so first, or ComfyUI would make room for them twice.
         partial_model_of(patcher.model).target = filled_on
         patcher._sync_books(filled_on)
-    mm.load_models_gpu([patcher], force_full_load=place.simulated is None)
+    # Where ComfyUI manages the device, the weights are there already and must stay in full; elsewhere our
+    # patcher loads them now within the placement's budget.
+    makes_room = place.target is None or backend_of(place.target).comfy_makes_room
+    mm.load_models_gpu([patcher], force_full_load=makes_room)
 
 
 def _is_cuda(device: torch.device | None) -> bool:

@@ -13,10 +13,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
+from ...core.devices.backends import backend_of
 from ...core.devices.inventory import DeviceInventory, InventorySnapshot
-from ...core.devices.simulated import SimulatedDevice
 from ...core.devices.tensors import Target, label_of
 from ...core.errors import DeviceControlError
 from ...core.placement.budget import Budget, Placement
@@ -82,9 +80,7 @@ def resolve_target(
     """``(target, device id, warning)`` for a device string; a device this machine lacks falls back to auto."""
     resolution = inventory.resolve(text, fallback=True, snapshot=snapshot)
     info = resolution.device
-    simulated = inventory.simulated_device(info.id, snapshot)
-    target: Target = simulated if simulated is not None else torch.device(info.torch_device or "cpu")
-    return target, info.id, resolution.warning
+    return inventory.target(info.id, snapshot), info.id, resolution.warning
 
 
 @dataclass
@@ -138,7 +134,7 @@ def placed_clone(subject: Subject, placement: Placement) -> Subject:
     patcher = moved.patcher
     patcher.device_control_placement = placement
     target = placement.target
-    patcher.load_device = torch.device("cpu") if isinstance(target, SimulatedDevice) else target
+    patcher.load_device = backend_of(target).comfy_device(target)
     if moved.kind == "VAE":
         moved.value.device = patcher.load_device
     return moved

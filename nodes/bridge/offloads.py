@@ -48,8 +48,7 @@ def offload(value: Any | None, mode: str, amount: str, empty_cache: bool, invent
             _detach_unlisted(subject)
     if empty_cache:
         surface.soft_empty_cache()
-        for device in inventory.simulated:
-            device.empty_cache()
+        inventory.empty_caches()
     text = _offload_summary(mode, amount, done)
     log.info("[Device Control] %s", text)
     return text

@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from ...core.devices.simulated import SimulatedDevice
+from ...core.devices.backends import backend_of
+from ...core.devices.memory import free_bytes
 from ...core.devices.tensors import Target, label_of, own_tensors, same_target
 from ...core.placement.budget import Placement
 from ...core.placement.engine import LoadReport, partial_model_of
@@ -55,8 +56,9 @@ log = logging.getLogger("device_control")
 #: What ComfyUI's unpatch reads from a backup entry.
 Backup = namedtuple("Backup", ["weight", "inplace_update"])
 
-#: Room left free on a simulated device for activations, as ComfyUI leaves some on a real one.
-SIMULATED_HEADROOM = 256 * 1024**2
+#: Room left free for activations on a device whose memory ComfyUI does not manage, as ComfyUI leaves some on
+#: the devices it manages.
+HEADROOM = 256 * 1024**2
 
 
 def last_load(patcher: Any) -> LoadReport | None:
@@ -195,7 +197,7 @@ class DeviceControlPatcher(surface.model_patcher_class()):
         _keep_embeddings_resident(self.model, engine)
         budget = self._budget(target, lowvram_model_memory if not full_load else 0)
         compute = device_to if isinstance(device_to, torch.device) and device_to.type != "cpu" else None
-        hooks = _Hooks(self, None if isinstance(target, SimulatedDevice) else compute, force_patch_weights)
+        hooks = _Hooks(self, compute, force_patch_weights)
         with self.use_ejected():
             self.unpatch_hooks()
             try:
@@ -219,15 +221,15 @@ class DeviceControlPatcher(surface.model_patcher_class()):
 
     def _budget(self, target: Target, free_for_it: int) -> int:
         """Bytes the model may take on ``target``: its placement's budget (all of it without one), within what
-        ComfyUI found free for it on a real device; on a simulated one, ComfyUI made no room, so we make it."""
+        ComfyUI found free for it where it manages the memory; elsewhere ComfyUI made no room, so we make it."""
         placement = placement_of(self)
         engine = partial_model_of(self.model)
         budget = placement.budget_bytes() if placement is not None else engine.total_bytes()
-        if not isinstance(target, SimulatedDevice):
+        if backend_of(target).comfy_makes_room:
             return min(budget, int(free_for_it)) if free_for_it else budget
         wanted = min(budget, engine.total_bytes()) - engine.resident_bytes(target)
-        make_room_for(self, target, wanted + SIMULATED_HEADROOM)
-        return max(0, min(budget, target.free() + engine.resident_bytes(target) - SIMULATED_HEADROOM))
+        make_room_for(self, target, wanted + HEADROOM)
+        return max(0, min(budget, free_bytes(target) + engine.resident_bytes(target) - HEADROOM))
 
     def partially_load(self, device_to: Any, extra_memory: int = 0, force_patch_weights: bool = False) -> int:
         placement = placement_of(self)

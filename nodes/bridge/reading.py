@@ -12,8 +12,10 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
+import torch
+
 from ...core.devices.inventory import InventorySnapshot
-from ...core.devices.simulated import SimulatedDevice
+from ...core.devices.tensors import label_of
 from ...core.monitor.report import MemoryMode, ModelResidency
 from ...core.placement.engine import engine_of
 from .. import surface
@@ -42,12 +44,13 @@ def device_id(device: Any, snapshot: InventorySnapshot) -> str:
 
 
 def target_id(target: Any, snapshot: InventorySnapshot) -> str:
-    """Our id (``gpu:0``) for a placement target: a simulated device or a ``torch.device``."""
+    """Our id (``gpu:0``) for a placement target: a ``torch.device``, or a device object torch does not know."""
     if target is None:
         return "unknown device"
-    if isinstance(target, SimulatedDevice):
-        return next((d.id for d in snapshot.devices if d.native == target.label), target.label)
-    return device_id(target, snapshot)
+    if isinstance(target, torch.device):
+        return device_id(target, snapshot)
+    label = label_of(target)
+    return next((d.id for d in snapshot.devices if d.native == label), label)
 
 
 def residency_of(patcher: Any, snapshot: InventorySnapshot, *, in_use: bool = True) -> ModelResidency:
@@ -60,7 +63,7 @@ def residency_of(patcher: Any, snapshot: InventorySnapshot, *, in_use: bool = Tr
     holding = holding_of(model)
     if holding is not None:  # ours: where the weights are, not what ComfyUI assumes
         loaded = min(engine_of(model).resident_bytes(holding.target), total)
-        compute = target_id(holding.target, snapshot)  # a simulated GPU's load device is the host for ComfyUI
+        compute = target_id(holding.target, snapshot)  # ComfyUI's load device is the host for some devices
     offload = device_id(patcher.offload_device, snapshot)
     resident = [(compute, loaded)]
     if total > loaded:

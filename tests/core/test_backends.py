@@ -14,6 +14,7 @@ import sys
 import types
 from dataclasses import dataclass, field
 
+import psutil
 import pytest
 import torch
 
@@ -166,7 +167,7 @@ def test_mps_reports_the_shared_memory_with_or_without_recommended_max_memory(mo
     assert (mps.total, mps.free, mps.torch_allocated, mps.native) == (20 * GiB, 17 * GiB, GiB, "mps")
     monkeypatch.setattr(torch, "mps", types.SimpleNamespace(**calls))  # older torch: no recommended_max_memory
     (older,) = backend.devices()
-    assert older.total == backends.psutil.virtual_memory().total
+    assert older.total == psutil.virtual_memory().total
 
 
 def test_directml_lists_its_devices_without_memory_figures(monkeypatch):
@@ -175,7 +176,7 @@ def test_directml_lists_its_devices_without_memory_figures(monkeypatch):
     module.device_count = lambda: 2
     module.device_name = lambda index: f"Radeon {index}"
     monkeypatch.setitem(sys.modules, "torch_directml", module)
-    backends._installed.cache_clear()
+    backends.installed.cache_clear()
     try:
         backend = backends.DirectMLBackend()
         assert backend.available()
@@ -185,14 +186,14 @@ def test_directml_lists_its_devices_without_memory_figures(monkeypatch):
             ("Radeon 1", "privateuseone:1", None, None),
         ]
     finally:
-        backends._installed.cache_clear()
+        backends.installed.cache_clear()
 
 
 def test_the_inventory_numbers_several_backends_and_survives_one_that_raises(fake):
     fake("cuda", FakeTorchModule([FakeCard("RTX 3090"), FakeCard("RTX 3060")]))
     fake("xpu", FakeTorchModule([FakeCard("Arc B580")]))
 
-    class Broken:
+    class Broken(backends.DeviceBackend):
         name = "npu"
 
         def available(self) -> bool:

@@ -7,8 +7,9 @@ for hardware only. Everything else (the CPU probe, the simulated devices, the in
 from __future__ import annotations
 
 import pytest
+import torch
 
-from core.devices.backends import CpuBackend, DeviceInfo, default_backends
+from core.devices.backends import CpuBackend, DeviceBackend, DeviceInfo, default_backends
 from core.devices.inventory import DeviceInventory, parse_device_spec, simulated_devices_from_env
 from core.devices.simulated import SimulatedDevice
 from core.devices.transfer import pinned_fraction_from_env
@@ -17,7 +18,7 @@ from core.errors import DeviceNotFoundError, InvalidDeviceSpecError, InvalidSize
 GiB = 1024**3
 
 
-class StaticBackend:
+class StaticBackend(DeviceBackend):
     """Reports fixed devices, as a machine with that hardware would."""
 
     def __init__(self, name, devices):
@@ -31,7 +32,7 @@ class StaticBackend:
         return list(self._devices)
 
 
-class BrokenBackend:
+class BrokenBackend(DeviceBackend):
     """A backend whose driver query raises, as a broken or mismatched driver does."""
 
     name = "cuda"
@@ -110,8 +111,8 @@ def test_accelerators_are_numbered_in_probe_order_then_simulated():
     assert inventory.resolve("cuda:1", snapshot=snapshot).device.id == "gpu:1"
     assert inventory.resolve("gpu:2", snapshot=snapshot).device.native == "sim:0"
     assert inventory.resolve("sim:0", snapshot=snapshot).device.id == "gpu:2"
-    assert inventory.simulated_device("gpu:2", snapshot) is sim
-    assert inventory.simulated_device("gpu:0", snapshot) is None
+    assert inventory.target("gpu:2", snapshot) is sim
+    assert inventory.target("gpu:0", snapshot) == torch.device("cuda:0")
     assert inventory.resolve("auto", snapshot=snapshot).device.id == "gpu:0"
 
 

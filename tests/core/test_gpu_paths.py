@@ -17,34 +17,30 @@ from core.weights import ops
 CUDA = torch.device("cuda", 0)
 
 
-def needs_cuda(proves: str) -> pytest.MarkDecorator:
-    return pytest.mark.skipif(not torch.cuda.is_available(), reason=f"needs a CUDA GPU; would prove: {proves}")
-
-
-@needs_cuda("a copy on the side stream is complete before the compute stream uses it, pinned or not")
+@pytest.mark.gpu(proves="a copy on the side stream is complete before the compute stream uses it, pinned or not")
 def test_side_stream_copies_are_ordered_before_use():
     host = torch.randn(4096, 4096)
     assert side_stream(CUDA) is not None
     moved = to_target(host, CUDA)
     assert torch.equal((moved * 2).cpu(), host * 2)
     pinned = PinnedMemory()
-    assert pinned.pin(host)
+    assert pinned.pin(host, CUDA)
     moved = to_target(host, CUDA)
     assert torch.equal((moved + 1).cpu(), host + 1)
     pinned.unpin(host)
     assert pinned.pinned_bytes == 0
 
 
-@needs_cuda("pinning stops at its cap and a failed pin leaves the tensor usable")
+@pytest.mark.gpu(proves="pinning stops at its cap and a failed pin leaves the tensor usable")
 def test_pinning_respects_its_cap():
     pinned = PinnedMemory(max_bytes=4 * 1024**2)
     small, large = torch.zeros(1024**2 // 4), torch.zeros(2 * 1024**2)
-    assert pinned.pin(small) and not pinned.pin(large)
+    assert pinned.pin(small, CUDA) and not pinned.pin(large, CUDA)
     assert pinned.pinned_bytes == 1024**2 and large.sum().item() == 0
     pinned.unpin(small)
 
 
-@needs_cuda("the free and total memory the engine plans with match the driver's figures")
+@pytest.mark.gpu(proves="the free and total memory the engine plans with match the driver's figures")
 def test_memory_figures_come_from_the_driver():
     free, total = torch.cuda.mem_get_info(CUDA)
     assert capacity_bytes(CUDA) == total
@@ -52,7 +48,7 @@ def test_memory_figures_come_from_the_driver():
     empty_cache(CUDA)
 
 
-@needs_cuda("streamed layers of a partially loaded model are pinned, and unpinned when they become resident")
+@pytest.mark.gpu(proves="streamed layers of a partially loaded model are pinned, and unpinned when resident")
 def test_streamed_layers_are_pinned_and_released():
     from core.devices.transfer import pinned_memory
 
@@ -67,7 +63,7 @@ def test_streamed_layers_are_pinned_and_released():
     assert pinned_memory().pinned_bytes == 0
 
 
-@needs_cuda("a real CUDA out-of-memory during a move triggers the guard and the model keeps working")
+@pytest.mark.gpu(proves="a real CUDA out-of-memory during a move triggers the guard and the model keeps working")
 def test_real_out_of_memory_is_guarded():
     net = torch.nn.Sequential(*(ops.Linear(4096, 4096) for _ in range(4)))
     total = partial_model_of(net).total_bytes()
@@ -80,3 +76,24 @@ def test_real_out_of_memory_is_guarded():
     finally:
         del blocker
         partial_model_of(net).unload_all()
+
+
+@pytest.mark.gpu(count=2, proves="two models on two GPUs take their own VRAM; a move between GPUs frees the first")
+def test_two_gpus_hold_a_model_each_and_a_move_between_them_frees_the_first():
+    first, second = torch.device("cuda", 0), torch.device("cuda", 1)
+    unet = torch.nn.Sequential(*(ops.Linear(2048, 2048) for _ in range(4)))
+    encoder = torch.nn.Sequential(*(ops.Linear(1024, 1024) for _ in range(4)))
+    x = torch.randn(2, 2048)
+    expected = unet(x)
+    base = torch.cuda.memory_allocated(first), torch.cuda.memory_allocated(second)
+    unet_bytes = partial_model_of(unet).total_bytes()
+    partial_model_of(unet).load(first, unet_bytes)
+    partial_model_of(encoder).load(second, partial_model_of(encoder).total_bytes())
+    assert torch.cuda.memory_allocated(first) - base[0] == unet_bytes
+    assert torch.cuda.memory_allocated(second) - base[1] == partial_model_of(encoder).total_bytes()
+    partial_model_of(unet).load(second, unet_bytes)
+    assert torch.cuda.memory_allocated(first) == base[0]
+    assert torch.allclose(unet(x.to(second)).cpu(), expected, atol=1e-3)  # GPU kernels round differently
+    partial_model_of(unet).unload_all()
+    partial_model_of(encoder).unload_all()
+    assert (torch.cuda.memory_allocated(first), torch.cuda.memory_allocated(second)) == base

@@ -420,10 +420,7 @@ def test_a_budget_larger_than_the_device_names_the_largest_one():
         Budget.parse("1GB").resolve(8 * MiB, device="gpu:0")
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="needs a CUDA GPU; would prove: a load takes real VRAM and an offload gives all of it back",
-)
+@pytest.mark.gpu(proves="a load takes real VRAM and an offload gives all of it back")
 def test_cuda_load_and_offload_move_real_memory(net, x):
     """On a GPU this proves: free VRAM drops by what the engine says is resident after a load, returns to the
     baseline after unload_all, and a partially loaded model computes the same as on the CPU."""

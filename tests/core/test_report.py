@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from core.devices.backends import CpuBackend, DeviceInfo
+from core.devices.backends import CpuBackend, DeviceBackend, DeviceInfo
 from core.devices.inventory import DeviceInventory
 from core.devices.simulated import SimulatedDevice
 from core.monitor.report import MemoryMode, ModelResidency, build_report
@@ -15,7 +15,7 @@ from core.monitor.report import MemoryMode, ModelResidency, build_report
 GiB = 1024**3
 
 
-class NoMemoryBackend:
+class NoMemoryBackend(DeviceBackend):
     """A backend that cannot report memory, as DirectML cannot."""
 
     name = "directml"

@@ -7,7 +7,8 @@ import gc
 import pytest
 import torch
 
-from core.devices.simtensor import SimTensor, mark_streamed
+from core.devices.marks import mark_streamed
+from core.devices.simtensor import SimTensor
 from core.devices.simulated import SimulatedDevice, SimulatedSpec
 
 MiB = 1024**2

@@ -288,10 +288,9 @@ def test_cancelling_a_move_half_way_leaves_a_model_the_next_run_uses(slow_server
     assert unet(entry, api, "4")["resident"] == {"gpu:0": unet(entry, api, "4")["total_bytes"]}
 
 
-@pytest.mark.skipif(
-    not __import__("torch").cuda.is_available(),
-    reason="needs a CUDA GPU; would prove: on a real GPU, Move To GPU takes the UNet's size in VRAM, the next "
-    "KSampler keeps it there, Offload To CPU gives it all back, and the image equals ComfyUI's own",
+@pytest.mark.gpu(
+    proves="on a real GPU, Move To GPU takes the UNet's size in VRAM, the next KSampler keeps it there, Offload "
+    "To CPU gives it all back, and the image equals ComfyUI's own"
 )
 def test_a_real_gpu_moves_and_gives_back_vram(synthetic_models, tmp_path_factory, api):
     from tools.comfy_server import ComfyServer

@@ -1,0 +1,247 @@
+"""The device backend interface: what every kind of device answers, whatever drives it.
+
+A backend serves all devices of one kind (CUDA, XPU, the host, the simulated GPU, ...). It answers for its
+devices, each named by a *target* (a ``torch.device``, or a device object of its own such as a simulated GPU):
+
+* identity and capabilities: the probe (:meth:`DeviceBackend.devices`) and the target behind a device;
+* memory: total, free (the allocator's cache counted as free), giving the cache back;
+* moving tensors: in place for a module's weights, and a copy for one use;
+* streams and events: real where the backend has them, ordered no-ops where it has none;
+* pinned host memory, and synchronising.
+
+Production code asks a backend (``backend_of(target)``) and never which kind of device it is talking to; the
+defaults here are those of a device torch drives itself with no streams (the host, MPS, DirectML).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import psutil
+import torch
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """One device and its memory, as seen at one moment.
+
+    ``id`` is what users write (``gpu:0``, ``cpu``); ``native`` is the backend's own name for the device
+    (``cuda:0``, ``xpu:0``, ``mps``, ``privateuseone:0``, ``sim:0``).
+    Memory figures are bytes, or ``None`` where the backend cannot tell. ``free`` is what the driver
+    reports free; memory torch has reserved but not allocated (its cache) is counted in
+    ``torch_reserved`` and can be given back with ``empty_cache``. ``peak_allocated`` is the most torch
+    held at once since the peaks were last reset (:meth:`DeviceInventory.reset_peaks`, which the VRAM
+    Report calls, so it reads "since the previous report").
+    """
+
+    id: str
+    kind: str
+    name: str
+    native: str
+    total: int | None
+    free: int | None
+    torch_allocated: int | None = None
+    torch_reserved: int | None = None
+    used_by_others: int | None = None
+    dtypes: tuple[str, ...] = ("fp32",)
+    error: str | None = None
+    peak_allocated: int | None = None
+    torch_visible: bool = True
+
+    @property
+    def used(self) -> int | None:
+        """Bytes in use by anyone (total minus free)."""
+        if self.total is None or self.free is None:
+            return None
+        return self.total - self.free
+
+    @property
+    def torch_device(self) -> str | None:
+        """The ``torch.device`` string of the device; ``None`` where torch does not know the device."""
+        return self.native if self.torch_visible else None
+
+    @property
+    def is_accelerator(self) -> bool:
+        """True for every device but the CPU."""
+        return self.kind != "cpu"
+
+
+@runtime_checkable
+class DeviceObject(Protocol):
+    """A device torch does not know, represented by an object of its backend's (see ``register_device_type``)."""
+
+    label: str
+
+
+#: Where a model or a tensor lives: a device torch knows, or a device object of a backend.
+Target = torch.device | DeviceObject
+HOST = torch.device("cpu")
+
+
+class DeviceBackend:
+    """One kind of device. Subclasses override what their kind does differently.
+
+    Class attributes:
+        name: the kind, as reports show it.
+        is_host: its devices are host memory (a model there is resident in full; nothing streams).
+        comfy_makes_room: ComfyUI frees memory on its devices before a load (true for every device ComfyUI
+            knows); where it does not, the product makes the room itself.
+        can_pin: it can page-lock host memory for faster copies (:meth:`pin`).
+    """
+
+    name = ""
+    is_host = False
+    comfy_makes_room = True
+    can_pin = False
+
+    # -- identity --------------------------------------------------------------------------------
+
+    def available(self) -> bool:
+        """Whether this backend exists in this torch build and has at least one device."""
+        return False
+
+    def devices(self) -> list[DeviceInfo]:
+        """Query every device of this backend now (ids are assigned later by the inventory)."""
+        return []
+
+    def reset_peaks(self) -> None:
+        """Start measuring each device's peak allocation again from now (a no-op where there is none)."""
+
+    def target_for(self, info: DeviceInfo) -> Target:
+        """The target that places a model on the device ``info`` describes."""
+        return torch.device(info.native)
+
+    def label(self, target: Target) -> str:
+        """How errors and logs name ``target`` (``cuda:0``, ``sim:0``)."""
+        return str(target)
+
+    def comfy_device(self, target: Target) -> torch.device:
+        """The torch device ComfyUI computes on when a model is placed on ``target``."""
+        return target
+
+    def fill_device(self, target: Target) -> torch.device:
+        """Where a loader writes weights meant for ``target`` as it reads them (host memory where it cannot
+        write to the device directly; the model is then loaded onto the device from there)."""
+        return target
+
+    # -- memory ----------------------------------------------------------------------------------
+
+    def free(self, target: Target) -> int:
+        """Bytes a new allocation on ``target`` may take now (the allocator's cache included)."""
+        raise _no_memory_figures(target)
+
+    def capacity(self, target: Target) -> int:
+        """The total memory of ``target``."""
+        raise _no_memory_figures(target)
+
+    def empty_cache(self, target: Target) -> None:
+        """Give the memory the allocator keeps cached on ``target`` back to the device."""
+
+    # -- tensors ---------------------------------------------------------------------------------
+
+    def holds(self, tensor: torch.Tensor, target: Target) -> bool:
+        """Whether ``tensor`` is resident on ``target``."""
+        return getattr(tensor, "placement_target", None) is None and tensor.device == target
+
+    def release(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` ready to leave this backend's device: where a device keeps its own books, it stops
+        counting the tensor (the data itself moves with the next :meth:`adopt`)."""
+        return tensor
+
+    def adopt(self, tensor: torch.Tensor, target: Target) -> None:
+        """Move a parameter or buffer onto ``target`` keeping its identity (``Module.to`` style)."""
+        tensor.data = tensor.data.to(target)
+
+    def place(self, tensor: torch.Tensor, target: Target) -> torch.Tensor:
+        """``tensor`` moved onto ``target`` (a new tensor; used for buffers, which are replaced)."""
+        return tensor.to(target)
+
+    def copy_to(
+        self, tensor: torch.Tensor, target: Target, *, non_blocking: bool = False, copy: bool = False
+    ) -> torch.Tensor:
+        """``tensor`` copied to ``target`` on the current stream (without the host waiting when
+        ``non_blocking``, from pinned memory). ``copy``: the result will be changed in place, so it must not
+        share memory with ``tensor`` (a copy to another device never does)."""
+        return tensor.to(target, non_blocking=non_blocking, copy=True)
+
+    # -- streams and events ----------------------------------------------------------------------
+
+    def side_stream(self, target: Target) -> Any | None:
+        """The copy stream of ``target`` (one per device), or ``None`` where the backend has no streams."""
+        return None
+
+    def current_stream(self, target: Target) -> Any | None:
+        """The stream computations on ``target`` run on now (``None`` without streams)."""
+        return None
+
+    def on_stream(self, stream: Any) -> contextlib.AbstractContextManager[None]:
+        """Make ``stream`` the current one inside the ``with`` block."""
+        return contextlib.nullcontext()
+
+    def record(self, stream: Any) -> Any | None:
+        """An event marking the work queued on ``stream`` so far (``None`` without streams)."""
+        return None
+
+    def wait(self, stream: Any, event: Any) -> None:
+        """Order the work queued on ``stream`` from now after ``event`` (the host does not wait)."""
+
+    def keep_for(self, tensor: torch.Tensor, stream: Any) -> None:
+        """Keep ``tensor``'s memory until ``stream`` is done with it (it was made on another stream)."""
+
+    def synchronize(self, target: Target) -> None:
+        """Wait on the host until everything queued on ``target`` is done."""
+
+    # -- pinned host memory ----------------------------------------------------------------------
+
+    def pin(self, pointer: int, size: int) -> bool:
+        """Page-lock ``size`` bytes of host memory at ``pointer`` for fast copies to this backend's devices;
+        ``False`` where it cannot (then copies are blocking, and still correct)."""
+        return False
+
+    def unpin(self, pointer: int) -> None:
+        """Undo :meth:`pin`."""
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        """Whether copies of ``tensor`` to this backend's devices can run without the host waiting."""
+        return False
+
+
+def _no_memory_figures(target: Target) -> Exception:
+    from ...errors import DeviceControlError
+
+    return DeviceControlError(
+        f"the memory of {target} cannot be read with this torch; update torch, or choose another device."
+    )
+
+
+_process: psutil.Process | None = None
+
+
+def this_process() -> psutil.Process:
+    """This process, as psutil sees it; kept, since making one reads ``/proc`` (renewed after a fork)."""
+    global _process
+    if _process is None or _process.pid != os.getpid():
+        _process = psutil.Process()
+    return _process
+
+
+@functools.cache
+def installed(module: str) -> bool:
+    """Whether ``module`` can be imported (asked once: a package does not appear while the server runs)."""
+    return importlib.util.find_spec(module) is not None
+
+
+def dtypes_from(fp16: bool, bf16: bool, fp8: bool) -> tuple[str, ...]:
+    """The compute dtypes a device supports, as reports name them."""
+    flags = (("fp16", fp16), ("bf16", bf16), ("fp8", fp8))
+    return ("fp32", *(name for name, ok in flags if ok))
+
+
+def describe(exc: BaseException) -> str:
+    """``Type: message``, for reports of a failed query."""
+    return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,158 @@
+"""The simulated GPU as a backend: the same interface, and the same calls, as a real accelerator.
+
+Its devices are :class:`~core.devices.simulated.SimulatedDevice` objects, which torch does not know: ComfyUI
+computes on the host for them (``comfy_device``) and does not make room on them (``comfy_makes_room``), a
+loader writes their weights to host memory and places them from there (``fill_device``). Everything else is
+what a CUDA device does: a copy stream and events with CUDA's ordering rules (checked: a missing wait raises),
+pinned host memory (booked; copies from it overlap the host's work), copies that take the link's time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from ..simlink import SimEvent, SimStream
+from ..simtensor import SimTensor
+from ..simulated import SimulatedDevice
+from .base import DeviceBackend, DeviceInfo, Target, describe
+
+#: The compute dtypes a simulated GPU reports (it computes on the host, which has them all but fp8).
+DTYPES = ("fp32", "fp16", "bf16")
+
+
+class SimulatedBackend(DeviceBackend):
+    """The simulated GPUs the settings asked for (``DEVICE_CONTROL_SIMULATE_GPU``), numbered after real ones.
+
+    Args:
+        devices: the simulated devices this backend reports in inventories (none: it serves only moves to
+            devices made elsewhere, such as in tests).
+    """
+
+    name = "simulated"
+    comfy_makes_room = False
+    can_pin = True
+
+    def __init__(self, devices: Sequence[SimulatedDevice] = ()) -> None:
+        self.simulated = tuple(devices)
+        self._pinned: set[int] = set()
+
+    # -- identity --------------------------------------------------------------------------------
+
+    def available(self) -> bool:
+        return bool(self.simulated)
+
+    def devices(self) -> list[DeviceInfo]:
+        return [_info(device) for device in self.simulated]
+
+    def reset_peaks(self) -> None:
+        for device in self.simulated:
+            device.reset_peak()
+
+    def target_for(self, info: DeviceInfo) -> Target:
+        return next(device for device in self.simulated if device.label == info.native)
+
+    def label(self, target: Target) -> str:
+        return target.label
+
+    def comfy_device(self, target: Target) -> torch.device:
+        return torch.device("cpu")
+
+    def fill_device(self, target: Target) -> torch.device:
+        return torch.device("cpu")
+
+    # -- memory ----------------------------------------------------------------------------------
+
+    def free(self, target: Target) -> int:
+        return target.free()
+
+    def capacity(self, target: Target) -> int:
+        return target.capacity
+
+    # -- tensors ---------------------------------------------------------------------------------
+
+    def holds(self, tensor: torch.Tensor, target: Target) -> bool:
+        return isinstance(tensor, SimTensor) and tensor.sim_device is target
+
+    def release(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.sim_device.release(tensor) if isinstance(tensor, SimTensor) else tensor
+
+    def adopt(self, tensor: torch.Tensor, target: Target) -> None:
+        target.place_in_place(tensor)
+
+    def place(self, tensor: torch.Tensor, target: Target) -> torch.Tensor:
+        return target.place(tensor)
+
+    def copy_to(
+        self, tensor: torch.Tensor, target: Target, *, non_blocking: bool = False, copy: bool = False
+    ) -> torch.Tensor:
+        # The device shares host storage: a copy that will be changed (patched) must not be the stored weight.
+        source = tensor.detach().clone() if copy else tensor.detach()
+        return target.place(source, host_waits=not non_blocking)
+
+    # -- streams and events ----------------------------------------------------------------------
+
+    def side_stream(self, target: Target) -> SimStream:
+        return target.link.side
+
+    def current_stream(self, target: Target) -> SimStream:
+        return target.link.current
+
+    def on_stream(self, stream: Any) -> contextlib.AbstractContextManager[None]:
+        return _on(stream)
+
+    def record(self, stream: Any) -> SimEvent:
+        return stream.link.record(stream)
+
+    def wait(self, stream: Any, event: Any) -> None:
+        stream.link.wait(stream, event)
+
+    def synchronize(self, target: Target) -> None:
+        target.link.synchronize()
+
+    # -- pinned host memory ----------------------------------------------------------------------
+
+    def pin(self, pointer: int, size: int) -> bool:
+        self._pinned.add(pointer)
+        return True
+
+    def unpin(self, pointer: int) -> None:
+        self._pinned.discard(pointer)
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return tensor.untyped_storage().data_ptr() in self._pinned
+
+
+@contextlib.contextmanager
+def _on(stream: SimStream) -> Iterator[None]:
+    link = stream.link
+    previous = link.set_current(stream)
+    try:
+        yield
+    finally:
+        link.set_current(previous)
+
+
+def _info(device: SimulatedDevice) -> DeviceInfo:
+    """The device as the inventory reports it; a failing statistics query is reported like a driver's."""
+    try:
+        stats = device.stats()
+    except Exception as exc:  # an injected (or real) failure is reported like a driver failure
+        return DeviceInfo("", device.kind, device.name, device.label, None, None, error=describe(exc))
+    return DeviceInfo(
+        "",
+        device.kind,
+        device.name,
+        device.label,
+        stats["total"],
+        stats["free"],
+        stats["torch_allocated"],
+        stats["torch_reserved"],
+        stats["used_by_others"],
+        DTYPES,
+        peak_allocated=stats["peak_allocated"],
+        torch_visible=False,
+    )

@@ -1,0 +1,193 @@
+"""One device model: the simulated GPU goes through the backend interface like any device, and behaves like a
+GPU where that matters (streams and events whose ordering is checked, copies that cost the link's time).
+
+The grep test keeps the product honest: outside the simulated backend's own modules and the settings that
+create simulated devices, no code may name the simulated GPU, so no code can take a branch for it.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from core.devices.backends import backend_of
+from core.devices.memory import capacity_bytes, free_bytes
+from core.devices.simlink import LinkCost, MissingWaitError
+from core.devices.simulated import SimulatedDevice
+from core.devices.tensors import move_own, traffic
+from core.devices.transfer import pinned_memory, to_target
+from core.errors import InvalidSizeError
+from core.placement.engine import partial_model_of
+from core.placement.plan import STREAM_COPIES
+from core.weights import ops
+
+REPO = Path(__file__).resolve().parents[2]
+PRODUCT = [REPO / "__init__.py", *sorted((REPO / "core").rglob("*.py")), *sorted((REPO / "nodes").rglob("*.py"))]
+#: The simulated backend's own modules, and the settings that create simulated devices (nothing else may name it).
+ALLOWED = {
+    "core/devices/simulated.py",
+    "core/devices/simtensor.py",
+    "core/devices/simlink.py",
+    "core/devices/backends/simulated.py",
+    "core/devices/backends/__init__.py",  # the registry: which backend drives which kind of device
+    "core/devices/inventory.py",  # DEVICE_CONTROL_SIMULATE_* settings, and the probe list they extend
+    "core/detection/__main__.py",  # the command line reads the same settings
+    "nodes/state.py",  # the pack's inventory, made from those settings
+}
+NAMES = re.compile(r"simulat|simtensor|sim_device|sim:\d", re.IGNORECASE)
+MiB = 1024**2
+
+
+def simulated_mentions(source: str) -> list[str]:
+    """Every place ``source``'s code (not its docstrings or comments) names the simulated GPU."""
+    tree = ast.parse(source)
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            text = node.id
+        elif isinstance(node, ast.Attribute):
+            text = node.attr
+        elif isinstance(node, ast.alias):
+            text = node.name
+        elif isinstance(node, ast.ImportFrom):
+            text = node.module or ""
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            text = node.value
+        else:
+            continue
+        if NAMES.search(text):
+            found.append(f"line {getattr(node, 'lineno', '?')}: {text[:60]}")
+    return found
+
+
+def test_no_product_code_outside_the_simulated_backend_names_it():
+    offenders = {}
+    for path in PRODUCT:
+        relative = path.relative_to(REPO).as_posix()
+        if relative not in ALLOWED and (found := simulated_mentions(path.read_text())):
+            offenders[relative] = found
+    assert not offenders, f"code that asks whether a device is simulated: {offenders}"
+
+
+def test_the_grep_catches_a_simulated_branch():
+    branch = "if isinstance(target, SimulatedDevice):\n    compute = torch.device('cpu')\n"
+    assert simulated_mentions(branch)
+    assert simulated_mentions("from core.devices.simtensor import X\n")
+    assert simulated_mentions("kind = 'simulated'\n")
+    assert not simulated_mentions('"""A docstring may say: the simulated GPU."""\nx = 1  # and a comment\n')
+
+
+# -- the interface -----------------------------------------------------------------------------------------
+
+
+def test_a_simulated_device_answers_through_its_backend():
+    device = SimulatedDevice(64 * MiB)
+    backend = backend_of(device)
+    assert backend.comfy_device(device) == torch.device("cpu") and not backend.comfy_makes_room
+    assert capacity_bytes(device) == 64 * MiB and free_bytes(device) == 64 * MiB
+    layer = torch.nn.Linear(256, 256)
+    move_own(layer, "weight", device)
+    assert backend.holds(layer.weight, device) and not backend_of(torch.device("cpu")).holds(layer.weight, "cpu")
+    assert free_bytes(device) == 64 * MiB - 256 * 256 * 4
+    move_own(layer, "weight", torch.device("cpu"))
+    assert backend_of(torch.device("cpu")).holds(layer.weight, torch.device("cpu"))
+
+
+def test_each_move_is_booked_per_device():
+    device = SimulatedDevice(64 * MiB, ordinal=7)
+    before = traffic(device).to_device, traffic(device).to_host
+    layer = torch.nn.Linear(128, 128)
+    move_own(layer, "weight", device)
+    to_target(torch.zeros(1024), device)
+    move_own(layer, "weight", torch.device("cpu"))
+    books = traffic(device)
+    assert books.to_device - before[0] == 128 * 128 * 4 + 4096
+    assert books.to_host - before[1] == 128 * 128 * 4
+
+
+# -- streams and events --------------------------------------------------------------------------------------
+
+
+def _half_streamed(device: SimulatedDevice) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """An eight-layer net with two layers resident on ``device`` and six streaming; an input and the output the
+    net gives on the host before it moved."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*(ops.Linear(64, 64) for _ in range(8)))
+    x = torch.randn(2, 64)
+    expected = net(x)
+    engine = partial_model_of(net)
+    engine.load(device, (2 + STREAM_COPIES) * engine.layers()[0].nbytes)
+    assert 0 < engine.resident_bytes(device) < engine.total_bytes()
+    return net, device.place(x), expected
+
+
+def test_streamed_weights_are_copied_on_the_side_stream_and_waited_for():
+    device = SimulatedDevice(64 * MiB)
+    net, x, expected = _half_streamed(device)
+    copies = device.link.side.queued
+    out = net(x)
+    assert device.link.side.queued == copies + 12  # the six streamed layers' weights and biases
+    assert torch.equal(out.cpu(), expected)
+
+
+def test_a_missing_wait_is_caught(monkeypatch):
+    device = SimulatedDevice(64 * MiB)
+    net, x, _expected = _half_streamed(device)
+    net(x)  # with the wait: fine
+    monkeypatch.setattr(type(backend_of(device)), "wait", lambda self, stream, event: None)  # the wait removed
+    with pytest.raises(MissingWaitError, match="without waiting for that copy"):
+        net(x)
+
+
+# -- the link's cost -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "bandwidth", "latency"),
+    [("", None, 0.0), ("16GB/s,10us", 16 * 1024**3, 10e-6), ("7GB/s", 7 * 1024**3, 0.0), ("1MiB/s, 2ms", MiB, 2e-3)],
+)
+def test_a_link_is_written_as_bandwidth_and_latency(text, bandwidth, latency):
+    """Sizes are read as everywhere in the pack (GB = GiB = 1024**3 bytes)."""
+    cost = LinkCost.parse(text)
+    assert cost.bandwidth == bandwidth and cost.latency == pytest.approx(latency)
+
+
+@pytest.mark.parametrize("text", ["16GB", "fast", "16GB/s,soon", "0GB/s", "1GB/s,1us,2"])
+def test_a_malformed_link_names_the_form(text):
+    with pytest.raises(InvalidSizeError, match="DEVICE_CONTROL_SIMULATE_LINK=16GB/s,10us"):
+        LinkCost.parse(text)
+
+
+def test_copies_take_the_links_time_and_side_stream_copies_overlap_the_host():
+    device = SimulatedDevice(256 * MiB, link=LinkCost(bandwidth=100 * MiB / 0.1, latency=0.0))  # 100 MiB: 0.1 s
+    data = torch.zeros(100 * MiB // 4)
+    started = time.monotonic()
+    device.place(data)  # blocking: the host waits for the copy
+    assert time.monotonic() - started >= 0.09
+    backend = backend_of(device)
+    assert pinned_memory().pin(data, device)
+    try:
+        started = time.monotonic()
+        with backend.on_stream(backend.side_stream(device)):
+            copy = backend.copy_to(data, device, non_blocking=True)
+        queued = time.monotonic() - started
+        event = backend.record(backend.side_stream(device))
+        backend.wait(backend.current_stream(device), event)  # the compute stream (the host) waits here
+        waited = time.monotonic() - started
+    finally:
+        pinned_memory().unpin(data)
+    assert queued < 0.05 <= 0.09 <= waited  # queued at once, usable only when the copy is done
+    assert copy.sum().item() == 0
