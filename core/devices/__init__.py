@@ -9,4 +9,3 @@ answers what is free on one target; ``tensors`` moves one module's tensors in pl
 ``transfer`` copies a streamed weight to where it computes (side streams, events, pinning); ``marks`` marks
 weights that stream. Nothing here imports another package of ``core`` but ``errors`` and ``units``.
 """
-
