@@ -2,7 +2,8 @@
 settings read from the environment at start.
 
 Simulated devices exist only when ``DEVICE_CONTROL_SIMULATE_GPU`` is set (see ``core.devices``); pinned host
-memory is capped by ``DEVICE_CONTROL_MAX_PINNED_FRACTION``. A value that cannot be parsed is logged with the
+memory is capped by ``DEVICE_CONTROL_MAX_PINNED_FRACTION``; ``DEVICE_CONTROL_PREFETCH=off`` turns prefetch of
+streamed layers off. A value that cannot be parsed is logged with the
 fix and ignored: a typo in an environment variable must never keep ComfyUI or the pack from starting.
 """
 
@@ -14,6 +15,7 @@ from ..core.devices.inventory import SIMULATE_ENV, DeviceInventory, simulated_de
 from ..core.devices.simulated import SimulatedDevice
 from ..core.devices.transfer import DEFAULT_PINNED_FRACTION, pinned_fraction_from_env, use_pinned_fraction
 from ..core.errors import InvalidSizeError
+from ..core.placement.prefetch import PREFETCH_ENV, prefetch_from_env, use_prefetch
 from ..core.units import format_bytes
 
 log = logging.getLogger("device_control")
@@ -52,8 +54,17 @@ def _pinning_from_env() -> None:
         use_pinned_fraction(DEFAULT_PINNED_FRACTION)
 
 
+def _prefetch_from_env() -> None:
+    try:
+        use_prefetch(prefetch_from_env())
+    except InvalidSizeError as exc:
+        log.error("[Device Control] %s Prefetch stays on this run (%s=off turns it off).", exc, PREFETCH_ENV)
+        use_prefetch(True)
+
+
 inventory = DeviceInventory(simulated=_simulated_from_env())
 _pinning_from_env()
+_prefetch_from_env()
 
 
 def device_options() -> list[str]:

@@ -217,6 +217,58 @@ def soak(_runs: int, _paths: dict[str, Path], worker: Worker, aggregate: Callabl
     return [r], table
 
 
+#: The links the streaming section measures: PCIe 4 x16 and PCIe 3 x8, for a GPU ten times faster than the
+#: host (the copies take ten times the link's time; see ``core.devices.simlink``).
+STREAM_LINKS = ("25GB/s,10us,compute=10x", "7GB/s,10us,compute=10x")
+#: Latent side per model: SDXL computes about four times more per pixel, so it runs at a quarter of the pixels.
+STREAM_LATENTS = {SD15: 32, SDXL: 16}
+
+
+def streaming(runs: int, paths: dict[str, Path], worker: Worker, aggregate: Callable) -> tuple[list, str]:
+    raw = [
+        {
+            f"{label}|{link}": worker(str(paths[label]), link, str(latent), module="tools.bench_streaming")
+            for label, latent in STREAM_LATENTS.items()
+            for link in STREAM_LINKS
+        }
+        for _ in range(runs)
+    ]
+    rows = [
+        "| model (fp32) | link | budget | resident | streamed per step | transfer | compute | floor "
+        "| step, prefetch off | step, prefetch on | on / floor | transfer hidden |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for key, first in raw[0].items():
+        label, link = key.split("|")
+        compute = aggregate([run[key]["compute_s"] for run in raw])
+        for budget in ("0.5", "0.25", "0.1"):
+            row = first["rows"][f"{budget}|on"]
+            both = [(run[key]["rows"][f"{budget}|off"], run[key]["rows"][f"{budget}|on"], run[key]) for run in raw]
+            floor = [max(run["compute_s"], on["transfer_s"]) for _off, on, run in both]
+            off_s, on_s = (
+                aggregate([off["step_s"] for off, _on, _run in both]),
+                aggregate([on["step_s"] for _o, on, _r in both]),
+            )
+            ratio = aggregate([on["step_s"] / f for (_off, on, _run), f in zip(both, floor, strict=True)])
+            hidden = aggregate([(off["step_s"] - on["step_s"]) / on["transfer_s"] for off, on, _run in both])
+            rows.append(
+                f"| {label} | {link.split(',')[0]} | {float(budget):.0%} of {_gib(first['total'])} "
+                f"| {_gib(row['resident'])} | {_gib(row['streamed_per_step'])} | {_s(row['transfer_s'])} "
+                f"| {compute.show(_s)} | {_s(aggregate(floor).median)} | {off_s.show(_s)} | {on_s.show(_s)} "
+                f"| {ratio.show(_ratio)} | {hidden.show(lambda v: f'{v:.0%}')} |"
+            )
+    note = (
+        "\n\nTimes are host seconds on the simulated GPU with `DEVICE_CONTROL_SIMULATE_LINK=<link>,10us,compute=10x`:"
+        " it computes on this machine, and its copies take ten times the link's time, the ratio a GPU ten times "
+        "faster than this machine would see (divide by ten for that GPU's seconds). Compute: the step with the "
+        "whole UNet resident. Transfer: the link's time for the bytes streamed per step. Floor: "
+        "`max(compute, transfer)`. Transfer hidden: (step off - step on) / transfer. ComfyUI's own partial loading "
+        "has no row: ComfyUI sees the simulated GPU as the CPU, where it never loads partially, so it cannot run "
+        "there."
+    )
+    return raw, "\n".join(rows) + note
+
+
 TABLES: dict[str, Section] = {
     "loader": loader,
     "detection": detection,
@@ -225,4 +277,5 @@ TABLES: dict[str, Section] = {
     "policy": policy,
     "panel": panel,
     "soak": soak,
+    "streaming": streaming,
 }

@@ -1,7 +1,10 @@
 """The simulated GPU's link to the host and its streams: copies that take the time a real link would.
 
 A copy costs ``latency + bytes / bandwidth`` (``DEVICE_CONTROL_SIMULATE_LINK``, e.g. ``16GB/s,10us``; unset,
-copies are free, as they always were). Each direction of the link is a copy engine with its own clock, as on
+copies are free, as they always were). An optional third part, ``compute=10x``, says the simulated GPU computes
+ten times faster than the host: the host cannot compute faster, so every copy takes ten times longer instead,
+which keeps the ratio of copying to computing a real GPU that fast would see (times are then host times, ten
+times a real GPU's). Each direction of the link is a copy engine with its own clock, as on
 a PCIe GPU: a copy starts when the engine is free and ends ``cost`` later. A blocking copy makes the host wait
 for its end; a copy queued on a side stream from pinned memory does not, so it overlaps the computation that
 runs meanwhile on the host (the simulated GPU computes on the host, on its main stream).
@@ -31,7 +34,11 @@ _MIN_SLEEP = 0.001
 
 _LATENCY_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
 _LATENCY_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(s|ms|us|µs|ns)\s*$", re.IGNORECASE)
-_EXAMPLE = f"write it like {LINK_ENV}=16GB/s,10us (bandwidth per second, then the latency of one copy)"
+_SPEEDUP_RE = re.compile(r"^compute\s*=\s*([0-9]*\.?[0-9]+)\s*x?\s*$", re.IGNORECASE)
+_EXAMPLE = (
+    f"write it like {LINK_ENV}=16GB/s,10us (bandwidth per second, then the latency of one copy, then optionally "
+    "how many times faster than this machine the simulated GPU computes: 16GB/s,10us,compute=10x)"
+)
 
 
 class MissingWaitError(RuntimeError):
@@ -40,13 +47,15 @@ class MissingWaitError(RuntimeError):
 
 @dataclass(frozen=True)
 class LinkCost:
-    """What one copy over the link costs: ``latency`` seconds plus its bytes over ``bandwidth`` (bytes/s).
+    """What one copy over the link costs: ``latency`` seconds plus its bytes over ``bandwidth`` (bytes/s), times
+    ``compute_speedup`` (how many times faster than the host the simulated GPU computes).
 
     ``bandwidth`` ``None`` is a free link (the default: copies take no time).
     """
 
     bandwidth: float | None = None
     latency: float = 0.0
+    compute_speedup: float = 1.0
 
     @property
     def free(self) -> bool:
@@ -55,30 +64,51 @@ class LinkCost:
 
     def seconds(self, nbytes: int) -> float:
         """How long copying ``nbytes`` takes."""
-        return self.latency + (nbytes / self.bandwidth if self.bandwidth else 0.0)
+        return (self.latency + (nbytes / self.bandwidth if self.bandwidth else 0.0)) * self.compute_speedup
 
     @classmethod
     def parse(cls, text: str | None) -> LinkCost:
-        """Parse ``"16GB/s,10us"``, ``"7GB/s"`` or ``""`` (free).
+        """Parse ``"16GB/s,10us"``, ``"7GB/s"``, ``"25GB/s,10us,compute=10x"`` or ``""`` (free).
 
         Raises:
-            InvalidSizeError: the text is not a bandwidth and an optional latency (the message shows the form).
+            InvalidSizeError: the text is not a bandwidth, an optional latency and an optional compute speed-up
+                (the message shows the form).
         """
         parts = [part.strip() for part in (text or "").split(",") if part.strip()]
         if not parts:
             return cls()
-        if len(parts) > 2 or not parts[0].lower().endswith("/s"):
-            raise InvalidSizeError(f"{LINK_ENV}={text!r} is not a link; {_EXAMPLE}.")
-        bandwidth = parse_size(parts[0][:-2])
-        if bandwidth <= 0:
-            raise InvalidSizeError(f"{LINK_ENV}={text!r}: the bandwidth must be more than 0; {_EXAMPLE}.")
-        latency = 0.0
-        if len(parts) == 2:
-            match = _LATENCY_RE.match(parts[1])
-            if match is None:
-                raise InvalidSizeError(f"{LINK_ENV}={text!r}: {parts[1]!r} is not a latency; {_EXAMPLE}.")
-            latency = float(match.group(1)) * _LATENCY_UNITS[match.group(2).lower()]
-        return cls(float(bandwidth), latency)
+        speedup = _speedup(text, parts.pop()) if parts[-1].lower().startswith("compute=") else 1.0
+        bandwidth = _bandwidth(text, parts)
+        latency = _latency(text, parts[1]) if len(parts) == 2 else 0.0
+        return cls(bandwidth, latency, speedup)
+
+
+def _bandwidth(text: str | None, parts: list[str]) -> float:
+    """The bandwidth in bytes per second from the first of ``parts`` (a bandwidth and an optional latency)."""
+    if not parts or len(parts) > 2 or not parts[0].lower().endswith("/s"):
+        raise InvalidSizeError(f"{LINK_ENV}={text!r} is not a link; {_EXAMPLE}.")
+    bandwidth = parse_size(parts[0][:-2])
+    if bandwidth <= 0:
+        raise InvalidSizeError(f"{LINK_ENV}={text!r}: the bandwidth must be more than 0; {_EXAMPLE}.")
+    return float(bandwidth)
+
+
+def _latency(text: str | None, part: str) -> float:
+    """``10us`` -> 1e-05 seconds."""
+    match = _LATENCY_RE.match(part)
+    if match is None:
+        raise InvalidSizeError(f"{LINK_ENV}={text!r}: {part!r} is not a latency; {_EXAMPLE}.")
+    return float(match.group(1)) * _LATENCY_UNITS[match.group(2).lower()]
+
+
+def _speedup(text: str | None, part: str) -> float:
+    """``compute=10x`` -> 10.0 (a factor of at least 1)."""
+    match = _SPEEDUP_RE.match(part)
+    if match is None or float(match.group(1)) < 1:
+        raise InvalidSizeError(
+            f"{LINK_ENV}={text!r}: {part!r} is not a compute speed-up of at least 1 (like compute=10x); {_EXAMPLE}."
+        )
+    return float(match.group(1))
 
 
 @dataclass(eq=False)

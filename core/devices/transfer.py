@@ -14,6 +14,8 @@ import logging
 import math
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
 
 import psutil
 import torch
@@ -35,25 +37,87 @@ def side_stream(target: Target) -> object | None:
     return backend_of(target).side_stream(target)
 
 
+@dataclass(eq=False)
+class QueuedCopy:
+    """A copy queued on a device's side stream: the tensor it makes, and the event that marks its end.
+
+    ``source`` and ``version`` say what was copied, so a copy made ahead of use can be checked before it is
+    used (the weight was not changed or replaced since).
+    """
+
+    source: torch.Tensor
+    version: int | None
+    target: Target
+    moved: torch.Tensor
+    event: object | None
+    private: bool
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the copy takes on its device (read from the source: the copy may not be done)."""
+        return tensor_bytes(self.source)
+
+    def matches(self, tensor: torch.Tensor, *, copy: bool) -> bool:
+        """Whether this is a copy of ``tensor`` as it is now, usable where a private copy is needed if ``copy``."""
+        return self.source is tensor and _version(tensor) == self.version and (self.private or not copy)
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """``tensor``'s in-place change counter; ``None`` for a tensor made in inference mode, which has none."""
+    return None if tensor.is_inference() else tensor._version
+
+
+def queue_copy(tensor: torch.Tensor, target: Target, *, copy: bool = False) -> QueuedCopy:
+    """Queue a copy of ``tensor`` (elsewhere) to ``target`` on its side stream; the host waits only when the
+    backend has no streams or the host memory is not pinned. ``copy``: the result must not share memory with
+    ``tensor`` (it will be changed, by a patch)."""
+    backend = backend_of(target)
+    count_copy(target_of(tensor), target, tensor_bytes(tensor))
+    stream = backend.side_stream(target)
+    if stream is None:
+        moved = backend.copy_to(tensor, target, copy=copy)
+        return QueuedCopy(tensor, _version(tensor), target, moved, None, copy)
+    with backend.on_stream(stream):
+        moved = backend.copy_to(tensor, target, non_blocking=backend.is_pinned(tensor), copy=copy)
+    return QueuedCopy(tensor, _version(tensor), target, moved, backend.record(stream), copy)
+
+
+def use_copy(queued: QueuedCopy, target: Target) -> torch.Tensor:
+    """The copied tensor, for a computation on ``target``'s current stream, which waits for the copy first
+    (an event: the host does not wait on a real device)."""
+    if queued.event is None:
+        return queued.moved
+    backend = backend_of(target)
+    current = backend.current_stream(target)
+    backend.wait(current, queued.event)
+    backend.keep_for(queued.moved, current)  # keep the memory until the compute stream is done with it
+    return queued.moved
+
+
+#: The attribute a streamed layer carries while its model prefetches: a :class:`Prefetcher`
+#: (``core.placement.prefetch``); the cast layers (``core.weights.ops``) use it when it is there.
+LOOKAHEAD = "device_control_lookahead"
+
+
+class Prefetcher(Protocol):
+    """What a cast layer asks of its model's prefetch."""
+
+    def before_use(self, module: torch.nn.Module, target: Target) -> None:
+        """``module`` is about to compute on ``target``: its copies and those of the next layers are queued."""
+
+    def take(self, tensor: torch.Tensor, target: Target, *, copy: bool) -> torch.Tensor | None:
+        """The queued copy of ``tensor``, waited for; ``None`` when there is none."""
+
+
 def to_target(tensor: torch.Tensor, target: Target, *, copy: bool = False) -> torch.Tensor:
     """``tensor`` on ``target`` for one computation (copied only when it is elsewhere, or when ``copy``).
 
     The copy runs on the side stream; the current stream waits for it through an event, so work queued before
     it (the previous layers) overlaps the copy.
     """
-    backend = backend_of(target)
-    if backend.holds(tensor, target):
+    if backend_of(target).holds(tensor, target):
         return tensor.clone() if copy else tensor
-    count_copy(target_of(tensor), target, tensor_bytes(tensor))
-    stream = backend.side_stream(target)
-    if stream is None:
-        return backend.copy_to(tensor, target, copy=copy)
-    with backend.on_stream(stream):
-        moved = backend.copy_to(tensor, target, non_blocking=backend.is_pinned(tensor), copy=copy)
-    current = backend.current_stream(target)
-    backend.wait(current, backend.record(stream))  # the compute stream waits here, not the host
-    backend.keep_for(moved, current)  # keep the memory until the compute stream is done with it
-    return moved
+    return use_copy(queue_copy(tensor, target, copy=copy), target)
 
 
 PINNED_FRACTION_ENV = "DEVICE_CONTROL_MAX_PINNED_FRACTION"

@@ -29,6 +29,7 @@ from ..errors import DeviceControlError, first_line
 from ..progress import ProgressCallback
 from ..units import format_bytes
 from .plan import DEFAULT_POLICY, STREAM_COPIES, Layer, Plan, Policy, layers_of, plan_layers
+from .prefetch import Lookahead
 from .streaming import NO_HOOKS, LayerHooks, apply_plan, is_streaming, leave, reset_flags, to_host
 
 log = logging.getLogger("device_control")
@@ -84,6 +85,7 @@ class PartialModel:
         self.plan: Plan | None = None
         self.policy = DEFAULT_POLICY
         self.limits: dict[str, int] = {}
+        self.lookahead = Lookahead()
         self._layers: list[Layer] | None = None
 
     def layers(self) -> list[Layer]:
@@ -190,6 +192,7 @@ class PartialModel:
         or waits there to be loaded again); returns the bytes freed on the device."""
         target = self.target
         freed = 0
+        self.lookahead.detach()
         for layer in self.layers():
             if target is not None and layer.is_resident(target):
                 hooks.before_leaving(layer)  # patched weights are restored, on the host too
@@ -214,9 +217,14 @@ class PartialModel:
 
     def _apply(self, plan: Plan, target: Target, hooks: LayerHooks, progress: ProgressCallback | None) -> None:
         self.plan = None  # until the plan is in place, the tree is in between
+        self.lookahead.detach()
         leave(self.layers(), self.target, target, hooks)
         self.target = target
-        apply_plan(self.layers(), plan, target, hooks, progress)
+        try:
+            apply_plan(self.layers(), plan, target, hooks, progress)
+        finally:  # whatever streams now prefetches, one largest streamed layer ahead (the plan keeps that room)
+            streamed = self.streamed_layers()
+            self.lookahead.attach([la.module for la in streamed], max((la.nbytes for la in streamed), default=0))
         self.plan = plan
 
     def _apply_guarded(

@@ -10,8 +10,8 @@ They speak the protocol of ComfyUI's own layers, so ComfyUI's model patcher driv
 The cast follows ComfyUI's order, so results are bit-identical to ``comfy.ops.manual_cast``: the weight moves
 to the compute device in its stored dtype (fewer bytes over the bus), then converts; the bias moves and
 converts in one step; the functions run last. A per-tensor ``scale_weight`` (scaled fp8) is applied like
-ComfyUI's scaled-fp8 layers do. Moves go through ``core.transfer`` (side streams on CUDA/XPU, counted
-placements on a simulated GPU).
+ComfyUI's scaled-fp8 layers do. Moves go through ``core.devices.transfer`` (side streams and events on every
+backend); a layer of a model that prefetches takes the copy ``core.placement.prefetch`` queued ahead for it.
 
 :func:`convert` turns an existing module tree's layers into cast layers in place and returns a handle whose
 ``undo`` restores them; the forward signatures do not change.
@@ -26,7 +26,7 @@ import torch
 from torch.nn import functional as F  # noqa: N812 - the name every torch user knows
 
 from ..devices.tensors import Target
-from ..devices.transfer import compute_target, to_target
+from ..devices.transfer import LOOKAHEAD, Prefetcher, compute_target, to_target
 from ..progress import ProgressCallback
 
 
@@ -47,20 +47,32 @@ def cast_weight_bias(
         dtype = dtype or input.dtype
         bias_dtype = bias_dtype or dtype
         target = target if target is not None else compute_target(input)
+    ahead = layer.__dict__.get(LOOKAHEAD) if target is not None else None
+    if ahead is not None:  # a streamed layer of a model that prefetches: its copies were (or are now) queued
+        ahead.before_use(layer, target)
     bias = None
     if getattr(layer, "bias", None) is not None:
-        bias = _cast_one(layer.bias, target, bias_dtype, getattr(layer, "bias_function", ()), always=True)
-    weight = _cast_one(layer.weight, target, dtype, getattr(layer, "weight_function", ()), always=False)
+        bias = _cast_one(layer.bias, target, bias_dtype, getattr(layer, "bias_function", ()), ahead, always=True)
+    weight = _cast_one(layer.weight, target, dtype, getattr(layer, "weight_function", ()), ahead, always=False)
     return weight, bias
 
 
 def _cast_one(
-    tensor: torch.Tensor, target: Target | None, dtype: torch.dtype | None, functions: Sequence, *, always: bool
+    tensor: torch.Tensor,
+    target: Target | None,
+    dtype: torch.dtype | None,
+    functions: Sequence,
+    ahead: Prefetcher | None,
+    *,
+    always: bool,
 ) -> torch.Tensor:
     """``tensor`` on ``target`` in ``dtype`` with the owner's patch ``functions`` applied (a copy when there are
     any, so the stored tensor is never changed). The weight is cast only when its dtype differs or functions
-    apply; the bias is always brought to its dtype (ComfyUI's order of operations, for identical results)."""
-    result = to_target(tensor, target, copy=bool(functions))
+    apply; the bias is always brought to its dtype (ComfyUI's order of operations, for identical results).
+    A copy queued ahead by ``ahead`` is used when there is one."""
+    result = ahead.take(tensor, target, copy=bool(functions)) if ahead is not None else None
+    if result is None:
+        result = to_target(tensor, target, copy=bool(functions))
     if always:
         result = result.to(dtype=dtype) if dtype is not None else result
     elif functions or (dtype is not None and result.dtype != dtype):

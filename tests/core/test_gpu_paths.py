@@ -97,3 +97,24 @@ def test_two_gpus_hold_a_model_each_and_a_move_between_them_frees_the_first():
     partial_model_of(unet).unload_all()
     partial_model_of(encoder).unload_all()
     assert (torch.cuda.memory_allocated(first), torch.cuda.memory_allocated(second)) == base
+
+
+@pytest.mark.gpu(
+    proves="prefetch queues the next layers' copies on the side stream; the result and VRAM after a pass are unchanged"
+)
+def test_prefetch_on_a_real_gpu_gives_the_same_result_and_leaves_nothing_behind():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*(ops.Linear(2048, 2048) for _ in range(8)))
+    engine = partial_model_of(net)
+    layer = engine.layers()[0].nbytes
+    x = torch.randn(4, 2048, device=CUDA)
+    base = torch.cuda.memory_allocated(CUDA)
+    engine.load(CUDA, (2 + 3) * layer)  # two layers resident, six streaming
+    first = net(x)  # learns the order: every copy made when its layer is reached
+    second = net(x)  # copies queued ahead on the side stream
+    torch.cuda.synchronize(CUDA)
+    assert engine.lookahead.stats.ahead > 0 and torch.equal(first, second)
+    del first, second
+    assert engine.lookahead.in_flight_bytes == 0
+    assert torch.cuda.memory_allocated(CUDA) - base == engine.resident_bytes(CUDA)
+    engine.unload_all()

@@ -162,10 +162,20 @@ def test_a_missing_wait_is_caught(monkeypatch):
 def test_a_link_is_written_as_bandwidth_and_latency(text, bandwidth, latency):
     """Sizes are read as everywhere in the pack (GB = GiB = 1024**3 bytes)."""
     cost = LinkCost.parse(text)
-    assert cost.bandwidth == bandwidth and cost.latency == pytest.approx(latency)
+    assert cost.bandwidth == bandwidth and cost.latency == pytest.approx(latency) and cost.compute_speedup == 1
 
 
-@pytest.mark.parametrize("text", ["16GB", "fast", "16GB/s,soon", "0GB/s", "1GB/s,1us,2"])
+def test_a_faster_simulated_gpu_makes_each_copy_that_much_slower_in_host_time():
+    """A GPU ten times faster than the host computes a step in a tenth of the host's time; keeping the ratio of
+    copying to computing, the host sees each copy take ten times the link's time."""
+    cost = LinkCost.parse("1GiB/s,1ms,compute=10x")
+    assert cost.compute_speedup == 10 and cost.seconds(1024**3) == pytest.approx(10 * 1.001)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["16GB", "fast", "16GB/s,soon", "0GB/s", "1GB/s,1us,2", "compute=2x", "7GB/s,compute=0.5x", "7GB/s,compute=x"],
+)
 def test_a_malformed_link_names_the_form(text):
     with pytest.raises(InvalidSizeError, match="DEVICE_CONTROL_SIMULATE_LINK=16GB/s,10us"):
         LinkCost.parse(text)

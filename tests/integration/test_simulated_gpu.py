@@ -52,13 +52,18 @@ OFFLOAD = {"mode": "all models", "free_amount": "1GB", "empty_cache": True}
 
 
 def test_invalid_settings_are_logged_with_the_fix_and_comfyui_still_starts(comfy_factory, tmp_path, api):
-    env = {"DEVICE_CONTROL_SIMULATE_GPU": "eight gigs", "DEVICE_CONTROL_MAX_PINNED_FRACTION": "most"}
+    env = {
+        "DEVICE_CONTROL_SIMULATE_GPU": "eight gigs",
+        "DEVICE_CONTROL_MAX_PINNED_FRACTION": "most",
+        "DEVICE_CONTROL_PREFETCH": "sometimes",
+    }
     server = comfy_factory(tmp_path / "bad-env-base", env=env)
     try:
         log = server.log_tail(2000)
         assert "DEVICE_CONTROL_SIMULATE_GPU is invalid" in log and "Example: DEVICE_CONTROL_SIMULATE_GPU=8GiB" in log
         assert "DEVICE_CONTROL_MAX_PINNED_FRACTION='most' is not a share of RAM from 0 to 1" in log
         assert "write it like DEVICE_CONTROL_MAX_PINNED_FRACTION=0.45" in log and "stays capped at 45 %" in log
+        assert "DEVICE_CONTROL_PREFETCH='sometimes' is neither on nor off" in log and "Prefetch stays on" in log
         text = api.report_text(server.run(api.report_prompt()))
         assert "simulated" not in text
         move = {

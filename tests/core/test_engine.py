@@ -1,4 +1,5 @@
-"""The partial loading engine on a small model and a simulated GPU: plans, books, eviction, OOM, interruption."""
+"""The partial loading engine on a small model and a simulated GPU: books, moves, hooks, out of memory,
+interruption."""
 
 from __future__ import annotations
 
@@ -12,134 +13,12 @@ from core.devices.simtensor import SimTensor
 from core.devices.simulated import SimulatedDevice
 from core.devices.tensors import move_own, own_tensors
 from core.errors import DeviceControlError
-from core.placement.budget import Budget
 from core.placement.engine import partial_model_of
-from core.placement.eviction import make_room
-from core.placement.plan import STREAM_COPIES, Policy, layers_of, plan_layers
+from core.placement.plan import layers_of
 from core.placement.streaming import LayerHooks
-from core.weights import ops
+from tests.core.small_net import partial_budget, run, sizes
 
 MiB = 1024**2
-
-
-class Scale(torch.nn.Module):
-    """A layer without the cast protocol: it can never stream."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, width))
-        self.register_buffer("offset", torch.full((width,), 0.25))
-        self.register_buffer("scratch", torch.zeros(width), persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.scale + self.offset
-
-
-class Net(torch.nn.Module):
-    """Two big layers among small ones, a norm and a layer that cannot stream, in a known order."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.first = ops.Linear(64, 64)
-        self.norm = ops.LayerNorm(64)
-        self.middle = ops.Linear(64, 512)
-        self.fixed = Scale(512)
-        self.back = ops.Linear(512, 64)
-        self.tail = torch.nn.Sequential(*(ops.Linear(64, 64) for _ in range(6)))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.norm(self.first(x))
-        x = self.fixed(torch.relu(self.middle(x)))
-        return self.tail(torch.relu(self.back(x)))
-
-
-def partial_budget(net: Net) -> int:
-    """Room for the big layers and the fixed one; the small ones stream."""
-    size = sizes(net)
-    return size["fixed"] + size["middle"] + size["back"] + size["norm"] + STREAM_COPIES * size["first"]
-
-
-def sizes(net: torch.nn.Module) -> dict[str, int]:
-    return {layer.name: layer.nbytes for layer in layers_of(net)}
-
-
-@pytest.fixture
-def net() -> Net:
-    return Net()
-
-
-@pytest.fixture
-def x() -> torch.Tensor:
-    return torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
-
-
-def run(net: Net, x: torch.Tensor, device: SimulatedDevice) -> torch.Tensor:
-    out = net(device.place(x))
-    assert isinstance(out, SimTensor) and out.sim_device is device  # it computed on the device
-    return device.release(out).clone()
-
-
-def test_layers_and_sizes_follow_the_module_tree(net):
-    layers = layers_of(net)
-    assert [la.name for la in layers][:6] == ["first", "norm", "middle", "fixed", "back", "tail.0"]
-    assert sizes(net)["middle"] == (64 * 512 + 512) * 4
-    assert sizes(net)["fixed"] == 3 * 512 * 4  # buffers count, saved or not: they take device memory
-    assert [la.streamable for la in layers][:5] == [True, True, True, False, True]
-
-
-def test_tied_weights_count_once():
-    net = torch.nn.Sequential(ops.Embedding(10, 8), ops.Linear(8, 10, bias=False))
-    net[1].weight = net[0].weight
-    assert sum(la.nbytes for la in layers_of(net)) == 10 * 8 * 4
-
-
-def test_everything_resident_when_it_fits(net):
-    layers = layers_of(net)
-    plan = plan_layers(layers, 10 * MiB)
-    assert plan.resident == {la.name for la in layers} and plan.streamed_bytes == 0 and plan.reserve_bytes == 0
-
-
-def shelf(*dims: int) -> torch.nn.ModuleList:
-    """Independent square layers of these widths, in this order."""
-    return torch.nn.ModuleList([ops.Linear(d, d) for d in dims])
-
-
-@pytest.mark.parametrize("policy", list(Policy))
-def test_plans_stay_within_the_budget_with_room_to_stream(policy):
-    layers = layers_of(shelf(32, 48, 128, 32, 64, 32))
-    total = sum(la.nbytes for la in layers)
-    for budget in range(0, total + 1, total // 50):
-        plan = plan_layers(layers, budget, policy)
-        streamed = [la.nbytes for la in layers if la.name not in plan.resident]
-        assert plan.reserve_bytes == STREAM_COPIES * max(streamed, default=0)
-        assert plan.resident_bytes + plan.reserve_bytes <= budget or not plan.resident
-
-
-def test_execution_order_keeps_a_run_from_the_start():
-    layers = layers_of(shelf(32, 32, 32, 32, 32, 32))
-    small = layers[0].nbytes
-    plan = plan_layers(layers, 2 * small + STREAM_COPIES * small, Policy.EXECUTION_ORDER)
-    assert plan.resident == {"0", "1"} and plan.streamed_layers == 4
-
-
-def test_largest_first_keeps_the_big_layer_that_execution_order_must_stream():
-    layers = layers_of(shelf(32, 32, 128, 32, 32, 32))
-    small, big = layers[0].nbytes, layers[2].nbytes
-    budget = big + STREAM_COPIES * small + small // 2
-    assert plan_layers(layers, budget, Policy.LARGEST_FIRST).resident == {"2"}
-    assert plan_layers(layers, budget, Policy.EXECUTION_ORDER).resident == frozenset()
-
-
-def test_an_unload_plan_only_keeps_layers_that_were_resident():
-    layers = layers_of(shelf(32, 32, 32, 32))
-    plan = plan_layers(layers, 10 * MiB, allowed=["0", "1"])
-    assert plan.resident == {"0", "1"}
-
-
-def test_a_budget_below_the_fixed_layers_keeps_them_and_says_so(net):
-    plan = plan_layers(layers_of(net), 0)
-    assert plan.resident == {"fixed"} and plan.over_budget
 
 
 def test_load_books_forward_and_unload(net, x):
@@ -349,75 +228,6 @@ def test_an_interrupted_load_leaves_a_consistent_usable_model(net, x):
     assert all(la.module.comfy_cast_weights for la in engine.streamed_layers())
     assert device.allocated() == engine.resident_bytes()
     assert torch.equal(run(net, x, device), reference)
-
-
-class Loaded:
-    """A model loaded on a device, offered to ``make_room`` the way the host's list offers its entries."""
-
-    def __init__(self, name: str, root: torch.nn.Module, keep_resident: bool = False) -> None:
-        self.name, self.engine, self.keep_resident = name, partial_model_of(root), keep_resident
-        self.device = "gpu:0"
-
-    def resident_on(self, target):
-        return self.engine.resident_bytes(target) if self.engine.target is target else 0
-
-    def give_back(self, target, nbytes):
-        return self.engine.unload_all() if nbytes is None else self.engine.unload(nbytes)
-
-
-def test_make_room_evicts_least_recently_used_first_partially_and_spares_kept_models():
-    nets = [Net() for _ in range(3)]
-    total = sum(la.nbytes for la in layers_of(nets[0]))
-    device = SimulatedDevice(2 * total + total // 2)
-    kept, older, newest = Loaded("kept", nets[0], True), Loaded("older", nets[1]), Loaded("newest", nets[2])
-    for model in (kept, older):
-        model.engine.load(device, total)
-    eviction = make_room([older, kept], device, total)  # most recently used first, as ComfyUI lists them
-    assert [given.name for given in eviction.evicted] == ["older"] and eviction.short == 0
-    assert 0 < older.resident_on(device) < total  # it gave back only what was missing, streaming the rest
-    newest.engine.load(device, total)
-    assert kept.resident_on(device) == total == newest.resident_on(device)
-    assert device.allocated() == sum(m.resident_on(device) for m in (kept, older, newest))
-
-
-def test_make_room_gives_kept_models_only_when_asked():
-    nets = [Net(), Net()]
-    total = sum(la.nbytes for la in layers_of(nets[0]))
-    device = SimulatedDevice(2 * total)
-    models = [Loaded("b", nets[1], True), Loaded("a", nets[0], True)]
-    for model in models:
-        model.engine.load(device, total)
-    assert make_room(models, device, total).short == total
-    eviction = make_room(models, device, total, include_kept=True)
-    assert eviction.short == 0 and [given.name for given in eviction.evicted] == ["a"]  # least recently used
-
-
-@pytest.mark.parametrize(
-    ("text", "capacity", "expected"),
-    [("all", 8 * MiB, 8 * MiB), ("", 8, 8), ("2MiB", 8 * MiB, 2 * MiB), ("50%", 8 * MiB, 4 * MiB), ("0", 8, 0)],
-)
-def test_budgets_resolve_against_the_device(text, capacity, expected):
-    assert Budget.parse(text).resolve(capacity) == expected
-
-
-@pytest.mark.parametrize(
-    ("text", "problem"),
-    [
-        ("-1GB", "negative"),
-        ("nan", "not a finite"),
-        ("nan%", "between 0% and 100%"),
-        ("150%", "between 0% and 100%"),
-        ("lots", "Accepted forms"),
-    ],
-)
-def test_bad_budgets_are_refused_with_the_accepted_forms(text, problem):
-    with pytest.raises(ValueError, match=problem):
-        Budget.parse(text)
-
-
-def test_a_budget_larger_than_the_device_names_the_largest_one():
-    with pytest.raises(ValueError, match=r"larger than gpu:0, which holds 8.00 MiB; use at most that"):
-        Budget.parse("1GB").resolve(8 * MiB, device="gpu:0")
 
 
 @pytest.mark.gpu(proves="a load takes real VRAM and an offload gives all of it back")

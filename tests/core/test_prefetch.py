@@ -1,0 +1,178 @@
+"""Prefetch: the next streamed layers' copies are queued while the current one computes, in the order the model
+really runs, within the room the plan keeps, and never at the cost of a wrong result.
+
+These run the product's engine and cast layers on a simulated GPU, whose streams check that every copy is
+waited for before it is used (a missing wait raises), so a prefetched weight used too early fails here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from core.devices.backends import backend_of
+from core.devices.simlink import MissingWaitError
+from core.devices.simulated import SimulatedDevice
+from core.devices.transfer import LOOKAHEAD
+from core.errors import InvalidSizeError
+from core.placement import prefetch
+from core.placement.engine import partial_model_of
+from core.placement.plan import STREAM_COPIES
+from core.weights import ops
+
+MiB = 1024**2
+LAYERS = 8
+
+
+class Net(torch.nn.Module):
+    """Eight cast linears, run forwards or (``reverse``) backwards: a model whose order can change."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(ops.Linear(64, 64) for _ in range(LAYERS))
+        self.reverse = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in reversed(self.layers) if self.reverse else self.layers:
+            x = layer(x)
+        return x
+
+
+def _streamed_net(resident_layers: int = 2) -> tuple[Net, SimulatedDevice, torch.Tensor]:
+    """The net with its ``resident_layers`` largest-first layers on a simulated GPU, the rest streaming."""
+    device = SimulatedDevice(64 * MiB)
+    net = Net()
+    engine = partial_model_of(net)
+    engine.load(device, (resident_layers + STREAM_COPIES) * engine.layers()[0].nbytes)
+    return net, device, torch.randn(2, 64, generator=torch.Generator().manual_seed(1))
+
+
+def _on_host(net: Net, x: torch.Tensor) -> torch.Tensor:
+    """What the net gives with every weight on the host (the reference)."""
+    with torch.no_grad():
+        for layer in reversed(net.layers) if net.reverse else net.layers:
+            x = torch.nn.functional.linear(x, layer.weight.cpu(), layer.bias.cpu())
+    return x
+
+
+def test_the_first_pass_learns_the_order_and_later_passes_copy_ahead():
+    net, device, x = _streamed_net()
+    lookahead = partial_model_of(net).lookahead
+    streamed = sum(LOOKAHEAD in layer.__dict__ for layer in net.layers)
+    assert streamed == LAYERS - 2
+    first = net(device.place(x))
+    assert lookahead.stats.ahead == 0 and lookahead.stats.on_demand == 2 * streamed  # weight and bias each
+    second = net(device.place(x))
+    assert lookahead.stats.ahead == 2 * (streamed - 1)  # all but the first streamed layer came ahead
+    assert lookahead.stats.on_demand == 2 * streamed + 2
+    assert torch.equal(first.cpu(), second.cpu()) and torch.equal(second.cpu(), _on_host(net, x))
+
+
+def test_copies_ahead_stay_within_the_room_the_plan_keeps_and_none_is_left_after_a_pass():
+    net, device, x = _streamed_net()
+    engine = partial_model_of(net)
+    net(device.place(x))
+    device.reset_peak()
+    out = net(device.place(x))
+    largest = max(layer.nbytes for layer in engine.streamed_layers())
+    assert engine.lookahead.window == largest
+    activations = 4 * out.numel() * out.element_size()  # input, output and the layer in between, with room
+    assert device.peak_allocated() <= engine.resident_bytes() + STREAM_COPIES * largest + activations
+    assert engine.lookahead.in_flight_bytes == 0  # the last layer prefetches nothing: sampling ends clean
+    del out
+    assert device.allocated() == engine.resident_bytes()
+
+
+def test_a_changed_order_drops_the_copies_made_for_the_old_one_and_stays_right():
+    net, device, x = _streamed_net()
+    lookahead = partial_model_of(net).lookahead
+    net(device.place(x))
+    net(device.place(x))
+    net.reverse = True
+    out = net(device.place(x))
+    assert torch.equal(out.cpu(), _on_host(net, x))
+    assert lookahead.stats.dropped >= 1
+    out = net(device.place(x))  # the new order is learned
+    assert torch.equal(out.cpu(), _on_host(net, x)) and lookahead.in_flight_bytes == 0
+
+
+def test_a_weight_changed_after_its_copy_was_queued_is_copied_again():
+    net, device, x = _streamed_net(resident_layers=0)
+    net(device.place(x))
+
+    def change_the_next_weight(_module, _args, _out):  # runs after layer 0 queued layer 1's copy
+        with torch.no_grad():
+            net.layers[1].weight.add_(1.0)
+
+    handle = net.layers[0].register_forward_hook(change_the_next_weight)
+    try:
+        out = net(device.place(x))
+    finally:
+        handle.remove()
+    assert torch.equal(out.cpu(), _on_host(net, x))
+
+
+def test_a_patch_function_never_changes_the_stored_weight_through_a_prefetched_copy():
+    """On the simulated GPU a copy may share the host's memory; a weight a patch will change is copied privately."""
+    net, device, x = _streamed_net(resident_layers=0)
+    stored = [layer.weight.detach().clone() for layer in net.layers]
+    for layer in net.layers:
+        layer.weight_function = [lambda weight: weight.mul_(2.0)]
+    for _ in range(3):
+        out = net(device.place(x))
+    assert all(torch.equal(layer.weight.detach(), kept) for layer, kept in zip(net.layers, stored, strict=True))
+    with torch.no_grad():
+        expected = x
+        for kept, layer in zip(stored, net.layers, strict=True):
+            expected = torch.nn.functional.linear(expected, kept * 2.0, layer.bias.detach())
+    assert torch.equal(out.cpu(), expected)
+
+
+def test_a_prefetched_copy_used_without_waiting_is_caught(monkeypatch):
+    net, device, x = _streamed_net()
+    net(device.place(x))
+    monkeypatch.setattr(type(backend_of(device)), "wait", lambda self, stream, event: None)
+    with pytest.raises(MissingWaitError):
+        net(device.place(x))
+
+
+def test_moving_the_model_drops_every_queued_copy_and_its_marks():
+    net, device, x = _streamed_net()
+    engine = partial_model_of(net)
+    net(device.place(x))
+    engine.lookahead.before_use(engine.streamed_layers()[0].module, device)  # copies queued, then the model moves
+    assert engine.lookahead.in_flight_bytes > 0
+    engine.unload_all()
+    assert engine.lookahead.in_flight_bytes == 0 and device.allocated() == 0
+    assert not any(LOOKAHEAD in layer.__dict__ for layer in net.layers)
+
+
+def test_prefetch_turned_off_copies_each_weight_when_used(monkeypatch):
+    monkeypatch.setattr(prefetch, "_enabled", False)
+    net, device, x = _streamed_net()
+    assert not any(LOOKAHEAD in layer.__dict__ for layer in net.layers)
+    net(device.place(x))
+    out = net(device.place(x))
+    assert partial_model_of(net).lookahead.stats.ahead == 0
+    assert torch.equal(out.cpu(), _on_host(net, x))
+
+
+@pytest.mark.parametrize(("text", "enabled"), [("", True), ("on", True), ("OFF", False), ("0", False)])
+def test_the_setting_reads_on_and_off(text, enabled):
+    assert prefetch.prefetch_from_env({prefetch.PREFETCH_ENV: text}) is enabled
+
+
+def test_a_malformed_setting_names_the_fix():
+    with pytest.raises(InvalidSizeError, match="DEVICE_CONTROL_PREFETCH=off"):
+        prefetch.prefetch_from_env({prefetch.PREFETCH_ENV: "sometimes"})
+
+
+def test_weights_made_in_inference_mode_are_prefetched_too():
+    """ComfyUI builds and patches models in inference mode, where tensors keep no version counter."""
+    with torch.inference_mode():
+        net, device, x = _streamed_net()
+        net(device.place(x))
+        out = net(device.place(x))
+    assert partial_model_of(net).lookahead.stats.ahead > 0
+    assert torch.equal(out.cpu(), _on_host(net, x))
