@@ -57,11 +57,6 @@ def use_prefetch(enabled: bool) -> None:
     _enabled = enabled
 
 
-def prefetching() -> bool:
-    """Whether models loaded now prefetch."""
-    return _enabled
-
-
 @dataclass
 class PrefetchStats:
     """How the copies of streamed weights went: queued ahead and used (``ahead``), made when the layer was
