@@ -29,7 +29,7 @@ from ..core.errors import (
 from ..core.placement.budget import Placement
 from ..core.placement.fit import Choice, FitPlan, plan_fit
 from ..core.units import format_bytes
-from . import surface
+from . import panel, surface
 from .bridge import device_id
 from .bridge.checkpoint import BuiltCheckpoint, ComponentPlan, build_checkpoint, built_dtypes, default_dtype
 from .bridge.comfy_detection import detect_with_comfyui
@@ -208,6 +208,7 @@ class LoadCheckpointWithDevice(surface.io.ComfyNode):
         for note in notes:
             log.warning("[Device Control] %s: %s", ckpt_name, note)
         built = build_checkpoint(header, detection, placements, _progress())
+        panel.announce()
         summary = _summary(ckpt_name, detection, choices, plan, built, notes)
         log.info("[Device Control] %s", summary)
         return surface.io.NodeOutput(built.model, built.clip, built.vae, summary, ui={"text": (summary,)})

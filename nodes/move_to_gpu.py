@@ -7,7 +7,7 @@ from typing import Any
 
 from ..core.devices.inventory import parse_device_spec
 from ..core.errors import InvalidDeviceSpecError
-from . import surface
+from . import panel, surface
 from .bridge.books import displacements
 from .bridge.moves import move
 from .state import device_options, inventory
@@ -125,4 +125,5 @@ class MoveToGPU(surface.io.ComfyNode):
     @classmethod
     def execute(cls, model: Any, device: str, vram_budget: str, keep_resident: bool, trigger: Any = None) -> Any:
         result = move(model, device, vram_budget, keep_resident, inventory)
+        panel.announce()
         return surface.io.NodeOutput(result.value, trigger, result.text, ui={"text": (result.text,)})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import surface
+from . import panel, surface
 from .bridge.offloads import OFFLOAD_MODES, offload
 from .move_to_gpu import model_input, trigger_input, trigger_output
 from .state import inventory
@@ -64,4 +64,5 @@ class OffloadToCPU(surface.io.ComfyNode):
     @classmethod
     def execute(cls, mode: str, free_amount: str, empty_cache: bool, model: Any = None, trigger: Any = None) -> Any:
         text = offload(model, mode, free_amount, empty_cache, inventory)
+        panel.announce()
         return surface.io.NodeOutput(trigger, text, ui={"text": (text,)})

@@ -92,6 +92,12 @@ def _send(data: dict[str, Any], client: str) -> None:
 pusher = Pusher(snapshot, _send)
 
 
+def announce() -> None:
+    """Show open panels the placement a node just made, now rather than at the next tick, which could come after
+    a later node has undone it (a move, a short sampler, an offload can all fall between two ticks)."""
+    pusher.push_now()
+
+
 _actions = asyncio.Lock()
 
 

@@ -90,6 +90,7 @@ const panel = {
   view: null,
   renewTimer: null,
   sentInterval: 0,
+  sentClient: null,
 };
 
 // The settings' values as their onChange handlers last saw them (the store may not hold the new value yet
@@ -129,9 +130,11 @@ async function postJson(path, body) {
 async function subscribe() {
   const interval = wantedInterval();
   if (interval === 0 && panel.sentInterval === 0) return;
+  if (!api.clientId) return; // the socket has no id yet: its "status" message subscribes (see onStatus)
   try {
-    await postJson("/device_control/subscribe", { interval, client: api.clientId ?? "" });
+    await postJson("/device_control/subscribe", { interval, client: api.clientId });
     panel.sentInterval = interval;
+    panel.sentClient = api.clientId;
   } catch {
     // The server is restarting or gone: the next renewal tries again.
   }
@@ -142,6 +145,12 @@ function resubscribe() {
   panel.renewTimer = null;
   subscribe();
   if (wantedInterval() > 0) panel.renewTimer = setInterval(subscribe, RENEW_MS);
+}
+
+// The server pushes to one websocket client id. The socket gets its id with its first "status" message, and
+// may get a new one when it reconnects: subscribe as soon as the id is known or changes, not at the next renewal.
+function onStatus() {
+  if (api.clientId && api.clientId !== panel.sentClient && wantedInterval() > 0) subscribe();
 }
 
 function badgeFor(snapshot) {
@@ -294,6 +303,8 @@ app.registerExtension({
   async setup() {
     api.addEventListener(PUSH_EVENT, (event) => onSnapshot(event.detail));
     api.addEventListener("executing", onExecuting);
+    api.addEventListener("status", onStatus);
+    api.addEventListener("reconnected", onStatus);
     app.extensionManager.registerSidebarTab({
       id: TAB_ID,
       icon: "pi pi-microchip",

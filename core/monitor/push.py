@@ -4,8 +4,9 @@ nothing to anyone who did not ask.
 Listeners subscribe with a lease (they renew it while they are open); when the last lease runs out the thread
 waits without waking up, so a closed panel costs nothing. Each listener gets its own rate: one asking for ten
 updates a second does not make the server send ten a second to the others. One snapshot is made per tick and
-sent to every listener due then. The thread is never the one that samples a model: it only reads memory
-figures. It measures its own CPU time, so its cost can be stated rather than guessed.
+sent to every listener due then; a node that moves a model pushes at once (:meth:`Pusher.push_now`). No push samples
+a model: it only reads memory figures. The pusher measures its own CPU time, so its cost can be stated rather than
+guessed.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class Pusher:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._sending = threading.Lock()  # one snapshot made and sent at a time, so none overtakes a newer one
         self._cpu = 0.0
         self._active = 0.0
         self._busy_since: float | None = None
@@ -110,6 +112,17 @@ class Pusher:
         previous = self._leases.get(listener)
         due = now if previous is None or previous.interval != interval else previous.due
         self._leases[listener] = _Lease(interval, until, due)
+
+    def push_now(self) -> None:
+        """Send a snapshot to every live listener now, on the caller's thread, and start their intervals again.
+
+        For a change that the next tick could miss: a node that moves a model calls this once the move is done,
+        so the panel shows the placement even when a later node undoes it before the next tick. Costs nothing
+        when no one listens.
+        """
+        live = self._live()
+        if live:
+            self._push(list(live), restart=True)
 
     def stop(self) -> None:
         """End the thread (for tests and shutdown)."""
@@ -161,21 +174,23 @@ class Pusher:
             self._busy_since = None
         self._wake.wait()
 
-    def _push(self, listeners: list[str]) -> None:
-        """One snapshot, sent to each listener due; each one's next push is due one of its intervals later."""
-        started = time.thread_time()
-        try:
-            data = self._snapshot()
-            for listener in listeners:
-                self._send(data, listener)
-            self._pushes += 1
-        except Exception as exc:  # one failed snapshot must not end the panel's updates
-            self._failures += 1
-            log.warning("[Device Control] panel update failed (%s: %s); retrying", type(exc).__name__, exc)
-        now = time.monotonic()
-        with self._lock:
-            for listener in listeners:
-                lease = self._leases.get(listener)
-                if lease is not None:
-                    lease.due = max(lease.due + lease.interval, now)
-        self._cpu += time.thread_time() - started
+    def _push(self, listeners: list[str], restart: bool = False) -> None:
+        """One snapshot, sent to each listener due; each one's next push is due one of its intervals later (after
+        its previous due time, or after now with ``restart``)."""
+        with self._sending:
+            started = time.thread_time()
+            try:
+                data = self._snapshot()
+                for listener in listeners:
+                    self._send(data, listener)
+                self._pushes += 1
+            except Exception as exc:  # one failed snapshot must not end the panel's updates
+                self._failures += 1
+                log.warning("[Device Control] panel update failed (%s: %s); retrying", type(exc).__name__, exc)
+            now = time.monotonic()
+            with self._lock:
+                for listener in listeners:
+                    lease = self._leases.get(listener)
+                    if lease is not None:
+                        lease.due = now + lease.interval if restart else max(lease.due + lease.interval, now)
+            self._cpu += time.thread_time() - started

@@ -37,7 +37,9 @@ def open_panel(frontend: FrontendPage) -> Any:
 
 
 def record_panel(page: Any) -> None:
-    """Keep, in the page, what the panel shows every 100 ms (the tab's DOM, read as a user would see it)."""
+    """Keep, in the page, what the panel shows every 100 ms and after each push it drew (the tab's DOM, read as a
+    user would see it). The panel's own listener came first, so a push is read here once it is drawn: a state
+    pushed and replaced between two 100 ms reads is still seen."""
     page.evaluate(
         """() => {
             window.__dcSeen = [];
@@ -45,12 +47,14 @@ def record_panel(page: Any) -> None:
             for (const type of ["execution_success", "execution_error"]) {
                 window.app.api.addEventListener(type, () => { window.__dcDone = type; });
             }
-            window.__dcTimer = setInterval(() => {
+            const read = () => {
                 const row = document.querySelector('.device-control-panel .dc-device[data-device="gpu:0"]');
                 const models = [...document.querySelectorAll('.device-control-panel .dc-model')].map((m) => [
                     m.querySelector('.dc-model-name').textContent, Number(m.dataset.resident)]);
                 window.__dcSeen.push({own: Number(row?.dataset.own ?? -1), models});
-            }, 100);
+            };
+            window.app.api.addEventListener("device_control.vram", read);
+            window.__dcTimer = setInterval(read, 100);
         }"""
     )
 

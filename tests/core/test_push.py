@@ -136,3 +136,46 @@ def test_each_listener_gets_its_own_rate_and_only_what_it_asked_for():
         assert set(received) == {"fast", "slow"}  # nobody else is sent anything
     finally:
         pusher.stop()
+
+
+def test_push_now_sends_nothing_without_a_listener(pusher, sent):
+    pusher.push_now()
+    assert sent == []
+
+
+def test_push_now_sends_to_every_listener_at_once_and_restarts_their_interval():
+    received: list[tuple[str, str]] = []
+    pusher = Pusher(lambda: threading.current_thread().name, lambda data, listener: received.append((listener, data)))
+    try:
+        pusher.subscribe(1.0, "a")
+        pusher.subscribe(2.0, "b")
+        assert wait_for(lambda: {listener for listener, _ in received} == {"a", "b"})  # the first ticks
+        received.clear()
+        pusher.push_now()
+        assert sorted(received) == [("a", "MainThread"), ("b", "MainThread")]  # on the caller's thread, now
+        time.sleep(0.6)
+        assert len(received) == 2  # the next tick waits a whole interval after the push
+    finally:
+        pusher.stop()
+
+
+def test_a_push_never_overtakes_a_newer_one():
+    """A tick's snapshot made before a move must not reach the panel after the snapshot ``push_now`` made after it."""
+    counter = iter(range(10**9))
+    received: list[int] = []
+
+    def snapshot() -> int:
+        n = next(counter)
+        if threading.current_thread().name == "device_control.push":
+            time.sleep(0.05)  # the tick's snapshot is slow: a push_now meanwhile would finish first
+        return n
+
+    pusher = Pusher(snapshot, lambda data, _: received.append(data))
+    try:
+        pusher.subscribe(0.1, "tab")
+        for _ in range(10):
+            time.sleep(0.12)  # the tick comes due meanwhile
+            pusher.push_now()
+        assert received == sorted(received) and len(received) >= 15
+    finally:
+        pusher.stop()

@@ -155,6 +155,42 @@ def test_the_push_reaches_websocket_clients_while_subscribed_and_stops_after(ser
     assert 0 < stats["cpu_share"] < 0.5
 
 
+async def _pushes_while_running(server, client: str, prompt: dict) -> list[dict]:
+    """Every push ``client`` gets from subscribing (once a minute) until ``prompt`` has run to its end."""
+    received = []
+    async with aiohttp.ClientSession() as session, session.ws_connect(f"{server.url}/ws?clientId={client}") as ws:
+        await asyncio.to_thread(server.post, "/device_control/subscribe", {"interval": 60, "client": client})
+        prompt_id = await asyncio.to_thread(server.queue, prompt, client)
+        deadline = time.monotonic() + 300
+        while (left := deadline - time.monotonic()) > 0:
+            message = await ws.receive(timeout=left)
+            if message.type != aiohttp.WSMsgType.TEXT:
+                continue
+            data = json.loads(message.data)
+            if data["type"] == "device_control.vram":
+                received.append(data["data"])
+            elif data["type"] == "executing" and (data["data"].get("node"), data["data"].get("prompt_id")) == (
+                None,
+                prompt_id,
+            ):
+                break  # the prompt has run to its end
+    return received
+
+
+def test_every_move_a_node_makes_is_pushed_at_once(server, api):
+    """With a push due only once a minute, the panel still sees Move To GPU's placement and Offload To CPU's undoing
+    of it, a sampler apart: each node pushes as soon as it has moved something."""
+    client = uuid.uuid4().hex
+    try:
+        pushed = run_coroutine(_pushes_while_running(server, client, api.load_prompt(server, MOVE)))
+    finally:
+        server.post("/device_control/subscribe", {"interval": 0, "client": client})
+    on_gpu = [(model(p, "MODEL") or {}).get("resident", {}).get("gpu:0", 0) for p in pushed]
+    assert len(pushed) >= 3, on_gpu  # the subscription's first push, then Move To GPU's and Offload To CPU's
+    assert max(on_gpu) >= UNET_BYTES, on_gpu
+    assert on_gpu[-1] == 0 and gpu(pushed[-1])["torch_allocated"] < 64 * 1024**2, on_gpu
+
+
 async def _listen_all(url: str, clients: list[str], seconds: float) -> dict[str, int]:
     counts = dict.fromkeys(clients, 0)
 
