@@ -5,8 +5,8 @@ it asks for (``torch.empty``: how layers allocate weights they will load) is cre
 device: no memory, but shape and dtype kept. Small tensors stay real, and so do tensors created with a value
 (``ones``, ``zeros``, ``arange``... noise schedules, position ids, a per-layer fp8 scale of 1), even when the
 constructor asked for them on ``meta``: their values are not in the file. :func:`materialize` then gives every
-meta tensor real storage in its constructed dtype on the target device and fills it from a
-:class:`~core.weights.WeightReader`, one tensor at a time.
+meta tensor real storage in its constructed dtype, where an allocator says (host memory, or a device through its
+backend's ``empty``), and fills it from a :class:`~core.weights.WeightReader`, one tensor at a time.
 
 The mode is a torch function mode: it only affects the thread that entered it.
 """
@@ -28,6 +28,9 @@ from .reader import WeightReader
 #: Where a module's tensor comes from: a tensor name in the file, or a function computing it (for the few
 #: tensors the host application transforms while loading, e.g. a transpose).
 Source = str | Callable[[], torch.Tensor]
+
+#: Gives uninitialised storage of a shape and dtype where a model's weights are to live.
+Allocate = Callable[[torch.Size, torch.dtype], torch.Tensor]
 
 #: Tensors up to this many elements are always real: scales, scalars, tiny buffers.
 SMALL = 64
@@ -80,35 +83,39 @@ class MaterializeResult:
     missing: list[str] = field(default_factory=list)
 
 
+def host_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """The default :data:`Allocate`: host memory."""
+    return torch.empty(shape, dtype=dtype)
+
+
 def materialize(
     module: torch.nn.Module,
     sources: Mapping[str, Source],
     reader: WeightReader,
-    device: torch.device | str = "cpu",
+    allocate: Allocate = host_empty,
     *,
     progress: ProgressCallback | None = None,
 ) -> MaterializeResult:
-    """Give every meta tensor of ``module`` real storage on ``device`` and fill it from its source.
+    """Give every tensor of ``module`` storage from ``allocate`` and fill it from its source.
 
     Each tensor keeps the dtype it was constructed with (the storage dtype the model asked for). A tensor
     built with a value and without a source keeps that value. A meta parameter without a source is
     zero-filled and reported in ``missing`` (ComfyUI warns about the same keys and leaves them uninitialised);
     a meta buffer without a source cannot be guessed and is an error. A tensor known under several names
     (tied weights) stays one tensor, filled from the last name that has a source, as ``load_state_dict`` does.
-    Everything ends on ``device``.
+    Everything ends where ``allocate`` put it.
 
     Raises:
         ModelFileError: a source tensor is absent or misshapen, or a buffer has no source.
         Exception: whatever ``progress`` raises (an interruption); tensors filled so far stay filled.
     """
-    device = torch.device(device)
     result = MaterializeResult()
     names, tensors = _tensors_by_identity(module)
     total = sum(t.numel() * t.element_size() for t, _ in tensors.values())
     for key, (tensor, is_parameter) in tensors.items():
         aliases = names[key]
         source = next((sources[n] for n in reversed(aliases) if n in sources), None)
-        target = _allocate(tensor, source, device, aliases[0], is_parameter, result)
+        target = _allocate(tensor, source, allocate, aliases[0], is_parameter, result)
         if source is not None:
             _fill(target, source, reader)
         value = torch.nn.Parameter(target, requires_grad=tensor.requires_grad) if is_parameter else target
@@ -138,22 +145,24 @@ def _tensors_by_identity(
 def _allocate(
     tensor: torch.Tensor,
     source: Source | None,
-    device: torch.device,
+    allocate: Allocate,
     name: str,
     is_parameter: bool,
     result: MaterializeResult,
 ) -> torch.Tensor:
-    if tensor.device.type != "meta":
-        return tensor.detach().to(device) if source is None else torch.empty_like(tensor, device=device)
     if source is not None:
-        return torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+        return allocate(tensor.shape, tensor.dtype)
+    if tensor.device.type != "meta":  # a value the constructor computed: kept, where the rest goes
+        with torch.no_grad():
+            return allocate(tensor.shape, tensor.dtype).copy_(tensor)
     if not is_parameter:
         raise ModelFileError(
             f"the model's buffer {name!r} is not in the file and cannot be computed; the file does "
             "not match the model ComfyUI builds for it."
         )
     result.missing.append(name)
-    return torch.zeros(tensor.shape, dtype=tensor.dtype, device=device)
+    with torch.no_grad():
+        return allocate(tensor.shape, tensor.dtype).zero_()
 
 
 def _fill(target: torch.Tensor, source: Source, reader: WeightReader) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -94,9 +95,9 @@ def build_checkpoint(
         config, prefix = config_of(sd, header, detection)
         compute = _set_unet_dtype(config, sd, prefix, places.unet)
         traced = build_traced(config, sd, prefix, header, reader, places)
-        fill = {"model": _fill_device(places.unet), "clip": _fill_device(places.clip), "vae": torch.device("cpu")}
+        fill = {"model": _fill_target(places.unet), "clip": _fill_target(places.clip), "vae": None}
         _fill_all(traced, reader, fill, _Progress(traced, progress), notes)
-    traced.model.device = fill["model"]
+    traced.model.device = _torch_device(fill["model"])
     for root in traced.roots.values():  # ComfyUI's standard layers become ours: casts and patches run our code
         convert(root, accept=_is_comfy_layer)
     patcher = DeviceControlPatcher(
@@ -137,9 +138,11 @@ class _Progress:
             self.callback(self.done + module_done, self.total)
 
 
-def _fill_all(
-    traced: Traced, reader: WeightReader, fill: dict[str, torch.device], progress: _Progress, notes: list[str]
-) -> None:
+#: Where each model's weights are written as they are read: a device's target, or None for host memory.
+Fills = dict[str, Target | None]
+
+
+def _fill_all(traced: Traced, reader: WeightReader, fill: Fills, progress: _Progress, notes: list[str]) -> None:
     for name, root in traced.roots.items():
         result = _fill_root(name, root, traced.sources[name], reader, fill, progress, notes)
         progress.done += result.loaded_bytes
@@ -155,27 +158,32 @@ def _fill_root(
     root: torch.nn.Module,
     sources: dict[str, Source],
     reader: WeightReader,
-    fill: dict[str, torch.device],
+    fill: Fills,
     progress: _Progress,
     notes: list[str],
 ) -> MaterializeResult:
     """Fill one model where ``fill`` says; when the device fills up meanwhile, in RAM instead (noted)."""
+    target = fill[name]
+    if target is None:
+        return materialize(root, sources, reader, progress=progress.step)
+    backend = backend_of(target)
     try:
-        return materialize(root, sources, reader, fill[name], progress=progress.step)
+        return materialize(root, sources, reader, partial(backend.empty, target), progress=progress.step)
     except torch.OutOfMemoryError:  # another process took memory since the fit plan, or fragmentation
+        where = backend.label(target)
         log.warning(
             "[Device Control] %s did not fit on %s after all; loading it to RAM instead, ComfyUI will load what "
             "fits when it is used",
             name,
-            fill[name],
+            where,
         )
-        notes.append(f"{name}: did not fit on {fill[name]}; loaded to RAM, ComfyUI loads what fits when used")
+        notes.append(f"{name}: did not fit on {where}; loaded to RAM, ComfyUI loads what fits when used")
         surface.model_management().soft_empty_cache()
-        fill[name] = torch.device("cpu")
-        return materialize(root, sources, reader, fill[name], progress=progress.step)
+        fill[name] = None
+        return materialize(root, sources, reader, progress=progress.step)
 
 
-def _adopt_and_register(patcher: Any, traced: Traced, places: _Places, fill: dict[str, torch.device]) -> None:
+def _adopt_and_register(patcher: Any, traced: Traced, places: _Places, fill: Fills) -> None:
     """The text encoder's and the VAE's patchers carry their placements; ComfyUI learns where each model is."""
     mm = surface.model_management()
     if traced.clip is not None:
@@ -234,23 +242,25 @@ def _is_comfy_layer(cls: type) -> bool:
     return cls.__module__ == "comfy.ops" and cls.__qualname__.split(".")[0] in ("disable_weight_init", "manual_cast")
 
 
-def _fill_device(place: ComponentPlan) -> torch.device:
-    """Where weights are first written: the device they fit on, where its backend can write them directly;
-    else host memory. (The VAE is always written to host memory: ComfyUI moves it to its device when it decodes.)
-    """
-    if place.target is not None and place.fits:
-        return backend_of(place.target).fill_device(place.target)
-    return torch.device("cpu")
+def _fill_target(place: ComponentPlan) -> Target | None:
+    """Where weights are first written: the device they fit on, else host memory (``None``). The VAE is always
+    written to host memory: ComfyUI moves it to its device when it decodes."""
+    return place.target if place.target is not None and place.fits else None
 
 
-def _first_load(mm: Any, patcher: Any, place: ComponentPlan, filled_on: torch.device) -> None:
+def _torch_device(filled: Target | None) -> torch.device:
+    """The torch device ComfyUI sees a model on once it was filled on ``filled`` (host memory for ``None``)."""
+    return backend_of(filled).comfy_device(filled) if filled is not None else torch.device("cpu")
+
+
+def _first_load(mm: Any, patcher: Any, place: ComponentPlan, filled: Target | None) -> None:
     """Register the model with ComfyUI where it now lives, as ComfyUI does after its own loading."""
-    if patcher.load_device != filled_on:
+    if patcher.load_device != _torch_device(filled):
         return  # in RAM, to be loaded where it belongs when a node first uses it
-    if filled_on.type != "cpu":
-        # The weights were written on the device: say so first, or ComfyUI would make room for them twice.
-        partial_model_of(patcher.model).target = filled_on
-        patcher._sync_books(filled_on)
+    if filled is not None:
+        # The weights were written on the device: say so first, or they would be loaded there a second time.
+        partial_model_of(patcher.model).target = filled
+        patcher._sync_books(patcher.load_device)
     # Where ComfyUI manages the device, the weights are there already and must stay in full; elsewhere our
     # patcher loads them now within the placement's budget.
     makes_room = place.target is None or backend_of(place.target).comfy_makes_room

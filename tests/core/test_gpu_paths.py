@@ -6,11 +6,18 @@ code the other tests run; what is left here is what only a real device can show.
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
+from safetensors.torch import save_file
 
+from core.detection.headers import read_header
+from core.devices.backends import backend_of
 from core.devices.memory import capacity_bytes, empty_cache, free_bytes
 from core.devices.transfer import PinnedMemory, side_stream, to_target
+from core.files.reader import WeightReader
+from core.files.skeleton import materialize, weights_on_meta
 from core.placement.engine import partial_model_of
 from core.weights import ops
 
@@ -118,3 +125,42 @@ def test_prefetch_on_a_real_gpu_gives_the_same_result_and_leaves_nothing_behind(
     assert engine.lookahead.in_flight_bytes == 0
     assert torch.cuda.memory_allocated(CUDA) - base == engine.resident_bytes(CUDA)
     engine.unload_all()
+
+
+def _weights_file(tmp_path, layers: int, width: int):
+    """A file with ``layers`` square weights, and the module tree (on meta) that reads it."""
+    tensors = {f"{n}.weight": torch.randn(width, width) for n in range(layers)}
+    path = tmp_path / "weights.safetensors"
+    save_file(tensors, str(path))
+    with weights_on_meta():
+        net = torch.nn.Sequential(*(torch.nn.Linear(width, width, bias=False) for _ in range(layers)))
+    return read_header(path), tensors, net
+
+
+@pytest.mark.gpu(proves="a loader's fill writes each weight straight into VRAM, read from the file, never whole in RAM")
+def test_weights_are_written_straight_into_vram(tmp_path):
+    header, tensors, net = _weights_file(tmp_path, 4, 4096)
+    base = torch.cuda.memory_allocated(CUDA)
+    with WeightReader(header, pin_staging=True) as reader:
+        materialize(net, {name: name for name in tensors}, reader, partial(backend_of(CUDA).empty, CUDA))
+    assert all(p.device == CUDA and isinstance(p, torch.nn.Parameter) for p in net.parameters())
+    assert torch.cuda.memory_allocated(CUDA) - base == sum(t.numel() * t.element_size() for t in tensors.values())
+    assert all(torch.equal(net[n].weight.cpu(), tensors[f"{n}.weight"]) for n in range(4))
+    del net
+    assert torch.cuda.memory_allocated(CUDA) == base
+
+
+@pytest.mark.gpu(proves="a real out-of-memory during a fill is raised as torch's, and what was filled is given back")
+def test_a_fill_that_runs_out_of_vram_gives_back_what_it_filled(tmp_path):
+    header, tensors, net = _weights_file(tmp_path, 8, 4096)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    free = torch.cuda.mem_get_info(CUDA)[0]
+    blocker = torch.empty(max(0, free - total // 2), dtype=torch.uint8, device=CUDA)  # room for about half
+    base = torch.cuda.memory_allocated(CUDA)
+    try:
+        with WeightReader(header) as reader, pytest.raises(torch.OutOfMemoryError):
+            materialize(net, {name: name for name in tensors}, reader, partial(backend_of(CUDA).empty, CUDA))
+        del net
+        assert torch.cuda.memory_allocated(CUDA) == base
+    finally:
+        del blocker

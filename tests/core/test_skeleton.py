@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import threading
+from functools import partial
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from core.detection.headers import read_header
+from core.devices.backends import backend_of
+from core.devices.simulated import SimulatedDevice
 from core.errors import ModelFileError
 from core.files import lineage
 from core.files.lineage import Tracer, capture_state_dict_loads, source_of, source_tensors
@@ -72,6 +75,32 @@ def test_materialize_fills_from_the_file_in_the_constructed_dtype(weight_file):
     assert layer.weight.dtype == torch.float32 and torch.equal(layer.weight, tensors["w"].float())
     assert isinstance(layer.weight, torch.nn.Parameter) and torch.equal(layer.table, tensors["t"])
     assert layer.scale.item() == 1.0 and result.missing == []
+
+
+def test_materialize_writes_straight_onto_a_device_through_its_backend(weight_file):
+    header, tensors = weight_file
+    device = SimulatedDevice(1024**2)
+    with weights_on_meta():
+        layer = Layer()
+    with WeightReader(header) as reader:
+        materialize(layer, {"weight": "w", "table": "t"}, reader, partial(backend_of(device).empty, device))
+    kept = (layer.weight, layer.table, layer.scale, layer.steps)
+    assert all(t.placement_target is device for t in kept)  # the values the constructor made too
+    assert isinstance(layer.weight, torch.nn.Parameter) and torch.equal(layer.weight.cpu(), tensors["w"].float())
+    assert device.allocated() == sum(t.numel() * t.element_size() for t in kept)
+
+
+def test_a_fill_that_runs_out_of_device_memory_keeps_no_memory_once_dropped(weight_file):
+    header, _ = weight_file
+    device = SimulatedDevice(1024**2)
+    device.fail_allocation(1)
+    with weights_on_meta():
+        layer = Layer()
+    with WeightReader(header) as reader, pytest.raises(torch.OutOfMemoryError):
+        materialize(layer, {"weight": "w", "table": "t"}, reader, partial(backend_of(device).empty, device))
+    assert device.allocated() > 0  # the first tensor is filled and held by the module
+    del layer
+    assert device.allocated() == 0
 
 
 def test_a_missing_weight_is_zero_and_reported_and_a_missing_buffer_is_an_error(weight_file):

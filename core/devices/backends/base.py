@@ -124,10 +124,14 @@ class DeviceBackend:
         """The torch device ComfyUI computes on when a model is placed on ``target``."""
         return target
 
-    def fill_device(self, target: Target) -> torch.device:
-        """Where a loader writes weights meant for ``target`` as it reads them (host memory where it cannot
-        write to the device directly; the model is then loaded onto the device from there)."""
-        return target
+    def empty(self, target: Target, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """Uninitialised memory on ``target`` for a loader to write weights into as it reads them, so a model
+        is filled where it lives and never staged whole in RAM.
+
+        Raises:
+            torch.OutOfMemoryError: ``target`` has no room for it.
+        """
+        return torch.empty(shape, dtype=dtype, device=target)
 
     # -- memory ----------------------------------------------------------------------------------
 

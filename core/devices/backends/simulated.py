@@ -1,10 +1,10 @@
 """The simulated GPU as a backend: the same interface, and the same calls, as a real accelerator.
 
 Its devices are :class:`~core.devices.simulated.SimulatedDevice` objects, which torch does not know: ComfyUI
-computes on the host for them (``comfy_device``) and does not make room on them (``comfy_makes_room``), a
-loader writes their weights to host memory and places them from there (``fill_device``). Everything else is
-what a CUDA device does: a copy stream and events with CUDA's ordering rules (checked: a missing wait raises),
-pinned host memory (booked; copies from it overlap the host's work), copies that take the link's time.
+computes on the host for them (``comfy_device``) and does not make room on them (``comfy_makes_room``).
+Everything else is what a CUDA device does: a loader fills weights straight onto it (``empty``; the bytes cross
+the link once), a copy stream and events with CUDA's ordering rules (checked: a missing wait raises), pinned
+host memory (booked; copies from it overlap the host's work), copies that take the link's time.
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ class SimulatedBackend(DeviceBackend):
     def comfy_device(self, target: Target) -> torch.device:
         return torch.device("cpu")
 
-    def fill_device(self, target: Target) -> torch.device:
-        return torch.device("cpu")
+    def empty(self, target: Target, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        return target.place(torch.empty(shape, dtype=dtype))
 
     # -- memory ----------------------------------------------------------------------------------
 
