@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import logging
 
-from ..core.devices.inventory import SIMULATE_ENV, DeviceInventory, simulated_devices_from_env
-from ..core.devices.simulated import SimulatedDevice
+from ..core.devices.backends import simulated_backends
+from ..core.devices.inventory import DeviceInventory
+from ..core.devices.simulated import SIMULATE_ENV, SimulatedDevice, simulated_devices_from_env
 from ..core.devices.transfer import DEFAULT_PINNED_FRACTION, pinned_fraction_from_env, use_pinned_fraction
 from ..core.errors import InvalidSizeError
 from ..core.placement.prefetch import PREFETCH_ENV, prefetch_from_env, use_prefetch
@@ -62,7 +63,7 @@ def _prefetch_from_env() -> None:
         use_prefetch(True)
 
 
-inventory = DeviceInventory(simulated=_simulated_from_env())
+inventory = DeviceInventory(extra=simulated_backends(_simulated_from_env()))
 _pinning_from_env()
 _prefetch_from_env()
 

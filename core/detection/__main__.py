@@ -10,7 +10,9 @@ import argparse
 import json
 import sys
 
-from ..devices.inventory import DeviceInventory, simulated_devices_from_env
+from ..devices.backends import simulated_backends
+from ..devices.inventory import DeviceInventory
+from ..devices.simulated import simulated_devices_from_env
 from ..errors import DeviceControlError
 from ..placement.fit import DEFAULT_HEADROOM, Choice, FitPlan, default_dtype, plan_fit
 from ..units import parse_size
@@ -71,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             raise DeviceControlError(f"unknown role(s) {sorted(unknown)}; use {', '.join(ROLES)}.")
         detection = detect(args.file)
-        inventory = DeviceInventory(simulated=simulated_devices_from_env())
+        inventory = DeviceInventory(extra=simulated_backends(simulated_devices_from_env()))
         plan = (
             None
             if detection.kind in ("unknown", "lora")

@@ -1,12 +1,12 @@
 """Which devices this machine has, how much memory each has free, and what a device string means.
 
-The :class:`DeviceInventory` asks every backend probe (``core.devices.backends``), the simulated GPUs' among
-them when the settings ask for some, for its devices, numbers accelerators ``gpu:0``, ``gpu:1``, ...
+The :class:`DeviceInventory` asks every backend probe (``core.devices.backends``), and the backends the settings
+add, for its devices, numbers accelerators ``gpu:0``, ``gpu:1``, ...
 (ComfyUI core's convention), and never lets a failing probe take the others down: a probe that raises is
 reported in :attr:`InventorySnapshot.backends` with its error.
 
 Device strings accepted from users: ``auto``, ``cpu``, ``gpu:N``, and the backend names ``cuda:N``,
-``xpu:N``, ``npu:N``, ``mlu:N``, ``mps``, ``directml:N``, ``sim:N`` (a simulated device).
+``xpu:N``, ``npu:N``, ``mlu:N``, ``mps``, ``directml:N``, and the labels the added backends give their devices.
 """
 
 from __future__ import annotations
@@ -20,18 +20,14 @@ import psutil
 import torch
 
 from ..errors import DeviceNotFoundError, InvalidDeviceSpecError
-from ..units import parse_size
 from .backends import (
     DeviceBackend,
     DeviceInfo,
-    SimulatedBackend,
     Target,
     backend_of,
     default_backends,
     this_process,
 )
-from .simlink import LINK_ENV
-from .simulated import SimulatedDevice, SimulatedSpec
 
 log = logging.getLogger("device_control")
 
@@ -43,14 +39,8 @@ __all__ = [
     "HostMemory",
     "InventorySnapshot",
     "Resolution",
-    "SimulatedDevice",
     "parse_device_spec",
-    "simulated_devices_from_env",
 ]
-
-SIMULATE_ENV = "DEVICE_CONTROL_SIMULATE_GPU"
-SIMULATE_FAULTS_ENV = "DEVICE_CONTROL_SIMULATE_FAULTS"
-SIMULATE_OTHERS_ENV = "DEVICE_CONTROL_SIMULATE_USED_BY_OTHERS"
 
 _SPEC_RE = re.compile(r"^(auto|cpu|gpu|cuda|xpu|npu|mlu|mps|directml|privateuseone|sim)(?::(\d+))?$")
 _ACCEPTED = "auto, cpu, gpu:N, cuda:N, xpu:N, npu:N, mlu:N, mps, directml:N or sim:N"
@@ -140,19 +130,20 @@ class Resolution:
 
 @dataclass
 class DeviceInventory:
-    """All devices: those every backend probe finds, simulated ones (numbered after the real accelerators) included.
+    """All devices: those every backend probe finds, then those of the backends the settings add (numbered after
+    the real accelerators).
 
     Args:
         backends: the probes to ask (default: every backend torch may have).
-        simulated: simulated devices the settings asked for (``DEVICE_CONTROL_SIMULATE_GPU``).
+        extra: backends the settings add (the simulated GPUs of ``DEVICE_CONTROL_SIMULATE_GPU``).
     """
 
     backends: Sequence[DeviceBackend] = field(default_factory=default_backends)
-    simulated: Sequence[SimulatedDevice] = ()
+    extra: Sequence[DeviceBackend] = ()
 
     def _probes(self) -> list[DeviceBackend]:
-        """The probes in numbering order: real accelerators, then simulated ones (the host is not numbered)."""
-        return [*self.backends, SimulatedBackend(self.simulated)] if self.simulated else list(self.backends)
+        """The probes in numbering order: real accelerators, then the added ones (the host is not numbered)."""
+        return [*self.backends, *self.extra]
 
     def snapshot(self) -> InventorySnapshot:
         """Query every backend now. Never raises because a backend failed."""
@@ -260,26 +251,3 @@ def host_memory() -> HostMemory:
     """System RAM and this process's RSS, now."""
     memory = psutil.virtual_memory()
     return HostMemory(memory.total, memory.available, this_process().memory_info().rss)
-
-
-def simulated_devices_from_env(environ: dict[str, str] | None = None) -> list[SimulatedDevice]:
-    """The simulated devices asked for by ``DEVICE_CONTROL_SIMULATE_GPU`` (none when it is unset).
-
-    ``DEVICE_CONTROL_SIMULATE_GPU=8GiB`` makes one device, ``8GiB,4GiB`` two.
-    ``DEVICE_CONTROL_SIMULATE_USED_BY_OTHERS=1GiB`` pretends another process holds that much on each;
-    ``DEVICE_CONTROL_SIMULATE_FAULTS=stats`` makes their statistics queries fail (fault tests);
-    ``DEVICE_CONTROL_SIMULATE_LINK=16GB/s,10us`` makes copies to and from them take that time (free if unset).
-
-    Raises:
-        InvalidSizeError: a size in the variables cannot be parsed.
-        ValueError: an unknown fault is named.
-    """
-    import os
-
-    env = os.environ if environ is None else environ
-    spec = SimulatedSpec.parse(env.get(SIMULATE_ENV), env.get(SIMULATE_FAULTS_ENV), env.get(LINK_ENV))
-    others = parse_size(env.get(SIMULATE_OTHERS_ENV) or 0)
-    return [
-        SimulatedDevice(capacity, ordinal=i, used_by_others=others, faults=spec.faults, link=spec.link)
-        for i, capacity in enumerate(spec.capacities)
-    ]

@@ -28,6 +28,7 @@ wait makes it usable on the main stream. The device is driven through its backen
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -38,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..units import format_bytes, parse_size
-from .simlink import Link, LinkCost
+from .simlink import LINK_ENV, Link, LinkCost
 from .simtensor import SimTensor
 
 #: Faults a simulated device can be told to inject (see ``SimulatedDevice(faults=...)``):
@@ -49,6 +50,11 @@ from .simtensor import SimTensor
 #: can be interrupted half-way, and an offload lasts long enough to act meanwhile, in tests.
 KNOWN_FAULTS = frozenset({"stats", "unreported_others", "slow_moves"})
 SLOW_MOVE_SECONDS = 0.005
+
+
+SIMULATE_ENV = "DEVICE_CONTROL_SIMULATE_GPU"
+SIMULATE_FAULTS_ENV = "DEVICE_CONTROL_SIMULATE_FAULTS"
+SIMULATE_OTHERS_ENV = "DEVICE_CONTROL_SIMULATE_USED_BY_OTHERS"
 
 
 @dataclass(frozen=True)
@@ -328,3 +334,24 @@ class SimulatedDevice:
 def _nbytes(tensor: torch.Tensor) -> int:
     """The bytes a copy of ``tensor`` moves (its elements, as a real copy of a view moves)."""
     return tensor.numel() * tensor.element_size()
+
+
+def simulated_devices_from_env(environ: dict[str, str] | None = None) -> list[SimulatedDevice]:
+    """The simulated devices asked for by ``DEVICE_CONTROL_SIMULATE_GPU`` (none when it is unset).
+
+    ``DEVICE_CONTROL_SIMULATE_GPU=8GiB`` makes one device, ``8GiB,4GiB`` two.
+    ``DEVICE_CONTROL_SIMULATE_USED_BY_OTHERS=1GiB`` pretends another process holds that much on each;
+    ``DEVICE_CONTROL_SIMULATE_FAULTS=stats`` makes their statistics queries fail (fault tests);
+    ``DEVICE_CONTROL_SIMULATE_LINK=16GB/s,10us`` makes copies to and from them take that time (free if unset).
+
+    Raises:
+        InvalidSizeError: a size in the variables cannot be parsed.
+        ValueError: an unknown fault is named.
+    """
+    env = os.environ if environ is None else environ
+    spec = SimulatedSpec.parse(env.get(SIMULATE_ENV), env.get(SIMULATE_FAULTS_ENV), env.get(LINK_ENV))
+    others = parse_size(env.get(SIMULATE_OTHERS_ENV) or 0)
+    return [
+        SimulatedDevice(capacity, ordinal=i, used_by_others=others, faults=spec.faults, link=spec.link)
+        for i, capacity in enumerate(spec.capacities)
+    ]

@@ -102,8 +102,8 @@ LOOKAHEAD = "device_control_lookahead"
 class Prefetcher(Protocol):
     """What a cast layer asks of its model's prefetch."""
 
-    def before_use(self, module: torch.nn.Module, target: Target) -> None:
-        """``module`` is about to compute on ``target``: its copies and those of the next layers are queued."""
+    def before_use(self, module: torch.nn.Module, target: Target, dtype: torch.dtype | None = None) -> None:
+        """``module`` is about to compute on ``target`` in ``dtype``: its copies and the next layers' are queued."""
 
     def take(self, tensor: torch.Tensor, target: Target, *, copy: bool) -> torch.Tensor | None:
         """The queued copy of ``tensor``, waited for; ``None`` when there is none."""

@@ -222,9 +222,10 @@ class PartialModel:
         self.target = target
         try:
             apply_plan(self.layers(), plan, target, hooks, progress)
-        finally:  # whatever streams now prefetches, one largest streamed layer ahead (the plan keeps that room)
+        finally:  # whatever streams now prefetches, within the room the plan keeps for streaming
             streamed = self.streamed_layers()
-            self.lookahead.attach([la.module for la in streamed], max((la.nbytes for la in streamed), default=0))
+            largest = max((la.nbytes for la in streamed), default=0)
+            self.lookahead.attach([la.module for la in streamed], STREAM_COPIES * largest)
         self.plan = plan
 
     def _apply_guarded(

@@ -10,9 +10,11 @@ by pass (a pass ends when a layer is used again), so the first pass of a model p
 later one follows the order the model really runs in, whatever its architecture. The last layer of a pass
 prefetches nothing, so no copy is left on the device when sampling ends.
 
-**How far ahead** is a byte window: the largest streamed layer, the room the plan keeps for one copy beyond
-the layer computing (``core.placement.plan.STREAM_COPIES``). The next layer is always queued; more are queued
-while they fit in the window. A copy whose layer is not used next after all (the order changed) is dropped.
+**How far ahead** is the room the plan keeps for streaming (``core.placement.plan.STREAM_COPIES`` copies of the
+largest streamed layer), less what the layer computing takes there: its copies, twice over when they are cast to
+another dtype or patched (the copy and its result). A layer that computes in the dtype it is stored in leaves room
+for two of the largest layers ahead, one that casts for one. The next layer is always queued; more are queued
+while they fit. A copy whose layer is not used next after all (the order changed) is dropped.
 
 A copy made ahead is used only if it is still a copy of the weight as it is (same tensor, same version);
 otherwise the layer copies it again, as it would without prefetch. ``DEVICE_CONTROL_PREFETCH=off`` turns
@@ -78,7 +80,7 @@ class Lookahead:
     """The prefetch of one model: the order its streamed layers run in, and the copies queued ahead."""
 
     def __init__(self) -> None:
-        self.window = 0
+        self.room = 0
         self.stats = PrefetchStats()
         self._modules: list[torch.nn.Module] = []
         self._successor: dict[int, torch.nn.Module] = {}
@@ -88,12 +90,13 @@ class Lookahead:
 
     # -- set up by the engine ---------------------------------------------------------------------
 
-    def attach(self, modules: Iterable[torch.nn.Module], window: int) -> None:
-        """Prefetch for ``modules`` (the streamed layers), at most ``window`` bytes ahead; forget queued copies."""
+    def attach(self, modules: Iterable[torch.nn.Module], room: int) -> None:
+        """Prefetch for ``modules`` (the streamed layers) within ``room`` bytes (the layer computing and the
+        copies ahead of it); forget queued copies."""
         self.detach()
         if not _enabled:
             return
-        self.window = window
+        self.room = room
         self._modules = list(modules)
         for module in self._modules:
             module.__dict__[LOOKAHEAD] = self
@@ -119,18 +122,17 @@ class Lookahead:
 
     # -- called by a streamed layer ---------------------------------------------------------------
 
-    def before_use(self, module: torch.nn.Module, target: Target) -> None:
-        """``module`` is about to compute on ``target``: queue its own copies (unless queued already), then
-        those of the layers that come next, within the window."""
+    def before_use(self, module: torch.nn.Module, target: Target, dtype: torch.dtype | None = None) -> None:
+        """``module`` is about to compute on ``target`` in ``dtype``: queue its own copies (unless queued
+        already), then those of the layers that come next, within the room it leaves."""
         self._learn(module)
         self._queue(module, target, ahead=False)
-        chain = list(self._ahead_of(module))
+        window = self.room - _in_use(module, target, dtype)
+        chain = list(self._ahead_of(module, window))
         self._drop_unexpected({id(module)} | {id(m) for m in chain}, target)
         queued = sum(entry.copy.nbytes for entry in self._in_flight.values() if entry.module is not module)
         for index, following in enumerate(chain):
-            queued = self._queue(
-                following, target, ahead=True, queued=queued, limit=None if index == 0 else self.window
-            )
+            queued = self._queue(following, target, ahead=True, queued=queued, limit=None if index == 0 else window)
             if queued is None:
                 return
 
@@ -183,14 +185,14 @@ class Lookahead:
             self._seen.add(key)
         self._previous = module
 
-    def _ahead_of(self, module: torch.nn.Module) -> Iterator[torch.nn.Module]:
-        """The layers expected after ``module``, nearest first, for one window's worth at most."""
+    def _ahead_of(self, module: torch.nn.Module, window: int) -> Iterator[torch.nn.Module]:
+        """The layers expected after ``module``, nearest first, for ``window`` bytes at most (and the next)."""
         size, visited = 0, {id(module)}
         following = self._successor.get(id(module))
         while following is not None and id(following) not in visited:
             yield following
             size += sum(tensor_bytes(tensor) for tensor, _copy in _streamed(following, None))
-            if size > self.window:
+            if size > window:
                 return
             visited.add(id(following))
             following = self._successor.get(id(following))
@@ -206,3 +208,13 @@ def _streamed(module: torch.nn.Module, target: Target | None) -> Iterator[tuple[
         if target is not None and backend_of(target).holds(tensor, target):
             continue
         yield tensor, bool(getattr(module, functions, None))
+
+
+def _in_use(module: torch.nn.Module, target: Target, dtype: torch.dtype | None) -> int:
+    """Bytes ``module``'s computation takes on ``target`` for its streamed weights: each copy, and the cast or
+    patched result made from it where there is one."""
+    total = 0
+    for tensor, patched in _streamed(module, target):
+        cast = dtype is not None and tensor.dtype != dtype and tensor.is_floating_point()
+        total += tensor_bytes(tensor) * (2 if cast or patched else 1)
+    return total

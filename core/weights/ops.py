@@ -49,7 +49,7 @@ def cast_weight_bias(
         target = target if target is not None else compute_target(input)
     ahead = layer.__dict__.get(LOOKAHEAD) if target is not None else None
     if ahead is not None:  # a streamed layer of a model that prefetches: its copies were (or are now) queued
-        ahead.before_use(layer, target)
+        ahead.before_use(layer, target, dtype)
     bias = None
     if getattr(layer, "bias", None) is not None:
         bias = _cast_one(layer.bias, target, bias_dtype, getattr(layer, "bias_function", ()), ahead, always=True)

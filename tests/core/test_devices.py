@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.devices.backends import CpuBackend, DeviceBackend, DeviceInfo, default_backends
-from core.devices.inventory import DeviceInventory, parse_device_spec, simulated_devices_from_env
-from core.devices.simulated import SimulatedDevice
+from core.devices.backends import CpuBackend, DeviceBackend, DeviceInfo, default_backends, simulated_backends
+from core.devices.inventory import DeviceInventory, parse_device_spec
+from core.devices.simulated import SimulatedDevice, simulated_devices_from_env
 from core.devices.transfer import pinned_fraction_from_env
 from core.errors import DeviceNotFoundError, InvalidDeviceSpecError, InvalidSizeError
 
@@ -104,7 +104,7 @@ def test_accelerators_are_numbered_in_probe_order_then_simulated():
     sim = SimulatedDevice(2 * GiB)
     inventory = DeviceInventory(
         backends=[StaticBackend("cuda", [cuda(0), cuda(1)]), CpuBackend()],
-        simulated=[sim],
+        extra=simulated_backends([sim]),
     )
     snapshot = inventory.snapshot()
     assert [d.id for d in snapshot.devices] == ["gpu:0", "gpu:1", "cpu", "gpu:2"]
@@ -133,7 +133,9 @@ def test_missing_device_raises_with_what_exists_or_falls_back_visibly():
 
 
 def test_a_broken_backend_is_reported_and_the_others_still_work():
-    inventory = DeviceInventory(backends=[BrokenBackend(), CpuBackend()], simulated=[SimulatedDevice(GiB)])
+    inventory = DeviceInventory(
+        backends=[BrokenBackend(), CpuBackend()], extra=simulated_backends([SimulatedDevice(GiB)])
+    )
     snapshot = inventory.snapshot()
     assert [d.id for d in snapshot.devices] == ["cpu", "gpu:0"]
     assert any("driver version is insufficient" in line for line in snapshot.errors)
@@ -142,7 +144,9 @@ def test_a_broken_backend_is_reported_and_the_others_still_work():
 
 
 def test_a_simulated_device_whose_stats_fail_is_listed_with_its_error():
-    inventory = DeviceInventory(backends=[CpuBackend()], simulated=[SimulatedDevice(GiB, faults={"stats"})])
+    inventory = DeviceInventory(
+        backends=[CpuBackend()], extra=simulated_backends([SimulatedDevice(GiB, faults={"stats"})])
+    )
     snapshot = inventory.snapshot()
     sim = snapshot.get("gpu:0")
     assert sim.error is not None and "injected fault" in sim.error
@@ -152,7 +156,7 @@ def test_a_simulated_device_whose_stats_fail_is_listed_with_its_error():
 
 def test_simulated_device_figures():
     sim = SimulatedDevice(8 * GiB, used_by_others=GiB)
-    info = DeviceInventory(backends=[CpuBackend()], simulated=[sim]).snapshot().get("gpu:0")
+    info = DeviceInventory(backends=[CpuBackend()], extra=simulated_backends([sim])).snapshot().get("gpu:0")
     assert (info.kind, info.total, info.free, info.used_by_others) == ("simulated", 8 * GiB, 7 * GiB, GiB)
     assert info.torch_device is None
     assert info.name == "Simulated GPU 0 (8.00 GiB)"

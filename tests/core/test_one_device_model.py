@@ -35,9 +35,8 @@ ALLOWED = {
     "core/devices/simlink.py",
     "core/devices/backends/simulated.py",
     "core/devices/backends/__init__.py",  # the registry: which backend drives which kind of device
-    "core/devices/inventory.py",  # DEVICE_CONTROL_SIMULATE_* settings, and the probe list they extend
-    "core/detection/__main__.py",  # the command line reads the same settings
-    "nodes/state.py",  # the pack's inventory, made from those settings
+    "core/detection/__main__.py",  # the command line reads the DEVICE_CONTROL_SIMULATE_* settings
+    "nodes/state.py",  # the pack's inventory, made with the backends those settings add
 }
 NAMES = re.compile(r"simulat|simtensor|sim_device|sim:\d", re.IGNORECASE)
 MiB = 1024**2

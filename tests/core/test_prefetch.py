@@ -39,10 +39,13 @@ class Net(torch.nn.Module):
         return x
 
 
-def _streamed_net(resident_layers: int = 2) -> tuple[Net, SimulatedDevice, torch.Tensor]:
-    """The net with its ``resident_layers`` largest-first layers on a simulated GPU, the rest streaming."""
+def _streamed_net(
+    resident_layers: int = 2, stored: torch.dtype = torch.float32
+) -> tuple[Net, SimulatedDevice, torch.Tensor]:
+    """The net (its weights in ``stored``) with its ``resident_layers`` largest-first layers on a simulated GPU,
+    the rest streaming; the input is fp32."""
     device = SimulatedDevice(64 * MiB)
-    net = Net()
+    net = Net().to(stored)
     engine = partial_model_of(net)
     engine.load(device, (resident_layers + STREAM_COPIES) * engine.layers()[0].nbytes)
     return net, device, torch.randn(2, 64, generator=torch.Generator().manual_seed(1))
@@ -52,7 +55,7 @@ def _on_host(net: Net, x: torch.Tensor) -> torch.Tensor:
     """What the net gives with every weight on the host (the reference)."""
     with torch.no_grad():
         for layer in reversed(net.layers) if net.reverse else net.layers:
-            x = torch.nn.functional.linear(x, layer.weight.cpu(), layer.bias.cpu())
+            x = torch.nn.functional.linear(x, layer.weight.cpu().to(x.dtype), layer.bias.cpu().to(x.dtype))
     return x
 
 
@@ -76,12 +79,38 @@ def test_copies_ahead_stay_within_the_room_the_plan_keeps_and_none_is_left_after
     device.reset_peak()
     out = net(device.place(x))
     largest = max(layer.nbytes for layer in engine.streamed_layers())
-    assert engine.lookahead.window == largest
+    assert engine.lookahead.room == STREAM_COPIES * largest
     activations = 4 * out.numel() * out.element_size()  # input, output and the layer in between, with room
     assert device.peak_allocated() <= engine.resident_bytes() + STREAM_COPIES * largest + activations
     assert engine.lookahead.in_flight_bytes == 0  # the last layer prefetches nothing: sampling ends clean
     del out
     assert device.allocated() == engine.resident_bytes()
+
+
+@pytest.mark.parametrize(
+    ("stored", "layers_ahead"),
+    [(torch.float32, STREAM_COPIES - 1), (torch.float16, STREAM_COPIES - 2)],
+    ids=["computes as stored", "cast to fp32"],
+)
+def test_the_copies_ahead_fill_the_room_the_computing_layer_leaves(stored, layers_ahead):
+    """The room holds three of the largest streamed layers: a layer computing in its stored dtype takes one
+    (two can come ahead), one cast to another dtype takes two (its copy and the cast: one can come ahead)."""
+    net, device, x = _streamed_net(resident_layers=0, stored=stored)
+    engine = partial_model_of(net)
+    ahead: list[int] = []
+    hooks = [
+        layer.register_forward_hook(lambda *_: ahead.append(engine.lookahead.in_flight_bytes)) for layer in net.layers
+    ]
+    try:
+        net(device.place(x))  # learns the order
+        ahead.clear()
+        out = net(device.place(x))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    layer = engine.layers()[0].nbytes
+    assert max(ahead) == layers_ahead * layer
+    assert torch.equal(out.cpu(), _on_host(net, x))
 
 
 def test_a_changed_order_drops_the_copies_made_for_the_old_one_and_stays_right():

@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from core.devices.backends import CpuBackend, DeviceBackend, DeviceInfo
+from core.devices.backends import CpuBackend, DeviceBackend, DeviceInfo, simulated_backends
 from core.devices.inventory import DeviceInventory
 from core.devices.simulated import SimulatedDevice
 from core.monitor.report import MemoryMode, ModelResidency, build_report
@@ -30,7 +30,7 @@ class NoMemoryBackend(DeviceBackend):
 def make_snapshot():
     inventory = DeviceInventory(
         backends=[NoMemoryBackend(), CpuBackend()],
-        simulated=[SimulatedDevice(8 * GiB), SimulatedDevice(GiB, ordinal=1, faults={"stats"})],
+        extra=simulated_backends([SimulatedDevice(8 * GiB), SimulatedDevice(GiB, ordinal=1, faults={"stats"})]),
     )
     return inventory.snapshot()
 
@@ -68,7 +68,7 @@ def test_text_report_has_every_section_and_figure():
 
 def test_a_device_s_peak_since_the_previous_report_is_shown_and_reset_by_the_inventory():
     sim = SimulatedDevice(8 * GiB)
-    inventory = DeviceInventory(backends=[CpuBackend()], simulated=[sim])
+    inventory = DeviceInventory(backends=[CpuBackend()], extra=simulated_backends([sim]))
     kept = sim.place(torch.zeros(256, 1024))  # 1 MiB that stays
     scratch = sim.place(torch.zeros(1024, 1024))  # 4 MiB, gone before the report: the peak remembers it
     del scratch

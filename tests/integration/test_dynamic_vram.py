@@ -40,6 +40,7 @@ def comfy(comfy_runtime, synthetic_models):
     }
     modules["inventory"] = importlib.import_module(f"{pack.__name__}.core.devices.inventory")
     modules["simulated"] = importlib.import_module(f"{pack.__name__}.core.devices.simulated")
+    modules["backends"] = importlib.import_module(f"{pack.__name__}.core.devices.backends")
     yield mm, patchers, modules, synthetic_models
     mm.unload_all_models()
 
@@ -87,7 +88,7 @@ def test_a_dynamic_model_is_placed_through_its_classic_copy(comfy):
     assert dynamic.is_dynamic() and modules["nodes.surface"].is_dynamic(dynamic)
     expected = forward(dynamic)  # the dynamic model's own weights, as loaded (in RAM)
     sim = modules["simulated"].SimulatedDevice(8 * GiB)
-    inventory = modules["inventory"].DeviceInventory(simulated=[sim])
+    inventory = modules["inventory"].DeviceInventory(extra=modules["backends"].simulated_backends([sim]))
     reading, books = modules["nodes.bridge.reading"], modules["nodes.bridge.books"]
     assert reading.residency_of(dynamic, inventory.snapshot()).managed_by == "ComfyUI Dynamic VRAM"
 

@@ -36,7 +36,11 @@ def gpu(pack, monkeypatch):
     mm, module, _ = pack
     sim = module("core.devices.simulated").SimulatedDevice(8 * GiB)
     monkeypatch.setattr(
-        module("nodes.load_checkpoint"), "inventory", module("core.devices.inventory").DeviceInventory(simulated=[sim])
+        module("nodes.load_checkpoint"),
+        "inventory",
+        module("core.devices.inventory").DeviceInventory(
+            extra=module("core.devices.backends").simulated_backends([sim])
+        ),
     )
     yield sim
     mm.unload_all_models()

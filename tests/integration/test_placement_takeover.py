@@ -34,6 +34,7 @@ def comfy(comfy_runtime, synthetic_models):
             "nodes.bridge.books",
             "nodes.bridge.patcher",
             "nodes.bridge.reading",
+            "core.devices.backends",
             "core.devices.inventory",
             "core.devices.simulated",
             "core.errors",
@@ -93,7 +94,9 @@ def test_a_model_comfyui_loaded_in_low_vram_mode_is_taken_over_exactly(comfy, ki
     mm, modules, _files = comfy
     budget = MODELS[kind][3]
     sim = modules["core.devices.simulated"].SimulatedDevice(8 * GiB)
-    inventory = modules["core.devices.inventory"].DeviceInventory(simulated=[sim])
+    inventory = modules["core.devices.inventory"].DeviceInventory(
+        extra=modules["core.devices.backends"].simulated_backends([sim])
+    )
     patcher = load_stock(comfy, kind)
     mm.load_models_gpu([patcher])  # ComfyUI's full load (patches applied to every weight): the oracle
     expected = forward(patcher, kind)
@@ -146,7 +149,9 @@ def test_a_load_that_does_not_go_through_device_control_is_an_error_not_a_succes
     model where ComfyUI put it: Move To GPU says so and fails, and the model still works where it is."""
     mm, modules, _files = comfy
     sim = modules["core.devices.simulated"].SimulatedDevice(8 * GiB)
-    inventory = modules["core.devices.inventory"].DeviceInventory(simulated=[sim])
+    inventory = modules["core.devices.inventory"].DeviceInventory(
+        extra=modules["core.devices.backends"].simulated_backends([sim])
+    )
     patcher = load_stock(comfy, "sd35_tiny")
     mm.load_models_gpu([patcher])
     expected = forward(patcher, "sd35_tiny")

@@ -18,7 +18,7 @@ from .directml import DirectMLBackend
 from .mlu import MluBackend
 from .mps import MpsBackend
 from .npu import NpuBackend
-from .simulated import SimulatedBackend
+from .simulated import SimulatedBackend, simulated_backends
 from .torch_module import TorchModuleBackend
 from .xpu import XpuBackend
 
@@ -44,6 +44,7 @@ __all__ = [
     "installed",
     "label_of",
     "same_target",
+    "simulated_backends",
     "target_of",
     "this_process",
 ]

@@ -156,3 +156,8 @@ def _info(device: SimulatedDevice) -> DeviceInfo:
         peak_allocated=stats["peak_allocated"],
         torch_visible=False,
     )
+
+
+def simulated_backends(devices: Sequence[SimulatedDevice]) -> list[DeviceBackend]:
+    """What the settings add to the inventory for ``devices``: their backend, or nothing without devices."""
+    return [SimulatedBackend(devices)] if devices else []
