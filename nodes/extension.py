@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .load_checkpoint import LoadCheckpointWithDevice
+from .load_diffusion_model import LoadDiffusionModelWithDevice
 from .move_to_gpu import MoveToGPU
 from .offload_to_cpu import OffloadToCPU
 from .panel import register_routes
@@ -22,4 +23,4 @@ class DeviceControlExtension(ComfyExtension):
 
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
         register_routes()
-        return [LoadCheckpointWithDevice, MoveToGPU, OffloadToCPU, VRAMReport]
+        return [LoadCheckpointWithDevice, LoadDiffusionModelWithDevice, MoveToGPU, OffloadToCPU, VRAMReport]

@@ -22,7 +22,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tools.comfy_server import ComfyServer
-from tools.make_fixtures import SD15_CHECKPOINT, SD15_CHECKPOINT_B, SD15_LORA
+from tools.make_fixtures import SD15_CHECKPOINT, SD15_CHECKPOINT_B, SD15_CLIP_L, SD15_LORA, SD15_UNET, SD15_VAE
 
 log = logging.getLogger("device_control.tools")
 REPO = Path(__file__).resolve().parent.parent
@@ -125,8 +125,24 @@ def two_checkpoints() -> list[Node]:
     ]
 
 
+def split_files() -> list[Node]:
+    """A model shipped as separate files: the diffusion model loaded straight onto the GPU by our loader, the
+    text encoder and the VAE by ComfyUI's own loaders, in RAM."""
+    return [
+        Node(1, "DeviceControl_LoadDiffusionModel", [SD15_UNET, "gpu:0", "auto"], {}, (20, 80)),
+        report(2, "diffusion model loaded on the GPU", (1, 0), (20, 640)),
+        Node(3, "CLIPLoader", [SD15_CLIP_L, "stable_diffusion", "default"], {}, (460, 80)),
+        *sampling(4, (3, 0), (2, 0), 840),
+        Node(8, "VAELoader", [SD15_VAE], {}, (1220, 480)),
+        Node(9, "VAEDecode", [], {"samples": (7, 0), "vae": (8, 0)}, (1580, 80)),
+        report(10, "after decoding", (9, 0), (1580, 640)),
+        Node(11, "SaveImage", ["sd15_split_files_diffusion_model_on_gpu"], {"images": (10, 0)}, (1960, 80)),
+    ]
+
+
 WORKFLOWS = {
     "sd15_move_to_gpu_and_offload.json": move_and_offload,
+    "sd15_split_files_diffusion_model_on_gpu.json": split_files,
     "sd15_low_vram_lora_budget.json": low_vram_lora,
     "two_checkpoints_offload_between.json": two_checkpoints,
 }

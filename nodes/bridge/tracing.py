@@ -63,13 +63,17 @@ def config_of(sd: dict, header: FileHeader, detection: Detection) -> tuple[Any, 
     detect = surface.model_detection()
     prefix = detect.unet_prefix_from_state_dict(sd)
     config = detect.model_config_from_unet(sd, prefix, metadata=dict(header.metadata))
+    _require_class(config, header, detection, "Load Checkpoint")
+    return config, prefix
+
+
+def _require_class(config: Any, header: FileHeader, detection: Detection, stock_loader: str) -> None:
     if config is None or type(config).__name__ != detection.comfy_class:
         found = type(config).__name__ if config is not None else "nothing"
         raise UnknownModelError(
             f"ComfyUI builds {found} from {header.path}, but the header says {detection.comfy_class}; "
-            "load it with ComfyUI's Load Checkpoint instead, and report the file's layout."
+            f"load it with ComfyUI's {stock_loader} instead, and report the file's layout."
         )
-    return config, prefix
 
 
 def build_traced(config: Any, sd: dict, prefix: str, header: FileHeader, reader: WeightReader, places: Any) -> Traced:
@@ -95,6 +99,34 @@ def build_traced(config: Any, sd: dict, prefix: str, header: FileHeader, reader:
     sources = _sources(captured, traced.roots, reader.read)
     traced.sources = {name: _with_exact_names(root, sources[name], header) for name, root in traced.roots.items()}
     return traced
+
+
+def diffusion_config_of(sd: dict, header: FileHeader, detection: Detection) -> tuple[Any, dict]:
+    """ComfyUI's model config for a diffusion-model file's stand-in state dict, and that state dict as ComfyUI's
+    Load Diffusion Model keys it (a checkpoint's diffusion-model prefix taken off).
+
+    Raises:
+        UnknownModelError: ComfyUI cannot build this file, or builds a different class than detected.
+    """
+    detect, utils = surface.model_detection(), surface.comfy_utils()
+    stripped = utils.state_dict_prefix_replace(sd, {detect.unet_prefix_from_state_dict(sd): ""}, filter_keys=True)
+    sd = stripped or sd
+    config = detect.model_config_from_unet(sd, "", metadata=dict(header.metadata))
+    _require_class(config, header, detection, "Load Diffusion Model")
+    return config, sd
+
+
+def build_traced_model(
+    config: Any, sd: dict, header: FileHeader, reader: WeightReader
+) -> tuple[Any, dict[str, Source]]:
+    """Build the diffusion model of a diffusion-model file with ComfyUI's classes, weightless, and trace the
+    sources of its weights (as ComfyUI's Load Diffusion Model builds it)."""
+    with capture_state_dict_loads() as captured, weights_on_meta():
+        model = config.get_model(sd, "", device=torch.device("cpu"))
+        with Tracer():
+            model.load_model_weights(sd, "")
+    sources = _sources(captured, {"model": model}, reader.read)["model"]
+    return model, _with_exact_names(model, sources, header)
 
 
 def stand_ins(header: FileHeader, reader: WeightReader) -> dict:

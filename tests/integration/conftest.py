@@ -93,7 +93,7 @@ PASSTHROUGH = {
 
 
 def stock_equivalent(prompt: dict[str, Any]) -> dict[str, Any]:
-    """The same graph with ComfyUI's own nodes only: our loader becomes CheckpointLoaderSimple, and our
+    """The same graph with ComfyUI's own nodes only: our loaders become CheckpointLoaderSimple and UNETLoader, and our
     pass-through nodes disappear (their outputs are wired to what they received)."""
     stock = json.loads(json.dumps(prompt))
 
@@ -108,6 +108,11 @@ def stock_equivalent(prompt: dict[str, Any]) -> dict[str, Any]:
         if node["class_type"] == "DeviceControl_LoadCheckpoint":
             node["class_type"] = "CheckpointLoaderSimple"
             node["inputs"] = {"ckpt_name": node["inputs"]["ckpt_name"]}
+        elif node["class_type"] == "DeviceControl_LoadDiffusionModel":
+            dtype = node["inputs"]["dtype"]
+            node["class_type"] = "UNETLoader"
+            weight_dtype = dtype if dtype.startswith("fp8") else "default"
+            node["inputs"] = {"unet_name": node["inputs"]["unet_name"], "weight_dtype": weight_dtype}
     for node in stock.values():
         for name, value in list(node["inputs"].items()):
             if isinstance(value, list) and len(value) == 2 and value[0] in stock:
@@ -154,6 +159,7 @@ def api() -> SimpleNamespace:
         our_nodes={
             "DeviceControl_VRAMReport": "VRAM Report",
             "DeviceControl_LoadCheckpoint": "Load Checkpoint With Device",
+            "DeviceControl_LoadDiffusionModel": "Load Diffusion Model With Device",
             "DeviceControl_MoveToGPU": "Move To GPU",
             "DeviceControl_OffloadToCPU": "Offload To CPU",
         },

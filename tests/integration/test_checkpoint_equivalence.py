@@ -30,6 +30,11 @@ def comfy(comfy_runtime, synthetic_models):
     gc.collect()
 
 
+def _errors(node):
+    """The pack's error classes (the node module is ``<pack>.nodes.load_checkpoint``)."""
+    return importlib.import_module(node.__name__.rsplit(".", 2)[0] + ".core.errors")
+
+
 def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     tensors = dict(module.named_parameters())
     tensors.update(module.named_buffers())
@@ -107,8 +112,8 @@ def test_a_checkpoint_that_cannot_fit_in_ram_is_refused_before_reading(comfy):
     detection = node.detect_header(node.read_header(_path))
     tiny = DeviceInfo("cpu", "cpu", "CPU", "cpu", 4 * 1024**3, 1024**3)
     plan = plan_fit(detection.components, {"diffusion_model": Choice(tiny, "fp32")})
-    with pytest.raises(node.DeviceControlError, match=r"does not fit: needs 3\.20 GiB.*Nothing was read"):
-        node._require_ram(SD15_CHECKPOINT, plan)
+    with pytest.raises(_errors(node).DeviceControlError, match=r"does not fit: needs 3\.20 GiB.*Nothing was read"):
+        node.require_ram(SD15_CHECKPOINT, plan)
 
 
 def test_a_diffusion_model_only_file_is_pointed_to_the_right_loader(comfy, tmp_path):
@@ -117,5 +122,6 @@ def test_a_diffusion_model_only_file_is_pointed_to_the_right_loader(comfy, tmp_p
 
     path = write_sparse_safetensors(layouts()["sd15.diffusion_model.json"], tmp_path / "unet.safetensors")
     detection = node.detect_header(node.read_header(path))
-    with pytest.raises(node.DeviceControlError, match=r"is a diffusion model .*Load Diffusion Model"):
-        node._require_checkpoint("unet.safetensors", detection)
+    refused = _errors(node).DeviceControlError
+    with pytest.raises(refused, match=r"is a diffusion model .*Load Diffusion Model With Device"):
+        node.require_kind("unet.safetensors", detection, "checkpoint", "checkpoint", "Load Checkpoint")

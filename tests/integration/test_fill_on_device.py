@@ -35,13 +35,11 @@ def gpu(pack, monkeypatch):
     """An 8 GiB simulated GPU as the node's gpu:0."""
     mm, module, _ = pack
     sim = module("core.devices.simulated").SimulatedDevice(8 * GiB)
-    monkeypatch.setattr(
-        module("nodes.load_checkpoint"),
-        "inventory",
-        module("core.devices.inventory").DeviceInventory(
-            extra=module("core.devices.backends").simulated_backends([sim])
-        ),
+    inventory = module("core.devices.inventory").DeviceInventory(
+        extra=module("core.devices.backends").simulated_backends([sim])
     )
+    for user in ("nodes.placing", "nodes.load_checkpoint"):
+        monkeypatch.setattr(module(user), "inventory", inventory)
     yield sim
     mm.unload_all_models()
     assert sim.allocated() == 0  # everything given back

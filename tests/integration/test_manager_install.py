@@ -19,6 +19,7 @@ from tools.runtime import PACK_FOLDER, REPO, comfyui_dir
 
 OUR_NODES = {
     "DeviceControl_LoadCheckpoint",
+    "DeviceControl_LoadDiffusionModel",
     "DeviceControl_MoveToGPU",
     "DeviceControl_OffloadToCPU",
     "DeviceControl_VRAMReport",

