@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from .load_checkpoint import LoadCheckpointWithDevice
 from .load_diffusion_model import LoadDiffusionModelWithDevice
+from .load_text_encoders import LoadTextEncodersWithDevice
+from .load_vae import LoadVAEWithDevice
 from .move_to_gpu import MoveToGPU
 from .offload_to_cpu import OffloadToCPU
 from .panel import register_routes
@@ -23,4 +25,12 @@ class DeviceControlExtension(ComfyExtension):
 
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
         register_routes()
-        return [LoadCheckpointWithDevice, LoadDiffusionModelWithDevice, MoveToGPU, OffloadToCPU, VRAMReport]
+        return [
+            LoadCheckpointWithDevice,
+            LoadDiffusionModelWithDevice,
+            LoadTextEncodersWithDevice,
+            LoadVAEWithDevice,
+            MoveToGPU,
+            OffloadToCPU,
+            VRAMReport,
+        ]

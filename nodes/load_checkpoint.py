@@ -8,32 +8,29 @@ node's output, so shared workflows still run.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from ..core.detection.detect import Detection, detect_header
 from ..core.detection.headers import read_header
-from ..core.devices.inventory import parse_device_spec
-from ..core.errors import (
-    InvalidDeviceSpecError,
-)
-from ..core.placement.fit import Choice, FitPlan, plan_fit
+from ..core.placement.fit import Choice, FitPlan
 from ..core.units import format_bytes
-from . import panel, surface
+from . import surface
 from .bridge.checkpoint import BuiltCheckpoint, build_checkpoint, built_dtypes
 from .placing import (
-    DTYPES,
+    check_devices,
     detection_for_this_comfyui,
+    device_input,
+    dtype_input,
+    loaded,
     model_path,
+    plan_load,
     progress_bar,
     require_kind,
-    require_ram,
     resolve_placement,
+    summary_output,
     with_fit,
 )
-from .state import device_options, inventory
-
-log = logging.getLogger("device_control")
+from .state import inventory
 
 ROLES = (("diffusion_model", "model"), ("text_encoder", "clip"), ("vae", "vae"))
 
@@ -44,31 +41,6 @@ class LoadCheckpointWithDevice(surface.io.ComfyNode):
     @classmethod
     def define_schema(cls) -> Any:
         io = surface.io
-        devices = device_options()
-        dtypes = list(DTYPES)
-
-        def device_input(name: str, what: str) -> Any:
-            return io.Combo.Input(
-                name,
-                options=devices,
-                default="auto",
-                tooltip=(
-                    f"Where the {what} lives: auto (ComfyUI's choice), cpu, or gpu:N. A device this machine does not "
-                    "have falls back to auto with a warning, so workflows from other machines still run."
-                ),
-            )
-
-        def dtype_input(name: str, what: str) -> Any:
-            return io.Combo.Input(
-                name,
-                options=dtypes,
-                default="auto",
-                tooltip=(
-                    f"Storage dtype of the {what}: auto (ComfyUI's choice for the device), fp32, fp16, bf16 or fp8. "
-                    "When the device cannot compute in it, weights are cast on the fly to a dtype it can."
-                ),
-            )
-
         return io.Schema(
             node_id="DeviceControl_LoadCheckpoint",
             display_name="Load Checkpoint With Device",
@@ -95,20 +67,13 @@ class LoadCheckpointWithDevice(surface.io.ComfyNode):
                 io.Model.Output(tooltip="The diffusion model, for KSampler, LoRA loaders and the like."),
                 io.Clip.Output(tooltip="The text encoder(s), for CLIP Text Encode."),
                 io.Vae.Output(tooltip="The VAE, for VAE Decode / Encode."),
-                io.String.Output(
-                    display_name="summary", tooltip="What was loaded where, in which dtype, and whether it fits."
-                ),
+                summary_output(),
             ],
         )
 
     @classmethod
     def validate_inputs(cls, model_device: str, clip_device: str, vae_device: str) -> bool | str:
-        for name, value in (("model_device", model_device), ("clip_device", clip_device), ("vae_device", vae_device)):
-            try:
-                parse_device_spec(value)
-            except InvalidDeviceSpecError as exc:
-                return f"{name}: {exc}"
-        return True  # a device this machine lacks is not an error: it falls back at run time, with a warning
+        return check_devices(model_device=model_device, clip_device=clip_device, vae_device=vae_device)
 
     @classmethod
     def execute(
@@ -137,16 +102,11 @@ class LoadCheckpointWithDevice(surface.io.ComfyNode):
                     f"{role.replace('_', ' ')}: {choices[role].device.id} does not compute in fp8; the "
                     "weights stay fp8 in memory and are cast to a dtype it computes in, layer by layer"
                 )
-        plan = plan_fit(detection.components, choices)
-        require_ram(ckpt_name, plan)
+        plan = plan_load(ckpt_name, detection.components, choices, notes)
         placements = {role: with_fit(p, plan, choices[role]) for role, p in placements.items()}
-        for note in notes:
-            log.warning("[Device Control] %s: %s", ckpt_name, note)
         built = build_checkpoint(header, detection, placements, progress_bar())
-        panel.announce()
         summary = _summary(ckpt_name, detection, choices, plan, built, notes)
-        log.info("[Device Control] %s", summary)
-        return surface.io.NodeOutput(built.model, built.clip, built.vae, summary, ui={"text": (summary,)})
+        return loaded(summary, built.model, built.clip, built.vae)
 
 
 def _summary(

@@ -8,31 +8,31 @@ Load Diffusion Model does, and streams the weights into place (``bridge.diffusio
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from ..core.detection.detect import Detection, detect_header
 from ..core.detection.headers import read_header
-from ..core.devices.inventory import parse_device_spec
-from ..core.errors import InvalidDeviceSpecError
-from ..core.placement.fit import Choice, FitPlan, plan_fit
+from ..core.placement.fit import Choice, FitPlan
 from ..core.units import format_bytes
-from . import panel, surface
+from . import surface
 from .bridge.diffusion_model import build_diffusion_model
 from .bridge.reading import dominant_dtype
 from .placing import (
     DTYPES,
+    check_devices,
     detection_for_this_comfyui,
+    device_input,
+    dtype_input,
+    loaded,
     model_path,
+    plan_load,
     progress_bar,
     require_kind,
-    require_ram,
     resolve_placement,
+    summary_output,
     with_fit,
 )
-from .state import device_options, inventory
-
-log = logging.getLogger("device_control")
+from .state import inventory
 
 ROLE = "diffusion_model"
 #: ComfyUI's fp8_e4m3fn_fast: stored in fp8_e4m3fn, multiplied in fp8 where the device can.
@@ -61,41 +61,22 @@ class LoadDiffusionModelWithDevice(surface.io.ComfyNode):
                     options=surface.folder_paths().get_filename_list("diffusion_models"),
                     tooltip="The diffusion model file (from ComfyUI's diffusion_models folders, unet included).",
                 ),
-                io.Combo.Input(
-                    "device",
-                    options=device_options(),
-                    default="auto",
-                    tooltip=(
-                        "Where the model lives: auto (ComfyUI's choice), cpu, or gpu:N. A device this machine does "
-                        "not have falls back to auto with a warning, so workflows from other machines still run."
-                    ),
-                ),
-                io.Combo.Input(
+                device_input("device", "diffusion model"),
+                dtype_input(
                     "dtype",
-                    options=[*DTYPES, FAST_FP8],
-                    default="auto",
-                    tooltip=(
-                        "Storage dtype: auto (ComfyUI's choice for the device), fp32, fp16, bf16, or fp8 "
-                        "(fp8_e4m3fn_fast also multiplies in fp8 where the device can). Weights are cast on the fly "
-                        "to a dtype the device computes in."
-                    ),
+                    "diffusion model (fp8_e4m3fn_fast also multiplies in fp8 where the device can)",
+                    [*DTYPES, FAST_FP8],
                 ),
             ],
             outputs=[
                 io.Model.Output(tooltip="The diffusion model, for KSampler, LoRA loaders, Move To GPU and the like."),
-                io.String.Output(
-                    display_name="summary", tooltip="What was loaded where, in which dtype, and whether it fits."
-                ),
+                summary_output(),
             ],
         )
 
     @classmethod
     def validate_inputs(cls, device: str) -> bool | str:
-        try:
-            parse_device_spec(device)
-        except InvalidDeviceSpecError as exc:
-            return f"device: {exc}"
-        return True  # a device this machine lacks is not an error: it falls back at run time, with a warning
+        return check_devices(device=device)
 
     @classmethod
     def execute(cls, unet_name: str, device: str, dtype: str) -> Any:
@@ -108,17 +89,11 @@ class LoadDiffusionModelWithDevice(surface.io.ComfyNode):
         place, choice = resolve_placement(
             ROLE, device, "fp8_e4m3fn" if fast else dtype, detection, inventory.snapshot(), notes
         )
-        plan = plan_fit(detection.components, {ROLE: choice})
-        require_ram(unet_name, plan)
-        for note in notes:
-            log.warning("[Device Control] %s: %s", unet_name, note)
+        plan = plan_load(unet_name, detection.components, {ROLE: choice}, notes)
         built = build_diffusion_model(
             header, detection, with_fit(place, plan, choice), fp8_optimizations=fast, progress=progress_bar()
         )
-        panel.announce()
-        summary = _summary(unet_name, detection, choice, plan, built.model, notes + built.notes)
-        log.info("[Device Control] %s", summary)
-        return surface.io.NodeOutput(built.model, summary, ui={"text": (summary,)})
+        return loaded(_summary(unet_name, detection, choice, plan, built.model, notes + built.notes), built.model)
 
 
 def _summary(name: str, detection: Detection, choice: Choice, plan: FitPlan, model: Any, notes: list[str]) -> str:

@@ -8,6 +8,7 @@ still run.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Any
 
@@ -16,16 +17,24 @@ import torch
 from ..core.detection.detect import Detection
 from ..core.detection.headers import FileHeader
 from ..core.devices.backends import DeviceInfo, backend_of
-from ..core.devices.inventory import InventorySnapshot
-from ..core.errors import DeviceControlError, DeviceNotFoundError, ModelFileError, UnknownModelError
+from ..core.devices.inventory import InventorySnapshot, parse_device_spec
+from ..core.errors import (
+    DeviceControlError,
+    DeviceNotFoundError,
+    InvalidDeviceSpecError,
+    ModelFileError,
+    UnknownModelError,
+)
 from ..core.placement.budget import Placement
-from ..core.placement.fit import Choice, FitPlan
-from . import surface
+from ..core.placement.fit import Choice, FitPlan, plan_fit
+from . import panel, surface
 from .bridge import device_id
 from .bridge.checkpoint import default_dtype
 from .bridge.comfy_detection import detect_with_comfyui
 from .bridge.filling import ComponentPlan
-from .state import inventory
+from .state import device_options, inventory
+
+log = logging.getLogger("device_control")
 
 #: Storage dtypes a loader offers, by the name the node shows.
 DTYPES: dict[str, torch.dtype | None] = {
@@ -36,12 +45,14 @@ DTYPES: dict[str, torch.dtype | None] = {
     "fp8_e4m3fn": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
 }
+#: Storage dtypes a VAE can have (ComfyUI's VAE has no cast path for fp8).
+VAE_DTYPES = ("auto", "fp32", "fp16", "bf16")
 #: The node that loads a file of each kind.
 LOADER_FOR = {
     "checkpoint": "Load Checkpoint With Device",
     "diffusion_model": "Load Diffusion Model With Device",
-    "text_encoder": "ComfyUI's Load CLIP",
-    "vae": "ComfyUI's Load VAE",
+    "text_encoder": "Load Text Encoders With Device",
+    "vae": "Load VAE With Device",
     "lora": "a LoRA loader (Load LoRA)",
 }
 _CANDIDATE = {
@@ -77,13 +88,78 @@ def _chosen_device(
 
 
 def _storage_dtype(role: str, name: str) -> torch.dtype | None:
-    dtype = DTYPES[name]
-    if role == "vae" and dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        raise DeviceControlError(
-            "the VAE cannot be stored in fp8: ComfyUI's VAE has no cast path; "
-            "choose fp32, fp16, bf16 or auto for vae_dtype."
-        )
-    return dtype
+    if role == "vae" and name not in VAE_DTYPES:
+        raise DeviceControlError(vae_dtype_problem(name, "vae_dtype"))
+    return DTYPES[name]
+
+
+def vae_dtype_problem(name: str, option: str) -> str:
+    """What is wrong with ``name`` as a VAE's storage dtype (given in the node's input ``option``)."""
+    return (
+        f"the VAE cannot be stored in {name}: ComfyUI's VAE has no cast path for it; choose "
+        f"{', '.join(VAE_DTYPES[1:])} or auto for {option}."
+    )
+
+
+def device_input(name: str, what: str) -> Any:
+    """A node's device choice for ``what``: ``auto``, ``cpu`` and every accelerator of this machine."""
+    return surface.io.Combo.Input(
+        name,
+        options=device_options(),
+        default="auto",
+        tooltip=(
+            f"Where the {what} lives: auto (ComfyUI's choice), cpu, or gpu:N. A device this machine does not "
+            "have falls back to auto with a warning, so workflows from other machines still run."
+        ),
+    )
+
+
+def dtype_input(name: str, what: str, options: list[str] | tuple[str, ...] = tuple(DTYPES)) -> Any:
+    """A node's storage dtype choice for ``what``."""
+    return surface.io.Combo.Input(
+        name,
+        options=list(options),
+        default="auto",
+        tooltip=(
+            f"Storage dtype of the {what}: auto (ComfyUI's choice for the device), "
+            f"{', '.join(o for o in options if o != 'auto')}. When the device cannot compute in it, weights are "
+            "cast on the fly to a dtype it can."
+        ),
+    )
+
+
+def check_devices(**inputs: str) -> bool | str:
+    """A node's ``validate_inputs`` answer for its device inputs (by name): a malformed one is refused when the
+    prompt is queued; a device this machine lacks is not an error (it falls back at run time, with a warning)."""
+    for name, value in inputs.items():
+        try:
+            parse_device_spec(value)
+        except InvalidDeviceSpecError as exc:
+            return f"{name}: {exc}"
+    return True
+
+
+def plan_load(name: str, components: Any, choices: dict[str, Choice], notes: list[str]) -> FitPlan:
+    """The fit plan of a load, refused (before anything is read) when RAM cannot hold it; ``notes`` are logged."""
+    plan = plan_fit(components, choices)
+    require_ram(name, plan)
+    for note in notes:
+        log.warning("[Device Control] %s: %s", name, note)
+    return plan
+
+
+def loaded(summary: str, *values: Any) -> Any:
+    """A loader's output: ``values`` and its summary, on the canvas too; the panel is told at once."""
+    panel.announce()
+    log.info("[Device Control] %s", summary)
+    return surface.io.NodeOutput(*values, summary, ui={"text": (summary,)})
+
+
+def summary_output() -> Any:
+    """The ``summary`` output every loader of ours has."""
+    return surface.io.String.Output(
+        display_name="summary", tooltip="What was loaded where, in which dtype, and whether it fits."
+    )
 
 
 def resolve_placement(

@@ -15,6 +15,7 @@ any ComfyUI source tree, without running it.
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
 from types import ModuleType
 from typing import Any
@@ -84,9 +85,15 @@ COMFY_SYMBOLS: dict[str, tuple[str, ...]] = {
     ),
     "comfy.model_patcher": ("LowVramPatch", "ModelPatcher", "get_key_weight"),
     "comfy.patcher_extension": ("CallbacksMP",),
-    "comfy.sd": ("CLIP", "VAE"),
+    "comfy.sd": ("CLIP", "CLIPType", "VAE", "detect_te_model", "load_text_encoder_state_dicts"),
     "comfy.supported_models": ("models",),
-    "comfy.utils": ("ProgressBar", "calculate_parameters", "state_dict_prefix_replace", "weight_dtype"),
+    "comfy.utils": (
+        "ProgressBar",
+        "calculate_parameters",
+        "convert_old_quants",
+        "state_dict_prefix_replace",
+        "weight_dtype",
+    ),
     "comfyui_version": ("__version__",),
     "folder_paths": ("get_filename_list", "get_folder_paths", "get_full_path"),
     "server": ("PromptServer",),
@@ -109,6 +116,7 @@ COMFY_ATTRIBUTES: dict[str, tuple[str, ...]] = {
         "get_all_callbacks",
         "is_clone",
         "is_dynamic",
+        "load_text_encoders",
         "load",
         "load_device",
         "loaded_size",
@@ -137,7 +145,7 @@ COMFY_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "comfy.model_base:BaseModel": ("get_dtype", "load_model_weights", "manual_cast_dtype", "model_config"),
     "comfy.model_management:LoadedModel": ("currently_used", "device", "model", "model_unload"),
     "comfy.sd:CLIP": ("clone", "cond_stage_model", "load_sd", "patcher"),
-    "comfy.sd:VAE": ("device", "first_stage_model", "patcher", "vae_dtype"),
+    "comfy.sd:VAE": ("device", "first_stage_model", "patcher", "throw_exception_if_invalid", "vae_dtype"),
     "comfy.supported_models:SD15": ("clip_target",),  # each family defines its own: SD15 stands for them
     "comfy.supported_models_base:BASE": (
         "get_model",
@@ -157,6 +165,7 @@ OPTIONAL: frozenset[str] = frozenset(
         "comfy.float._CK_STOCHASTIC_ROUNDING_AVAILABLE",
         "comfy.memory_management.aimdo_enabled",
         "comfy.model_management.TOTAL_PINNED_MEMORY",
+        "comfy.utils.convert_old_quants",
         "comfy.model_patcher:ModelPatcherDynamic.get_non_dynamic_delegate",
         "comfy.model_patcher:ModelPatcher.is_dynamic",
         "comfy.model_patcher:ModelPatcher.model.model_offload_buffer_memory",
@@ -172,6 +181,8 @@ __all__ = [
     "ComfyExtension",
     "base_model_class",
     "classic_clone",
+    "clip_type",
+    "clip_types",
     "comfy_lora",
     "comfy_sd",
     "comfy_utils",
@@ -184,6 +195,7 @@ __all__ = [
     "is_dynamic",
     "key_weight",
     "load_models_gpu",
+    "load_text_encoders",
     "loaded_model_class",
     "loaded_model_list",
     "loaded_models",
@@ -191,6 +203,7 @@ __all__ = [
     "model_detection",
     "model_management",
     "model_patcher_class",
+    "old_quants_converter",
     "on_load_callback_kind",
     "prompt_server",
     "running_in_comfyui",
@@ -234,6 +247,31 @@ def comfy_utils() -> ModuleType:
 def comfy_lora() -> ModuleType:
     """``comfy.lora``: the key maps that say which LoRA layer names patch which weights of a model."""
     return importlib.import_module("comfy.lora")
+
+
+def clip_types() -> list[str]:
+    """The text-encoder types of the running ComfyUI (``comfy.sd.CLIPType``), as its CLIP loaders name them."""
+    return [member.name.lower() for member in comfy_sd().CLIPType]
+
+
+def clip_type(name: str) -> Any:
+    """The ``comfy.sd.CLIPType`` a loader's ``type`` names (an unknown name: the first, as ComfyUI's loaders do)."""
+    members = list(comfy_sd().CLIPType)
+    return next((member for member in members if member.name == name.upper()), members[0])
+
+
+def load_text_encoders(state_dicts: list[dict], kind: Any, options: dict[str, Any]) -> Any:
+    """``comfy.sd.load_text_encoder_state_dicts``: the CLIP ComfyUI's CLIP loaders build from these state dicts,
+    with the classic patcher (``disable_dynamic``, where Dynamic VRAM exists), which Device Control takes over."""
+    load = comfy_sd().load_text_encoder_state_dicts
+    extra = {"disable_dynamic": True} if "disable_dynamic" in inspect.signature(load).parameters else {}
+    embeddings = folder_paths().get_folder_paths("embeddings")
+    return load(state_dicts=state_dicts, embedding_directory=embeddings, clip_type=kind, model_options=options, **extra)
+
+
+def old_quants_converter() -> Any:
+    """``comfy.utils.convert_old_quants`` (scaled fp8 to quantized layers, ComfyUI 0.2x), or ``None``."""
+    return getattr(comfy_utils(), "convert_old_quants", None)
 
 
 def model_patcher_class() -> type:

@@ -87,10 +87,15 @@ def _t5(view: KeyView) -> str:
     return "UMT5-XXL" if view.dim("shared.weight", 0) == 256384 else "T5-XXL"
 
 
+#: Qwen3 text encoders by hidden width (Z-Image and Flux.2 Klein take the 4B, Klein 9B the 8B, Ovis the 2B).
+_QWEN3 = {1024: "Qwen3-0.6B", 2048: "Qwen3-2B", 2560: "Qwen3-4B", 4096: "Qwen3-8B"}
+
+
 def _llm(view: KeyView) -> str:
+    width = view.shape("model.layers.0.post_attention_layernorm.weight")[0]
     if view.has("model.layers.0.self_attn.q_norm.weight"):
-        return "Qwen3-4B"
-    if view.shape("model.layers.0.post_attention_layernorm.weight")[0] == 5120:
+        return _QWEN3.get(width, f"Qwen3 ({width} wide)")
+    if width == 5120:
         return (
             "Mistral-3 24B" if view.has("model.layers.39.post_attention_layernorm.weight") else "Mistral-3 24B (pruned)"
         )

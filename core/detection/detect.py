@@ -90,10 +90,20 @@ def detect_header(header: FileHeader) -> Detection:
     for kind, classify in (("vae", vae_kind), ("text_encoder", text_encoder_kind)):
         name = classify(KeyView(tensors, ""))
         if name is not None:
-            return Detection(
-                **base, kind=kind, family=name, components=(measure(kind, name, "", list(tensors.values())),)
-            )
+            return single_component(header, kind, name)
     return Detection(**base, kind="unknown", **_explain_unknown(tensors))
+
+
+def single_component(header: FileHeader, kind: str, name: str) -> Detection:
+    """The file described as one component of ``kind`` (``vae``, ``text_encoder``) named ``name``: a file of a
+    VAE or a text encoder, which another source may have identified (ComfyUI's own detection)."""
+    return Detection(
+        path=header.path,
+        file_format=header.format,
+        kind=kind,
+        family=name,
+        components=(measure(kind, name, "", list(header.tensors.values())),),
+    )
 
 
 def detection_for(header: FileHeader, family: Family, prefix: str) -> Detection:

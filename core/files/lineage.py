@@ -34,19 +34,25 @@ _TAG = "_device_control_lineage"
 _lock = threading.Lock()
 
 
-def source_tensors(tensors: Mapping[str, TensorInfo], probes: Mapping[str, torch.Tensor] | None = None) -> dict:
+def source_tensors(
+    tensors: Mapping[str, TensorInfo],
+    probes: Mapping[str, torch.Tensor] | None = None,
+    qualify: Callable[[str], str] = str,
+) -> dict:
     """A stand-in state dict: one tagged ``meta`` tensor per file tensor.
 
     Args:
         tensors: the file's header entries.
         probes: real values for the few tensors a host reads by value while building a model (for example
             the one SD2 uses to tell eps from v-prediction); they are tagged like the others.
+        qualify: the name a tensor's tag carries, from its name in the file (for a file of a
+            :class:`~core.files.fileset.FileSet`, its qualified name); the state dict keeps the file's names.
     """
     out: dict[str, torch.Tensor] = {}
     for name, info in tensors.items():
         dtype = SAFETENSORS_DTYPES[info.dtype][1] or torch.uint8
         tensor = probes[name] if probes and name in probes else torch.empty(info.shape, dtype=dtype, device="meta")
-        setattr(tensor, _TAG, ("file", name))
+        setattr(tensor, _TAG, ("file", qualify(name)))
         out[name] = tensor
     return out
 

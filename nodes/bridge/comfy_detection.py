@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from ...core.detection.detect import Detection, detection_for
+from ...core.detection.detect import Detection, detection_for, single_component
 from ...core.detection.families import Family
 from ...core.detection.headers import FileHeader
 from ...core.files.reader import WeightReader
@@ -56,3 +56,18 @@ def detect_with_comfyui(header: FileHeader) -> Detection | None:
     )
     log.warning("[Device Control] %s: loaded as %s, %s", header.path, name, COMFY_DETECTED)
     return detection_for(header, family, prefix)
+
+
+def text_encoder_with_comfyui(header: FileHeader) -> Detection | None:
+    """The file as a text encoder ComfyUI's CLIP loaders recognise (``detect_te_model``), or ``None``."""
+    with WeightReader(header) as reader:
+        sd = stand_ins(header, reader)
+    try:
+        found = surface.comfy_sd().detect_te_model(sd)
+    except Exception as exc:  # ComfyUI's detection assumes a file it half-recognises is whole
+        log.warning("[Device Control] %s: ComfyUI's text-encoder detection failed on it (%s)", header.path, exc)
+        return None
+    if found is None:
+        return None
+    log.warning("[Device Control] %s: a %s text encoder, %s", header.path, found.name, COMFY_DETECTED)
+    return single_component(header, "text_encoder", f"{found.name} ({COMFY_DETECTED})")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ import torch
 from ...core.detection.detect import Detection
 from ...core.detection.headers import FileHeader
 from ...core.errors import ModelFileError, UnknownModelError
+from ...core.files.fileset import FileSet, qualified
 from ...core.files.lineage import Tracer, capture_state_dict_loads, source_of, source_tensors
 from ...core.files.reader import WeightReader
 from ...core.files.skeleton import Source, weights_on_meta
@@ -132,6 +134,36 @@ def build_traced_model(
 def stand_ins(header: FileHeader, reader: WeightReader) -> dict:
     """The file as a state dict of tagged ``meta`` tensors (the few ComfyUI reads by value are read for real)."""
     return source_tensors(header.tensors, _probes(header, reader))
+
+
+def build_traced_text_encoders(files: FileSet, clip_type: Any, options: dict[str, Any]) -> tuple[Any, dict]:
+    """The CLIP ComfyUI's CLIP loaders build from ``files`` as ``clip_type`` (a ``comfy.sd.CLIPType``), weightless,
+    and the sources of its weights (qualified names of ``files``).
+
+    ComfyUI's own ``load_text_encoder_state_dicts`` runs on the stand-ins, so its choice of encoder classes from
+    the type and the files, its key renames and its transforms are the ones a stock loader makes. ``options`` are
+    its ``model_options`` (device, offload device, dtype; the build happens on the host, see :func:`_build_clip`).
+    """
+    sds = [
+        source_tensors(reader.header.tensors, _probes(reader.header, reader), partial(qualified, index))
+        for index, reader in enumerate(files.readers)
+    ]
+    with capture_state_dict_loads() as captured, weights_on_meta(), Tracer():
+        clip = surface.load_text_encoders(sds, clip_type, {"initial_device": torch.device("cpu", 0), **options})
+    sources = _sources(captured, {"clip": clip.cond_stage_model}, files.read)["clip"]
+    return clip, sources
+
+
+def build_traced_vae(header: FileHeader, reader: WeightReader, place: Any) -> tuple[Any, dict]:
+    """The VAE ComfyUI's Load VAE builds from this file, weightless, on ``place``'s device and in its dtype, and
+    the sources of its weights (``place``: a component plan)."""
+    with capture_state_dict_loads() as captured, weights_on_meta(), Tracer():
+        vae = surface.comfy_sd().VAE(
+            sd=stand_ins(header, reader), device=place.device, dtype=place.dtype, metadata=dict(header.metadata)
+        )
+    vae.throw_exception_if_invalid()
+    sources = _sources(captured, {"vae": vae.first_stage_model}, reader.read)["vae"]
+    return vae, _with_exact_names(vae.first_stage_model, sources, header)
 
 
 def _probes(header: FileHeader, reader: WeightReader) -> dict[str, torch.Tensor]:

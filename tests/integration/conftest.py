@@ -92,9 +92,24 @@ PASSTHROUGH = {
 }
 
 
+#: ComfyUI's CLIP loader for each number of text-encoder files (Triple and Quadruple take no type).
+STOCK_CLIP_LOADERS = {1: "CLIPLoader", 2: "DualCLIPLoader", 3: "TripleCLIPLoader", 4: "QuadrupleCLIPLoader"}
+
+
+def stock_clip_loader(inputs: dict[str, Any]) -> dict[str, Any]:
+    """The stock CLIP loader node (class and inputs) that loads what Load Text Encoders With Device is given."""
+    files = [inputs[f"clip_name{i}"] for i in range(1, 5) if inputs.get(f"clip_name{i}", "none") != "none"]
+    stock: dict[str, Any] = {"clip_name": files[0]} if len(files) == 1 else {}
+    if len(files) > 1:
+        stock = {f"clip_name{i}": name for i, name in enumerate(files, 1)}
+    if len(files) <= 2:
+        stock["type"] = inputs["type"]
+    return {"class_type": STOCK_CLIP_LOADERS[len(files)], "inputs": stock}
+
+
 def stock_equivalent(prompt: dict[str, Any]) -> dict[str, Any]:
-    """The same graph with ComfyUI's own nodes only: our loaders become CheckpointLoaderSimple and UNETLoader, and our
-    pass-through nodes disappear (their outputs are wired to what they received)."""
+    """The same graph with ComfyUI's own nodes only: our loaders become CheckpointLoaderSimple, UNETLoader, the CLIP
+    loaders and VAELoader, and our pass-through nodes disappear (their outputs are wired to what they received)."""
     stock = json.loads(json.dumps(prompt))
 
     def resolve(link: list[Any]) -> list[Any]:
@@ -113,6 +128,11 @@ def stock_equivalent(prompt: dict[str, Any]) -> dict[str, Any]:
             node["class_type"] = "UNETLoader"
             weight_dtype = dtype if dtype.startswith("fp8") else "default"
             node["inputs"] = {"unet_name": node["inputs"]["unet_name"], "weight_dtype": weight_dtype}
+        elif node["class_type"] == "DeviceControl_LoadTextEncoders":
+            node.update(stock_clip_loader(node["inputs"]))
+        elif node["class_type"] == "DeviceControl_LoadVAE":
+            node["class_type"] = "VAELoader"
+            node["inputs"] = {"vae_name": node["inputs"]["vae_name"]}
     for node in stock.values():
         for name, value in list(node["inputs"].items()):
             if isinstance(value, list) and len(value) == 2 and value[0] in stock:
@@ -160,6 +180,8 @@ def api() -> SimpleNamespace:
             "DeviceControl_VRAMReport": "VRAM Report",
             "DeviceControl_LoadCheckpoint": "Load Checkpoint With Device",
             "DeviceControl_LoadDiffusionModel": "Load Diffusion Model With Device",
+            "DeviceControl_LoadTextEncoders": "Load Text Encoders With Device",
+            "DeviceControl_LoadVAE": "Load VAE With Device",
             "DeviceControl_MoveToGPU": "Move To GPU",
             "DeviceControl_OffloadToCPU": "Offload To CPU",
         },

@@ -20,6 +20,8 @@ from tools.runtime import PACK_FOLDER, REPO, comfyui_dir
 OUR_NODES = {
     "DeviceControl_LoadCheckpoint",
     "DeviceControl_LoadDiffusionModel",
+    "DeviceControl_LoadTextEncoders",
+    "DeviceControl_LoadVAE",
     "DeviceControl_MoveToGPU",
     "DeviceControl_OffloadToCPU",
     "DeviceControl_VRAMReport",

