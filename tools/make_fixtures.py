@@ -14,8 +14,12 @@ class (the one that builds SD3.5 Large) with the hidden size shrunk to 512 (8 jo
 loads through the stock ``UNETLoader`` and samples in seconds; its text conditioning is SD1.5's CLIP-L (768
 features, pooled and per token), which its input layers are sized for.
 
-Files are cached in the runtime's ``fixtures/`` folder and rebuilt only when :data:`FIXTURE_VERSION`
-changes. Run with the runtime's Python: ``.runtime/venv/bin/python -m tools.make_fixtures``.
+:func:`make_all` also makes the fixtures of other model families (SDXL, SD3.5, Flux, Chroma, Wan 2.1, their
+LoRAs, text encoders and VAEs): see :mod:`tools.make_family_fixtures`.
+
+Files are cached in the runtime's ``fixtures/`` folder: these are rebuilt only when :data:`FIXTURE_VERSION`
+changes, each family fixture only when its own version stamp does. Run with the runtime's Python:
+``.runtime/venv/bin/python -m tools.make_fixtures``.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tools.comfy_inprocess import import_comfy
+from tools.make_family_fixtures import make_family_fixtures
 from tools.runtime import fixtures_dir
 
 log = logging.getLogger("device_control.tools")
@@ -259,7 +264,7 @@ def make_all() -> dict[str, Path]:
         name: make_split_part(checkpoint, root / folder / name, prefix, renamed)
         for name, (folder, prefix, renamed) in SPLIT_PARTS.items()
     }
-    return {
+    made = {
         "checkpoint": checkpoint,
         "checkpoint_b": second_name(checkpoint, root / "checkpoints" / SD15_CHECKPOINT_B),
         "lora": make_sd15_lora(root / "loras" / SD15_LORA),
@@ -268,6 +273,9 @@ def make_all() -> dict[str, Path]:
         "vae": parts[SD15_VAE],
         "sd35_tiny": make_sd35_tiny(root / "diffusion_models" / SD35_TINY),
     }
+    # SDXL, SD3.5, Flux, Chroma and Wan 2.1 with their LoRAs, text encoders and VAEs (tools/make_family_fixtures).
+    made.update(make_family_fixtures(root))
+    return made
 
 
 def second_name(source: Path, target: Path) -> Path:
