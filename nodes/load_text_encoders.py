@@ -64,9 +64,7 @@ class LoadTextEncodersWithDevice(surface.io.ComfyNode):
             inputs=[
                 io.Combo.Input("clip_name1", options=files, tooltip=f"{file_tooltip}."),
                 *(
-                    io.Combo.Input(
-                        name, options=[NONE, *files], default=NONE, tooltip=f"{file_tooltip}, or none.", optional=True
-                    )
+                    io.Combo.Input(name, options=[NONE, *files], default=NONE, tooltip=f"{file_tooltip}, or none.")
                     for name in FILE_INPUTS[1:]
                 ),
                 io.Combo.Input(
@@ -96,12 +94,12 @@ class LoadTextEncodersWithDevice(surface.io.ComfyNode):
     def execute(
         cls,
         clip_name1: str,
+        clip_name2: str,
+        clip_name3: str,
+        clip_name4: str,
         type: str,  # the input's name, as ComfyUI's CLIP loaders call it
         device: str,
         dtype: str,
-        clip_name2: str = NONE,
-        clip_name3: str = NONE,
-        clip_name4: str = NONE,
     ) -> Any:
         names, headers = _files(clip_name1, clip_name2, clip_name3, clip_name4)
         detections = [_text_encoder(name, header) for name, header in zip(names, headers, strict=True)]

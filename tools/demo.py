@@ -69,7 +69,7 @@ def main() -> int:
 
     provision()
     log.info("[Device Control] making the synthetic SD1.5 checkpoint (cached after the first run)")
-    subprocess.run([str(venv_python()), "-m", "tools.make_fixtures"], cwd=REPO, check=True)
+    subprocess.run([str(venv_python()), "-m", "tools.make_fixtures", "--without-families"], cwd=REPO, check=True)
     gpu = _gpu_present()
     simulate = args.simulate_gpu or (None if gpu else "8GiB")
     if simulate and simulate.lower() != "none":

@@ -255,8 +255,9 @@ def _write(target: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, s
     log.info("[Device Control] wrote %s (%d tensors)", target, len(tensors))
 
 
-def make_all() -> dict[str, Path]:
-    """Make every fixture (cached); return their paths by kind."""
+def make_all(*, families: bool = True) -> dict[str, Path]:
+    """Make every fixture (cached); return their paths by kind. ``families``: also the SDXL, SD3.5, Flux, Chroma and
+    Wan 2.1 files (9 GB, about two minutes the first time); without them, only what the SD1.5 workflows use."""
     import_comfy()
     root = fixtures_dir()
     checkpoint = make_sd15_checkpoint(root / "checkpoints" / SD15_CHECKPOINT)
@@ -273,8 +274,8 @@ def make_all() -> dict[str, Path]:
         "vae": parts[SD15_VAE],
         "sd35_tiny": make_sd35_tiny(root / "diffusion_models" / SD35_TINY),
     }
-    # SDXL, SD3.5, Flux, Chroma and Wan 2.1 with their LoRAs, text encoders and VAEs (tools/make_family_fixtures).
-    made.update(make_family_fixtures(root))
+    if families:  # SDXL, SD3.5, Flux, Chroma and Wan 2.1 with their LoRAs, text encoders and VAEs
+        made.update(make_family_fixtures(root))
     return made
 
 
@@ -291,9 +292,13 @@ def second_name(source: Path, target: Path) -> Path:
 
 
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--without-families", action="store_true", help="only the SD1.5 fixtures (not the 9 GB of family models)"
+    )
+    args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    for kind, path in make_all().items():
+    for kind, path in make_all(families=not args.without_families).items():
         log.info("[Device Control] %s: %s", kind, path)
 
 

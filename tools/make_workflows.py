@@ -15,6 +15,7 @@ import logging
 import sys
 import tempfile
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tools.comfy_server import ComfyServer
+from tools.family_workflows import FAMILIES, NOTE_SIZE, Family
 from tools.make_fixtures import SD15_CHECKPOINT, SD15_CHECKPOINT_B, SD15_CLIP_L, SD15_LORA, SD15_UNET, SD15_VAE
 
 log = logging.getLogger("device_control.tools")
@@ -140,11 +142,43 @@ def split_files() -> list[Node]:
     ]
 
 
+def family_split_files(family: Family) -> list[Node]:
+    """A family shipped as separate files, placed for a 12 GB card (see ``tools.family_workflows``)."""
+    files = [*family.text_encoders, *["none"] * (4 - len(family.text_encoders))]
+    latent_type, latent_widgets = family.latent
+    positive = (7, 0) if family.guidance else (5, 0)
+    nodes = [
+        Node(1, "DeviceControl_LoadDiffusionModel", [family.unet, "cpu", family.dtype], {}, (20, 80)),
+        Node(2, "DeviceControl_MoveToGPU", ["gpu:0", family.budget, False], {"model": (1, 0)}, (20, 420)),
+        report(3, f"diffusion model on gpu:0, {family.budget} budget", (2, 0), (20, 720)),
+        Node(4, "DeviceControl_LoadTextEncoders", [*files, family.clip_type, "cpu", "auto"], {}, (460, 80)),
+        Node(5, "CLIPTextEncode", [PROMPT], {"clip": (4, 0)}, (840, 80)),
+        Node(6, "CLIPTextEncode", ["blurry"], {"clip": (4, 0)}, (840, 300)),
+        Node(8, latent_type, latent_widgets, {}, (840, 520)),
+        Node(
+            9,
+            "KSampler",
+            [42, "fixed", 1, 1, *family.sampler, 1],
+            {"model": (3, 0), "positive": positive, "negative": (6, 0), "latent_image": (8, 0)},
+            (1220, 80),
+        ),
+        Node(10, "DeviceControl_LoadVAE", [family.vae, "gpu:0", "auto"], {}, (1220, 520)),
+        Node(11, "VAEDecode", [], {"samples": (9, 0), "vae": (10, 0)}, (1600, 80)),
+        report(12, "after decoding", (11, 0), (1600, 420)),
+        Node(13, "SaveImage", [family.stem], {"images": (12, 0)}, (1960, 80)),
+        Node(14, "Note", [family.note], {}, (460, 720), title="With the released files"),
+    ]
+    if family.guidance:
+        nodes.append(Node(7, "FluxGuidance", [3.5], {"conditioning": (5, 0)}, (840, 720)))
+    return nodes
+
+
 WORKFLOWS = {
     "sd15_move_to_gpu_and_offload.json": move_and_offload,
     "sd15_split_files_diffusion_model_on_gpu.json": split_files,
     "sd15_low_vram_lora_budget.json": low_vram_lora,
     "two_checkpoints_offload_between.json": two_checkpoints,
+    **{f"{family.stem}.json": partial(family_split_files, family) for family in FAMILIES},
 }
 
 
@@ -185,6 +219,8 @@ def build(nodes: list[Node], object_info: dict[str, Any]) -> dict[str, Any]:
     order = _order(nodes)
     by_id = {n.id: n for n in nodes}
     for node in nodes:
+        if node.type == "Note":
+            continue
         for slot, (name, _spec, _optional) in enumerate(_inputs(object_info[node.type])):
             if name in node.links:
                 source, source_slot = node.links[name]
@@ -195,6 +231,9 @@ def build(nodes: list[Node], object_info: dict[str, Any]) -> dict[str, Any]:
                 outgoing.setdefault((source, source_slot), []).append(link[0])
     out_nodes = []
     for node in sorted(nodes, key=lambda n: n.id):
+        if node.type == "Note":  # the frontend's own note: no inputs, no outputs, never sent to the server
+            out_nodes.append(_note(node, order[node.id]))
+            continue
         info = object_info[node.type]
         inputs = []
         for name, spec, optional in _inputs(info):
@@ -243,6 +282,25 @@ def build(nodes: list[Node], object_info: dict[str, Any]) -> dict[str, Any]:
         "config": {},
         "extra": {"ds": {"scale": 0.6, "offset": [30, 20]}},
         "version": 0.4,
+    }
+
+
+def _note(node: Node, order: int) -> dict[str, Any]:
+    return {
+        "id": node.id,
+        "type": "Note",
+        "pos": list(node.pos),
+        "size": list(NOTE_SIZE),
+        "flags": {},
+        "order": order,
+        "mode": 0,
+        "inputs": [],
+        "outputs": [],
+        **({"title": node.title} if node.title else {}),
+        "properties": {},
+        "widgets_values": node.widgets,
+        "color": "#432",
+        "bgcolor": "#653",
     }
 
 

@@ -27,6 +27,8 @@ GiB = 1024**3
 DTYPES = {"auto": {}, "fp16": {"dtype": torch.float16}, "fp8_e4m3fn": {"dtype": torch.float8_e4m3fn}}
 #: A weight ComfyUI leaves uninitialised when the file lacks it (CLIP-L's projection, unused for conditioning).
 UNINITIALISED = "text_projection.weight"
+#: The three optional text-encoder files, unused.
+NONE3 = ("none", "none", "none")
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +83,7 @@ def test_the_same_text_encoder_as_comfyuis_clip_loader(comfy, clip_type, dtype):
     path = files["clip_l"]
     kind = getattr(comfy_sd.CLIPType, clip_type.upper())
     theirs = comfy_sd.load_clip([str(path)], clip_type=kind, model_options=DTYPES[dtype])
-    ours, summary = _loader(module, "text").execute(SD15_CLIP_L, clip_type, "cpu", dtype).args
+    ours, summary = _loader(module, "text").execute(SD15_CLIP_L, *NONE3, clip_type, "cpu", dtype).args
     assert type(ours.cond_stage_model).__name__ == type(theirs.cond_stage_model).__name__
     _assert_same_tensors(theirs.cond_stage_model, ours.cond_stage_model)
     tokens = theirs.tokenize("a lighthouse at dusk")
@@ -101,7 +103,9 @@ def test_flux_text_encoders_with_a_full_size_t5_are_comfyuis_class_and_layout(co
     t5 = write_sparse_safetensors(layouts()["te_t5xxl_fp16.json"], sparse / "t5xxl_fp16.safetensors")
     paths = [str(files["clip_l"]), str(t5)]
     theirs = comfy_sd.load_clip(paths, clip_type=comfy_sd.CLIPType.FLUX, model_options=DTYPES["fp8_e4m3fn"])
-    ours, summary = _loader(module, "text").execute(SD15_CLIP_L, "flux", "cpu", "fp8_e4m3fn", t5.name).args
+    ours, summary = (
+        _loader(module, "text").execute(SD15_CLIP_L, t5.name, "none", "none", "flux", "cpu", "fp8_e4m3fn").args
+    )
     assert type(ours.cond_stage_model).__name__ == type(theirs.cond_stage_model).__name__
     _assert_same_tensors(theirs.cond_stage_model, ours.cond_stage_model)
     assert "text encoder T5-XXL: cpu" in summary and "float8_e4m3fn: 4.44 GiB planned" in summary
@@ -136,7 +140,7 @@ def _with_simulated_gpu(module, monkeypatch):
 def test_text_encoders_are_written_straight_onto_a_simulated_gpu(comfy, monkeypatch):
     mm, _comfy_sd, module, _files, _sparse = comfy
     sim = _with_simulated_gpu(module, monkeypatch)
-    clip, summary = _loader(module, "text").execute(SD15_CLIP_L, "stable_diffusion", "gpu:0", "fp16").args
+    clip, summary = _loader(module, "text").execute(SD15_CLIP_L, *NONE3, "stable_diffusion", "gpu:0", "fp16").args
     report = clip.patcher.model.device_control_last_load
     assert report.resident_bytes == report.total_bytes == sim.allocated() > 100 * 1024**2
     assert report.moved_in == 0  # filled where it lives: nothing left to move
@@ -181,7 +185,7 @@ def test_a_file_of_another_kind_is_refused_naming_what_it_is_and_what_takes_it(
 ):
     _mm, _comfy_sd, module, _files, _sparse = comfy
     read = _nothing_read(module, monkeypatch)
-    args = (file, "stable_diffusion", "cpu", "auto") if loader == "text" else (file, "cpu", "auto")
+    args = (file, *NONE3, "stable_diffusion", "cpu", "auto") if loader == "text" else (file, "cpu", "auto")
     with pytest.raises(module("core.errors").DeviceControlError, match=message):
         _loader(module, loader).execute(*args)
     assert read == []  # refused before any weight was read
@@ -198,7 +202,7 @@ def test_a_type_that_does_not_take_the_files_is_refused_before_reading(comfy, mo
     _mm, _comfy_sd, module, _files, _sparse = comfy
     read = _nothing_read(module, monkeypatch)
     with pytest.raises(module("core.errors").DeviceControlError, match=message):
-        _loader(module, "text").execute(SD15_CLIP_L, clip_type, "cpu", "auto")
+        _loader(module, "text").execute(SD15_CLIP_L, *NONE3, clip_type, "cpu", "auto")
     assert read == []
 
 
