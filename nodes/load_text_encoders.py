@@ -30,6 +30,8 @@ from .placing import (
     model_path,
     plan_load,
     progress_bar,
+    quantized_refusal,
+    quantizes_scaled_fp8,
     require_kind,
     resolve_placement,
     summary_output,
@@ -38,6 +40,10 @@ from .placing import (
 from .state import inventory
 
 ROLE = "text_encoder"
+#: A key ComfyUI's older scaled-fp8 files carry (the layers' scales sit beside their weights).
+SCALED_FP8 = "scaled_fp8"
+#: The metadata entry of ComfyUI's newer mixed-precision quantized files.
+QUANTIZED = "_quantization_metadata"
 #: What an optional file input holds when it is not used.
 NONE = "none"
 FILE_INPUTS = ("clip_name1", "clip_name2", "clip_name3", "clip_name4")
@@ -122,11 +128,14 @@ def _files(*chosen: str) -> tuple[list[str], list[FileHeader]]:
 
 
 def _text_encoder(name: str, header: FileHeader) -> Detection:
-    """What the file is, refused unless it is a text encoder our rules or the running ComfyUI recognise."""
+    """What the file is, refused unless it is a text encoder our rules or the running ComfyUI recognise, and one
+    whose weights can stream (not layers the running ComfyUI quantizes while reading them)."""
     detection = detect_header(header)
     if detection.kind == "unknown":
         detection = text_encoder_with_comfyui(header) or detection
     require_kind(name, detection, ROLE, "text encoder", "Load CLIP")
+    if quantizes_scaled_fp8() and (SCALED_FP8 in header.tensors or QUANTIZED in header.metadata):
+        raise quantized_refusal(name, "Load CLIP (or its Dual/Triple/Quadruple loader)")
     return detection
 
 

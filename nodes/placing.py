@@ -208,16 +208,29 @@ def require_kind(name: str, detection: Detection, kind: str, what: str, stock_lo
             + (f" Closest: {closest}." if closest else "")
             + f" Check that the file is a complete {what}."
         )
-    if "mixed-precision quantized layers" in detection.variants:
-        raise DeviceControlError(
-            f"{name} stores some layers in ComfyUI's mixed-precision quantized format, whose weights ComfyUI "
-            f"builds while reading them; Device Control cannot stream those yet. Load it with ComfyUI's {stock_loader}."
-        )
+    scaled = any(variant.startswith("scaled fp8") for variant in detection.variants)
+    if "mixed-precision quantized layers" in detection.variants or (scaled and quantizes_scaled_fp8()):
+        raise quantized_refusal(name, stock_loader)
     if detection.kind != kind:
         raise DeviceControlError(
             f"{name} is a {detection.kind.replace('_', ' ')} ({detection.family}), not a {what}; load it with "
             f"{LOADER_FOR.get(detection.kind, 'the matching loader')}."
         )
+
+
+def quantizes_scaled_fp8() -> bool:
+    """Whether the running ComfyUI turns scaled-fp8 files into its quantized layers while reading them (0.2x)."""
+    return surface.old_quants_converter() is not None
+
+
+def quantized_refusal(name: str, stock_loader: str) -> DeviceControlError:
+    """The refusal of a file whose layers the running ComfyUI quantizes while reading them (``stock_loader``: the
+    ComfyUI loader that takes it)."""
+    return DeviceControlError(
+        f"{name} stores its layers in fp8 with scales, which this ComfyUI ({surface.comfyui_version()}) turns into "
+        "its quantized layers while reading them; Device Control cannot stream those yet. Load it with ComfyUI's "
+        f"{stock_loader}, or use the fp16/bf16 file with an fp8 dtype here."
+    )
 
 
 def model_path(folder: str, name: str, what: str, option: str) -> str:

@@ -10,7 +10,6 @@ from typing import Any
 import torch
 
 from ...core.detection.headers import FileHeader
-from ...core.errors import DeviceControlError
 from ...core.files.fileset import FileSet
 from ...core.progress import ProgressCallback
 from ...core.weights.ops import convert
@@ -18,9 +17,6 @@ from .. import surface
 from .filling import ComponentPlan, fill_models, fill_target, first_load, is_comfy_layer, is_cuda
 from .patcher import adopt
 from .tracing import build_traced_text_encoders
-
-#: A key ComfyUI's older scaled-fp8 files carry (the layers' scales sit beside their weights).
-SCALED_FP8 = "scaled_fp8"
 
 
 @dataclass
@@ -37,10 +33,8 @@ def build_text_encoders(
     """The CLIP ComfyUI's CLIP loaders build from ``headers``' files as ``clip_type``, placed as ``place`` says.
 
     Raises:
-        DeviceControlError: a file in a format whose weights ComfyUI builds while reading them.
         ModelFileError: a tensor is missing or misshapen in a file.
     """
-    _refuse_quantized(headers)
     notes: list[str] = []
     options: dict[str, Any] = {}
     if place.device is not None:
@@ -55,17 +49,3 @@ def build_text_encoders(
     adopt(clip.patcher, place.placement)
     first_load(clip.patcher, place, fill["clip"])
     return BuiltClip(clip, notes)
-
-
-def _refuse_quantized(headers: list[FileHeader]) -> None:
-    """ComfyUI 0.2x turns scaled-fp8 text encoders into its quantized format while reading them, which cannot be
-    traced weightless; refuse those before anything is read."""
-    if surface.old_quants_converter() is None:
-        return  # an older ComfyUI builds scaled-fp8 layers whose weights stream like any other
-    for header in headers:
-        if SCALED_FP8 in header.tensors or "_quantization_metadata" in header.metadata:
-            raise DeviceControlError(
-                f"{header.path} stores its layers in ComfyUI's scaled or quantized fp8 format, whose weights this "
-                "ComfyUI builds while reading them; Device Control cannot stream those yet. Load it with ComfyUI's "
-                "Load CLIP (or the Dual/Triple/Quadruple loader), or use the fp16 file with fp8_e4m3fn as dtype."
-            )

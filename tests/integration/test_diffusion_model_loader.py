@@ -128,3 +128,52 @@ def test_a_file_of_another_kind_is_refused_naming_what_it_is_and_what_takes_it(c
     with pytest.raises(error, match=message):
         module("nodes.load_diffusion_model").LoadDiffusionModelWithDevice.execute(files[kind].name, "cpu", "auto")
     assert read == []  # refused before any weight was read
+
+
+def _scaled_fp8_copy(source, target):
+    """``source`` stored the way ComfyUI's scaled-fp8 files are: every large matrix in fp8 divided by a per-tensor
+    ``scale_weight``, and the ``scaled_fp8`` marker key."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = {}
+    for key, value in load_file(str(source)).items():
+        if key.endswith(".weight") and value.dim() == 2 and value.numel() > 4096:
+            scale = value.float().abs().max() / 448.0
+            tensors[key] = (value.float() / scale).to(torch.float8_e4m3fn)
+            tensors[key.removesuffix("weight") + "scale_weight"] = scale.reshape(())
+        else:
+            tensors[key] = value
+    tensors["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
+    save_file(tensors, str(target))
+    return target
+
+
+def test_a_scaled_fp8_file_loads_as_comfyui_loads_it_or_is_refused_where_comfyui_quantizes_it(
+    comfy, tmp_path, monkeypatch
+):
+    mm, comfy_sd, module, files = comfy
+    importlib.import_module("folder_paths").add_model_folder_path("diffusion_models", str(tmp_path))
+    path = _scaled_fp8_copy(files["sd35_tiny"], tmp_path / "sd35_scaled_fp8.safetensors")
+    node = module("nodes.load_diffusion_model").LoadDiffusionModelWithDevice
+    if module("nodes.placing").quantizes_scaled_fp8():  # ComfyUI 0.2x: quantized layers, built while reading
+        read = []
+        monkeypatch.setattr(module("core.files.reader").WeightReader, "read_into", lambda *a, **k: read.append(a))
+        with pytest.raises(module("core.errors").DeviceControlError, match="stores its layers in fp8 with scales"):
+            node.execute(path.name, "cpu", "auto")
+        assert read == []
+        return
+    theirs = comfy_sd.load_diffusion_model(str(path))
+    ours = node.execute(path.name, "cpu", "auto").args[0]
+    expected, got = _state(theirs.model), _state(ours.model)
+    assert set(expected) == set(got) and any(key.endswith("scale_weight") for key in got)
+    for key, tensor in expected.items():
+        assert got[key].dtype == tensor.dtype and torch.equal(got[key], tensor), key
+    torch.manual_seed(0)
+    latent, context, pooled = torch.randn(1, 16, 8, 8), torch.randn(1, 77, 768), torch.randn(1, 768)
+    with torch.no_grad():
+        expected = theirs.model.apply_model(latent, torch.tensor([500.0]), c_crossattn=context, y=pooled)
+        got = ours.model.apply_model(latent, torch.tensor([500.0]), c_crossattn=context, y=pooled)
+    assert torch.equal(got, expected)
+    del theirs, ours
+    mm.unload_all_models()
+    gc.collect()

@@ -98,17 +98,18 @@ def test_the_same_text_encoder_as_comfyuis_clip_loader(comfy, clip_type, dtype):
     os.environ.get("DEVICE_CONTROL_COMFYUI", NEWEST_VERSION) != NEWEST_VERSION,
     reason="two copies of T5-XXL take 9 GB and a minute and a half: checked on the newest ComfyUI tested only",
 )
-def test_flux_text_encoders_with_a_full_size_t5_are_comfyuis_class_and_layout(comfy):
+def test_flux_text_encoders_with_a_full_size_scaled_fp8_t5_are_comfyuis_class_and_layout(comfy):
     mm, comfy_sd, module, files, sparse = comfy
-    t5 = write_sparse_safetensors(layouts()["te_t5xxl_fp16.json"], sparse / "t5xxl_fp16.safetensors")
-    paths = [str(files["clip_l"]), str(t5)]
-    theirs = comfy_sd.load_clip(paths, clip_type=comfy_sd.CLIPType.FLUX, model_options=DTYPES["fp8_e4m3fn"])
-    ours, summary = (
-        _loader(module, "text").execute(SD15_CLIP_L, t5.name, "none", "none", "flux", "cpu", "fp8_e4m3fn").args
-    )
+    layout = layouts()["te_t5xxl_fp8_e4m3fn_scaled.json"]
+    t5 = write_sparse_safetensors(layout, sparse / "t5xxl_fp8_e4m3fn_scaled.safetensors")
+    theirs = comfy_sd.load_clip([str(files["clip_l"]), str(t5)], clip_type=comfy_sd.CLIPType.FLUX)
+    load = _loader(module, "text").execute
+    ours, summary = load(SD15_CLIP_L, t5.name, "none", "none", "flux", "cpu", "auto").args
     assert type(ours.cond_stage_model).__name__ == type(theirs.cond_stage_model).__name__
     _assert_same_tensors(theirs.cond_stage_model, ours.cond_stage_model)
-    assert "text encoder T5-XXL: cpu" in summary and "float8_e4m3fn: 4.44 GiB planned" in summary
+    scales = [k for k in _state(ours.cond_stage_model) if k.endswith("scale_weight")]
+    assert len(scales) > 100  # the layers kept ComfyUI's scaled-fp8 form
+    assert "text encoder T5-XXL: cpu" in summary
     _free(mm, theirs, ours)
 
 
@@ -213,3 +214,16 @@ def test_an_fp8_vae_is_refused_with_the_dtypes_a_vae_can_have(comfy):
         "dtype: the VAE cannot be stored in fp8_e4m3fn: ComfyUI's VAE has no cast path for it; "
         "choose fp32, fp16, bf16 or auto for dtype."
     )
+
+
+def test_a_scaled_fp8_text_encoder_is_refused_before_reading_where_comfyui_quantizes_it(comfy, monkeypatch):
+    _mm, _comfy_sd, module, _files, sparse = comfy
+    if not module("nodes.placing").quantizes_scaled_fp8():
+        pytest.skip("this ComfyUI builds scaled-fp8 layers as the file has them: the Flux T5 test loads one")
+    t5 = write_sparse_safetensors(layouts()["te_t5xxl_fp8_e4m3fn_scaled.json"], sparse / "t5xxl_fp8_scaled.safetensors")
+    read = _nothing_read(module, monkeypatch)
+    with pytest.raises(
+        module("core.errors").DeviceControlError, match=r"t5xxl_fp8_scaled.* fp8 with scales.*Load CLIP"
+    ):
+        _loader(module, "text").execute(t5.name, *NONE3, "sd3", "cpu", "auto")
+    assert read == []
