@@ -17,7 +17,19 @@ from typing import Any
 from tools.runtime import REPO
 
 LAYOUTS = REPO / "tests" / "data" / "model_layouts.json.gz"
-ITEM_SIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "U8": 1}
+#: Bytes per element of each safetensors dtype a layout holds (BOOL: RT-DETR v4's anchor mask).
+ITEM_SIZE = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I64": 8,
+    "I32": 4,
+    "U8": 1,
+    "BOOL": 1,
+}
 
 
 @cache

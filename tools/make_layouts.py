@@ -4,7 +4,9 @@ No model hub is reachable from CI and real weights must never be committed, so, 
 ``model_layouts.json.gz``, each family's layout (tensor names, shapes, dtypes; no values) comes from ComfyUI
 0.28.0's own model class built on torch's ``meta`` device with the hyper-parameters of the released model. Its
 diffusion-model ``state_dict`` is what ComfyUI reads from a ``diffusion_models/`` file; each layout is fed back
-through ComfyUI's own detection, which must name the class it was built from, or the family is left out.
+through ComfyUI's own detection, which must name the class it was built from, or the family is left out. Where a
+constructor reads a value back from a tensor it made (``Tensor.item()``, which meta tensors cannot answer), only
+those few small tensors are made on CPU, where their names, shapes and dtypes are the same (see ``Spec.context``).
 
 Run with the runtime's Python and ComfyUI 0.28.0::
 
@@ -14,11 +16,13 @@ Run with the runtime's Python and ComfyUI 0.28.0::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,10 +33,60 @@ log = logging.getLogger("device_control.tools")
 
 COMFYUI_VERSION = "0.28.0"
 TARGET = REPO / "tests" / "data" / f"model_layouts_comfyui_{COMFYUI_VERSION}.json.gz"
-#: What released files store their floating-point weights in (every family here ships BF16 weights).
+#: What released files store their floating-point weights in, unless a family's ``Spec.dtype`` says otherwise.
 STORED_DTYPE = "BF16"
+#: The torch dtype each stored dtype is built in (the class's inference dtype).
+INFERENCE_DTYPES = {"BF16": "bfloat16", "F16": "float16"}
 
 Convert = Callable[[dict[str, Any]], dict[str, Any]]
+BuildContext = Callable[[], AbstractContextManager[Any]]
+
+
+def _on_meta() -> AbstractContextManager[Any]:
+    """Every tensor the constructor makes, with a device or without, on torch's meta device (the usual way)."""
+    import torch
+
+    return torch.device("meta")
+
+
+def _given_device_only() -> AbstractContextManager[Any]:
+    """No device context: what ComfyUI passes ``device=meta`` to is made on meta, the rest as on a real load.
+
+    RT-DETR v4's decoder makes its two box-regression scalars (``up``, ``reg_scale``) without a device and reads
+    them back with ``Tensor.item()`` to lay out its weighting table, which a meta tensor cannot do. Outside the
+    device context those scalars, and the small tables computed from them, are made on CPU; every layer is still
+    made on meta (ComfyUI hands the device to each), and a tensor's device changes neither its name, shape nor dtype.
+    """
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _on_meta_with_quantizer_on_cpu() -> Iterator[None]:
+    """Meta, except ACE-Step 1.5's FSQ quantizer layers, which a test-only stand-in builds on CPU.
+
+    FSQ's constructor counts its codebook with ``Tensor.item()`` on a levels tensor made on the device it is
+    given, which fails on meta. The stand-in subclass hands it the CPU instead. An FSQ layer whose width is its
+    codebook's (as in ResidualFSQ) owns only non-persistent buffers (levels, basis, implicit codebook, 64000 x 6),
+    none of which is saved, so the state dict is the one ComfyUI loads; the stand-in refuses to build one that
+    would own saved tensors. ComfyUI itself is left untouched: the class is swapped back on exit.
+    """
+    import torch
+    from comfy.ldm.ace import ace_step15
+
+    original = ace_step15.FSQ
+
+    class FSQOnCPU(original):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, device: Any = None, **kwargs: Any) -> None:
+            super().__init__(*args, device=torch.device("cpu"), **kwargs)
+            if self.state_dict():
+                raise RuntimeError("an FSQ layer owns saved tensors: built on CPU it would change the layout")
+
+    ace_step15.FSQ = FSQOnCPU
+    try:
+        with torch.device("meta"):
+            yield
+    finally:
+        ace_step15.FSQ = original
 
 
 @dataclass(frozen=True)
@@ -42,7 +96,11 @@ class Spec:
     ``config`` is added to the class's own ``unet_config``; it is what ComfyUI's detection reports for the
     released file (an empty dict: the class's constructor defaults are the released model's, detection only
     names the architecture). ``source`` says where the numbers come from. ``to_file`` turns ComfyUI's internal
-    names into the released file's, for the classes whose loader renames keys.
+    names into the released file's, for the classes whose loader renames keys (the class's own
+    ``process_unet_state_dict`` must turn them back, or the family is left out). ``dtype`` is what the released
+    file stores (the class is built in it), ``context`` what the constructor runs under. ``checkpoint_rest``
+    gives, from the ``unet_config``, the tensors outside the diffusion model that the class's ``get_model`` reads
+    from a full checkpoint (they are not part of the layout).
     """
 
     comfy_class: str
@@ -51,6 +109,9 @@ class Spec:
     source: str
     config: dict[str, Any] = field(default_factory=dict)
     to_file: Convert | None = None
+    dtype: str = STORED_DTYPE
+    context: BuildContext = _on_meta
+    checkpoint_rest: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
 
 def _fused_music_attention(state: dict[str, Any]) -> dict[str, Any]:
@@ -69,6 +130,46 @@ def _fused_music_attention(state: dict[str, Any]) -> dict[str, Any]:
                 (sum(t.shape[0] for t in parts), *parts[0].shape[1:]), dtype=parts[0].dtype, device="meta"
             )
     return out
+
+
+def _pixeldit_file_names(state: dict[str, Any]) -> dict[str, Any]:
+    """PixelDiT's released file is its trainer's state: the network under ``core.``, each pixel block's adaLN one
+    Linear giving shift, scale and gate for attention, then for the MLP. ComfyUI's loader strips ``core.`` and
+    splits that Linear into ``adaLN_modulation_msa`` and ``adaLN_modulation_mlp`` (halves along the output, per
+    pixel), so the file's layout prefixes every name again and fuses the halves back into ``adaLN_modulation.0``.
+
+    The trainer's REPA projector (``_repa_projector.*``, a training-time head ComfyUI's loader drops) is not
+    included: whether the released file still carries it is not known to us, and no rule reads it.
+    """
+    import torch
+
+    out: dict[str, Any] = {}
+    for name, tensor in state.items():
+        if ".adaLN_modulation_mlp." in name:
+            continue
+        if ".adaLN_modulation_msa." in name:
+            stem, suffix = name.split(".adaLN_modulation_msa.")
+            mlp = state[f"{stem}.adaLN_modulation_mlp.{suffix}"]
+            out[f"core.{stem}.adaLN_modulation.0.{suffix}"] = torch.empty(
+                (tensor.shape[0] + mlp.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device="meta"
+            )
+        else:
+            out[f"core.{name}"] = tensor
+    return out
+
+
+def _duration_embedder(unet_config: dict[str, Any]) -> dict[str, Any]:
+    """Stable Audio 3's ``get_model`` loads its duration (``seconds_total``) embedder from the full checkpoint,
+    outside the diffusion model. It feeds the global condition, so it is as wide; a fresh embedder's meta state
+    stands in for the checkpoint's (the load fails loudly on any other shape)."""
+    import torch
+    from comfy.ldm.audio.embedders import NumberConditioner
+
+    with torch.device("meta"):
+        embedder = NumberConditioner(
+            unet_config["global_cond_dim"], fourier_features_type=unet_config["timestep_features_type"]
+        )
+    return {f"conditioner.conditioners.seconds_total.{name}": t for name, t in embedder.state_dict().items()}
 
 
 _DEFAULTS = "the constructor defaults of ComfyUI 0.28.0's model class (its detection only names this architecture)"
@@ -140,6 +241,33 @@ _FLUX_LIKE = {  # LongCat-Image (meituan-longcat/LongCat-Image transformer/confi
     "guidance_embed": False,
     "txt_ids_dims": [1, 2],
 }
+_SA3 = {  # What ComfyUI's detection reads from a Stable Audio 3 file, common to Small and Medium
+    "audio_model": "dit1.0",
+    "io_channels": 256,
+    "input_concat_dim": 0,
+    "global_cond_dim": 768,
+    "project_cond_tokens": True,
+    "local_add_cond_dim": 257,
+    "num_memory_tokens": 64,
+    "norm_type": "rms_norm",
+    "timestep_features_type": "expo",
+    "global_cond_shared_embed": True,
+    "global_cond_type": "adaLN",
+}
+_SA3_SOURCE = (
+    "Stable Audio 3 {} as Stability-AI/stable-audio-3 lays it out (the constants of its MLX port, {}): {}; 256-channel"
+    " latents, 768-wide text and duration conditions, 257-channel inpainting input, 64 memory tokens, RMS norms;"
+    " stored dtype not known to us (BF16 here)"
+)
+_ACE15 = {  # ACE-Step 1.5 2B (ACE-Step/Ace-Step1.5 acestep-v15-turbo/config.json); also ComfyUI's class defaults
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "num_heads": 16,
+    "num_dit_layers": 24,
+    "encoder_hidden_size": 2048,
+    "encoder_intermediate_size": 6144,
+    "encoder_num_heads": 16,
+}
 
 SPECS: tuple[Spec, ...] = (
     Spec("LongCatImage", "LongCat-Image", "longcat_image", "see _FLUX_LIKE", _FLUX_LIKE),
@@ -206,16 +334,74 @@ SPECS: tuple[Spec, ...] = (
     ),
     Spec("CogVideoX_T2V", "CogVideoX 2B", "cogvideox_2b", _DEFAULTS + " (THUDM/CogVideoX-2b)"),
     Spec("DepthAnything3", "Depth Anything 3", "depth_anything3", _DEFAULTS),
+    Spec(
+        "StableAudio3",
+        "Stable Audio 3 Medium",
+        "stable_audio3_medium",
+        _SA3_SOURCE.format(
+            "Medium (1.4B)", "dit_mlx_medium.py", "1536 wide, 24 layers, 24 heads of 64, differential attention"
+        ),
+        {
+            **_SA3,
+            "embed_dim": 1536,
+            "depth": 24,
+            "num_heads": 24,
+            "attn_kwargs": {"qk_norm": "rms", "differential": True},
+        },
+        checkpoint_rest=_duration_embedder,
+    ),
+    Spec(
+        "StableAudio3",
+        "Stable Audio 3 Small",
+        "stable_audio3_small",
+        _SA3_SOURCE.format("Small (433M, music and sfx)", "dit_mlx.py", "1024 wide, 20 layers, 16 heads of 64"),
+        {
+            **_SA3,
+            "embed_dim": 1024,
+            "depth": 20,
+            "num_heads": 16,
+            "attn_kwargs": {"qk_norm": "rms", "differential": False},
+        },
+        checkpoint_rest=_duration_embedder,
+    ),
+    Spec(
+        "PixelDiTT2I",
+        "PixelDiT 1300M 1024px",
+        "pixeldit_1300m_1024px",
+        _DEFAULTS
+        + " (PixelDiT-1300M-1024px: 1536 wide, 14 patch and 2 pixel blocks, as NVIDIA's trainer builds it); names as"
+        " the released file has them: core. prefix, pixel-block adaLN fused (see _pixeldit_file_names), the"
+        " training-time REPA projector left out",
+        to_file=_pixeldit_file_names,
+    ),
+    Spec(
+        "ACEStep15",
+        "ACE-Step 1.5",
+        "ace_step15_2b",
+        "ACE-Step 1.5 2B (ACE-Step/Ace-Step1.5 acestep-v15-turbo/config.json: 2048 wide, 24 layers, 16 heads, ffn 6144;"
+        " condition encoder the same), which are also ComfyUI's class defaults; its FSQ quantizer (no saved tensors)"
+        " built on CPU by a test-only stand-in, as FSQ's constructor calls Tensor.item()",
+        _ACE15,
+        context=_on_meta_with_quantizer_on_cpu,
+    ),
+    Spec(
+        "RT_DETR_v4",
+        "RT-DETRv4-X",
+        "rt_detr_v4_x",
+        "RT-DETRv4-X (RT-DETRs/RT-DETRv4 configs/rtv4/rtv4_hgnetv2_x_coco.yml: HGNetv2-B5, encoder 384 wide, ffn 2048;"
+        " decoder 256 wide, ffn 1024, reg_scale 8), ComfyUI's class defaults but the encoder width its detection reads;"
+        " F16 as ComfyUI's rt_detr_v4-x-hgnet_fp16 file; built without the meta device context, so the two decoder"
+        " scalars its constructor reads with Tensor.item() (and the tables made from them) are made on CPU",
+        {"enc_h": 384},
+        dtype="F16",
+        context=_given_device_only,
+    ),
 )
 
 #: Classes of ComfyUI 0.28.0 that get no layout, and why (logged when the tool runs).
 NOT_BUILT = {
-    "StableAudio3": "its released hyper-parameters are not known to us (detection reads a dozen of them)",
-    "PixelDiTT2I": "its loader renames and splits keys of the released file; the inverse is not written yet",
     "WAN21_CausalAR_T2V": "ComfyUI tells it apart only by the file's metadata config, not by tensors",
     "WAN21_FlowRVS": "ComfyUI tells it apart only by the file's metadata config, not by tensors",
-    "ACEStep15": "cannot be built on meta (its constructor calls Tensor.item())",
-    "RT_DETR_v4": "cannot be built on meta (its constructor calls Tensor.item())",
 }
 
 
@@ -227,19 +413,32 @@ def _dtype_name(dtype: Any) -> str:
 
 
 def build(spec: Spec) -> tuple[dict[str, Any], str]:
-    """ComfyUI's model for ``spec`` on meta: its diffusion-model state dict (file names), and its model type."""
+    """ComfyUI's model for ``spec`` on meta: its diffusion-model state dict (file names), and its model type.
+
+    Raises:
+        ValueError: ComfyUI's own loader would not turn the file names of ``spec.to_file`` back into its model's.
+    """
     import comfy.supported_models
     import torch
 
     cls = getattr(comfy.supported_models, spec.comfy_class)
-    with torch.device("meta"):
+    with spec.context():
         config = cls({**cls.unet_config, **spec.config})
-        config.set_inference_dtype(torch.bfloat16, None)
-        model = config.get_model({}, "", device=torch.device("meta"))
+        config.set_inference_dtype(getattr(torch, INFERENCE_DTYPES[spec.dtype]), None)
+        rest = spec.checkpoint_rest(config.unet_config) if spec.checkpoint_rest is not None else {}
+        model = config.get_model(rest, "", device=torch.device("meta"))
     state = dict(model.diffusion_model.state_dict())
     if spec.to_file is not None:
-        state = spec.to_file(state)
+        internal, state = state, spec.to_file(state)
+        loaded = config.process_unet_state_dict(dict(state))
+        if _signature(loaded) != _signature(internal):
+            raise ValueError("ComfyUI's loader does not turn the file's names back into its model's")
     return state, model.model_type.name
+
+
+def _signature(state: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], Any]]:
+    """Names, shapes and dtypes: all a layout holds of a state dict."""
+    return {name: (tuple(t.shape), t.dtype) for name, t in state.items()}
 
 
 def detected_class(state: dict[str, Any]) -> str | None:
@@ -255,12 +454,12 @@ def detected_class(state: dict[str, Any]) -> str | None:
 def layout(spec: Spec, state: dict[str, Any], model_type: str) -> dict[str, Any]:
     """The layout record, in the format of ``model_layouts.json.gz`` (see ``tests/data/README.md``)."""
     tensors = {name: [list(t.shape), _dtype_name(t.dtype)] for name, t in sorted(state.items())}
-    exceptions = {name: dtype for name, (_shape, dtype) in tensors.items() if dtype != STORED_DTYPE}
+    exceptions = {name: dtype for name, (_shape, dtype) in tensors.items() if dtype != spec.dtype}
     return {
         "family": spec.family,
         "comfy_detected": spec.comfy_class,
         "kind": "diffusion_model",
-        "dtype_default": STORED_DTYPE,
+        "dtype_default": spec.dtype,
         "param_count": sum(math.prod(shape) for shape, _dtype in tensors.values()),
         "tensor_count": len(tensors),
         "comfy_detection": {
@@ -271,7 +470,8 @@ def layout(spec: Spec, state: dict[str, Any], model_type: str) -> dict[str, Any]
         },
         "comfy_native_dtype_exceptions": exceptions,
         "source": (
-            f"ComfyUI {COMFYUI_VERSION} model class instantiated on meta with inference dtype bfloat16; state_dict()"
+            f"ComfyUI {COMFYUI_VERSION} model class instantiated on meta with inference dtype"
+            f" {INFERENCE_DTYPES[spec.dtype]}; state_dict()"
             f" of diffusion_model (no prefix); hyper-parameters: {spec.source}"
         ),
         "tensors": tensors,
@@ -289,14 +489,14 @@ def make_all(only: set[str] | None = None) -> dict[str, dict[str, Any]]:
         try:
             state, model_type = build(spec)
         except Exception as error:  # a class that cannot be built on meta is skipped, and said so
-            log.warning("[Device Control] %s: no layout, cannot be built on meta (%s)", spec.comfy_class, error)
+            log.warning("[Device Control] %s: no layout, cannot be built (%s)", spec.comfy_class, error)
             continue
         found = detected_class(state)
         if found != spec.comfy_class:
             log.warning("[Device Control] %s: no layout, ComfyUI detects the layout as %s", spec.comfy_class, found)
             continue
         made[f"{spec.stem}.diffusion_model.json"] = layout(spec, state, model_type)
-        log.info("[Device Control] %s: %d tensors", spec.comfy_class, len(state))
+        log.info("[Device Control] %s (%s): %d tensors", spec.comfy_class, spec.stem, len(state))
     return made
 
 

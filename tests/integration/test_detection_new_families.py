@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from core.detection.detect import detect_header
-from core.detection.headers import SAFETENSORS_DTYPES, FileHeader, TensorInfo
-from tools.layouts import layouts
+from core.detection.headers import SAFETENSORS_DTYPES, FileHeader, TensorInfo, read_header
+from tools.layouts import layouts, write_sparse_safetensors
 from tools.runtime import DEFAULT_VERSION, REPO
 
 NEW_LAYOUTS = REPO / "tests" / "data" / "model_layouts_comfyui_0.28.0.json.gz"
@@ -66,6 +66,15 @@ def test_our_header_rules_name_the_class_comfyui_built_it_from(name):
     assert found.prefix == ""
     assert found.components[0].name == "diffusion_model"
     assert found.components[0].parameter_count == layout["param_count"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_sparse_file_of_the_layout_reads_back_as_the_same_class(name, tmp_path):
+    """As a real file on disk (every dtype a layout holds, BOOL and I64 included), not only as a header in memory."""
+    layout = new_layouts()[name]
+    header = read_header(write_sparse_safetensors(layout, tmp_path / "model.safetensors"))
+    assert {k: [list(t.shape), t.dtype] for k, t in header.tensors.items()} == layout["tensors"]
+    assert detect_header(header).comfy_class == layout["comfy_detected"]
 
 
 @pytest.mark.parametrize("name", NAMES)
