@@ -3,8 +3,8 @@
 Each is what a 12 GB card wants: the diffusion model read into RAM in the dtype that suits it, then moved to
 ``gpu:0`` under a budget by Move To GPU (what does not fit streams from RAM at each step); the text encoders on
 the CPU; the VAE on ``gpu:0``, where it decodes. The files named are the synthetic ones the tests generate
-(``tools/make_family_fixtures.py``), whose text conditioning comes from CLIP-L (and CLIP-G) loaded as ComfyUI's
-``sd3`` type; a note in each workflow says which released files to pick instead.
+(``tools/make_family_fixtures.py``), whose text conditioning comes from CLIP-L (and CLIP-G for SDXL) loaded as ComfyUI's
+``sd3`` type (``sdxl`` for SDXL); a note in each workflow says which released files to pick instead.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ FAMILIES = (
         DIFFUSION_FIXTURES["sd35"].file,
         "fp8_e4m3fn",
         "7GB",
-        _CLIP_PAIR,
+        (SD15_CLIP_L,),
         "sd3",
         _vae("vae_16ch"),
         _SD3_LATENT,

@@ -32,10 +32,21 @@ ITEM_SIZE = {
 }
 
 
+#: The layouts of the families ComfyUI 0.28.0 added (``tools/make_layouts.py``).
+NEW_LAYOUTS = REPO / "tests" / "data" / "model_layouts_comfyui_0.28.0.json.gz"
+
+
 @cache
 def layouts() -> dict[str, dict[str, Any]]:
     """Every layout, by its file name (e.g. ``sdxl_base.checkpoint.json``)."""
     with gzip.open(LAYOUTS, "rb") as handle:
+        return json.loads(handle.read())
+
+
+@cache
+def new_layouts() -> dict[str, dict[str, Any]]:
+    """Every layout of a family ComfyUI 0.28.0 added, by its file name (e.g. ``krea2.diffusion_model.json``)."""
+    with gzip.open(NEW_LAYOUTS, "rb") as handle:
         return json.loads(handle.read())
 
 

@@ -162,12 +162,10 @@ DIFFUSION_FIXTURES = {
             "device_control_sdxl_unet.safetensors",
             "SDXL",
             _sdxl_sketch,
-            # The queries of every attention: patching all of SDXL's 700 linears in fp8 (stochastic rounding for
-            # 1.3 billion values, on both sides of a test) takes minutes on a CPU and proves nothing more.
-            r"transformer_blocks\.\d+\.attn[12]\.to_q$",
+            r"transformer_blocks\.\d+\.(attn[12]\.(to_[qkv]|to_out\.0)|ff\.net\.(0\.proj|2))$",
             Conditioning(2048, 1280, "sdxl", ("clip_l", "clip_g"), "vae", 4),
             seed=10,
-            lora_version="2",
+            lora_version="3",
         ),
         DiffusionFixture(
             "sd35",

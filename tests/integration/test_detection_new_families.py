@@ -7,29 +7,16 @@ ComfyUI without the class (0.3.75, 0.3.52) only our side can be checked, and the
 
 from __future__ import annotations
 
-import gzip
 import importlib
 import json
-from functools import cache
-from typing import Any
 
 import pytest
 import torch
 
 from core.detection.detect import detect_header
 from core.detection.headers import SAFETENSORS_DTYPES, FileHeader, TensorInfo, read_header
-from tools.layouts import layouts, write_sparse_safetensors
-from tools.runtime import DEFAULT_VERSION, REPO
-
-NEW_LAYOUTS = REPO / "tests" / "data" / "model_layouts_comfyui_0.28.0.json.gz"
-
-
-@cache
-def new_layouts() -> dict[str, dict[str, Any]]:
-    """Every layout of the file, by its file name (e.g. ``krea2.diffusion_model.json``)."""
-    with gzip.open(NEW_LAYOUTS, "rb") as handle:
-        return json.loads(handle.read())
-
+from tools.layouts import layouts, new_layouts, write_sparse_safetensors
+from tools.runtime import DEFAULT_VERSION
 
 NAMES = sorted(new_layouts())
 

@@ -177,3 +177,23 @@ def test_a_scaled_fp8_file_loads_as_comfyui_loads_it_or_is_refused_where_comfyui
     del theirs, ours
     mm.unload_all_models()
     gc.collect()
+
+
+def test_a_family_this_comfyui_cannot_build_is_refused_before_reading_saying_to_update(comfy, tmp_path, monkeypatch):
+    _mm, _comfy_sd, module, _files = comfy
+    from tools.layouts import new_layouts, write_sparse_safetensors
+
+    surface = module("nodes.surface")
+    newer = next(
+        (layout for layout in new_layouts().values() if not surface.has_model_class(layout["comfy_detected"])),
+        None,
+    )
+    if newer is None:
+        pytest.skip("this ComfyUI builds every family of the layouts generated from the newest ComfyUI tested")
+    importlib.import_module("folder_paths").add_model_folder_path("diffusion_models", str(tmp_path))
+    path = write_sparse_safetensors(newer, tmp_path / "newer_family.safetensors")
+    read = []
+    monkeypatch.setattr(module("core.files.reader").WeightReader, "read_into", lambda *a, **k: read.append(a))
+    with pytest.raises(module("core.errors").DeviceControlError, match=r"update ComfyUI"):
+        module("nodes.load_diffusion_model").LoadDiffusionModelWithDevice.execute(path.name, "cpu", "auto")
+    assert read == []

@@ -122,7 +122,7 @@ def test_the_same_vae_as_comfyuis_load_vae(comfy, dtype):
     _assert_same_tensors(theirs.first_stage_model, ours.first_stage_model)
     assert (ours.device, ours.vae_dtype, ours.output_device) == (theirs.device, theirs.vae_dtype, theirs.output_device)
     torch.manual_seed(0)
-    latent = torch.randn(1, 4, 8, 8)
+    latent = torch.randn(1, 4, 2, 2)  # convolutions in half precision are slow on a CPU: a 16x16 image
     assert torch.equal(ours.decode(latent), theirs.decode(latent))
     assert "vae: decodes on cpu" in summary
     _free(mm, theirs, ours)
@@ -146,6 +146,8 @@ def test_text_encoders_are_written_straight_onto_a_simulated_gpu(comfy, monkeypa
     assert report.resident_bytes == report.total_bytes == sim.allocated() > 100 * 1024**2
     assert report.moved_in == 0  # filled where it lives: nothing left to move
     assert "text encoder CLIP-L: gpu:0" in summary
+    clip.encode_from_tokens(clip.tokenize("a lighthouse"))  # ComfyUI's own load before encoding keeps the place
+    assert clip.patcher.model.device_control_last_load.resident_bytes == sim.allocated() == report.total_bytes
     _free(mm, clip)
     assert sim.allocated() == 0
 
@@ -153,9 +155,9 @@ def test_text_encoders_are_written_straight_onto_a_simulated_gpu(comfy, monkeypa
 def test_a_vae_placed_on_a_simulated_gpu_decodes_there(comfy, monkeypatch):
     mm, _comfy_sd, module, _files, _sparse = comfy
     sim = _with_simulated_gpu(module, monkeypatch)
-    vae, summary = _loader(module, "vae").execute(SD15_VAE, "gpu:0", "fp16").args
-    assert "vae: decodes on gpu:0" in summary and vae.vae_dtype == torch.float16
-    decoded = vae.decode(torch.zeros(1, 4, 8, 8))
+    vae, summary = _loader(module, "vae").execute(SD15_VAE, "gpu:0", "bf16").args
+    assert "vae: decodes on gpu:0" in summary and vae.vae_dtype == torch.bfloat16
+    decoded = vae.decode(torch.zeros(1, 4, 2, 2))
     report = vae.patcher.model.device_control_last_load
     assert decoded.shape[-1] == 3 and report.target == "sim:0"
     assert report.resident_bytes == report.total_bytes > 50 * 1024**2  # the whole VAE went to the GPU to decode
@@ -227,3 +229,36 @@ def test_a_scaled_fp8_text_encoder_is_refused_before_reading_where_comfyui_quant
     ):
         _loader(module, "text").execute(t5.name, *NONE3, "sd3", "cpu", "auto")
     assert read == []
+
+
+def test_cancel_during_a_text_encoder_load_leaves_nothing_behind(comfy):
+    mm, _comfy_sd, module, files, _sparse = comfy
+    mm.unload_all_models()
+    before = len(mm.current_loaded_models)
+
+    class StopLoadError(Exception):
+        pass
+
+    def stop_midway(done: int, total: int) -> None:
+        if done > total // 2:
+            raise StopLoadError
+
+    header = module("core.detection.headers").read_header(files["clip_l"])
+    with pytest.raises(StopLoadError):
+        module("nodes.bridge.text_encoders").build_text_encoders(
+            [header], "stable_diffusion", module("nodes.bridge.filling").ComponentPlan(), stop_midway
+        )
+    assert len(mm.current_loaded_models) == before
+    gc.collect()
+
+
+@pytest.mark.parametrize("loader", ["text", "vae"])
+def test_a_broken_file_is_refused_with_the_fix_by_both_loaders(comfy, tmp_path, loader):
+    _mm, _comfy_sd, module, files, _sparse = comfy
+    folder = "text_encoders" if loader == "text" else "vae"
+    importlib.import_module("folder_paths").add_model_folder_path(folder, str(tmp_path))
+    cut = tmp_path / f"cut_short_{loader}.safetensors"
+    cut.write_bytes(files["clip_l" if loader == "text" else "vae"].read_bytes()[: 4 * 1024**2])
+    args = (cut.name, *NONE3, "stable_diffusion", "cpu", "auto") if loader == "text" else (cut.name, "cpu", "auto")
+    with pytest.raises(module("core.errors").ModelFileError, match=r"outside the .* download it again"):
+        _loader(module, loader).execute(*args)
