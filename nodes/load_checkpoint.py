@@ -63,6 +63,7 @@ class LoadCheckpointWithDevice(surface.io.ComfyNode):
                 dtype_input("clip_dtype", "text encoder(s)"),
                 dtype_input("vae_dtype", "VAE (fp8 is not possible for a VAE)"),
             ],
+            hidden=[io.Hidden.unique_id],
             outputs=[
                 io.Model.Output(tooltip="The diffusion model, for KSampler, LoRA loaders and the like."),
                 io.Clip.Output(tooltip="The text encoder(s), for CLIP Text Encode."),
@@ -102,7 +103,7 @@ class LoadCheckpointWithDevice(surface.io.ComfyNode):
                     f"{role.replace('_', ' ')}: {choices[role].device.id} does not compute in fp8; the "
                     "weights stay fp8 in memory and are cast to a dtype it computes in, layer by layer"
                 )
-        plan = plan_load(ckpt_name, detection.components, choices, notes)
+        plan = plan_load(ckpt_name, detection.components, choices, notes, cls)
         placements = {role: with_fit(p, plan, choices[role]) for role, p in placements.items()}
         built = build_checkpoint(header, detection, placements, progress_bar())
         summary = _summary(ckpt_name, detection, choices, plan, built, notes)

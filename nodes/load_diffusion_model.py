@@ -68,6 +68,7 @@ class LoadDiffusionModelWithDevice(surface.io.ComfyNode):
                     [*DTYPES, FAST_FP8],
                 ),
             ],
+            hidden=[io.Hidden.unique_id],
             outputs=[
                 io.Model.Output(tooltip="The diffusion model, for KSampler, LoRA loaders, Move To GPU and the like."),
                 summary_output(),
@@ -89,7 +90,7 @@ class LoadDiffusionModelWithDevice(surface.io.ComfyNode):
         place, choice = resolve_placement(
             ROLE, device, "fp8_e4m3fn" if fast else dtype, detection, inventory.snapshot(), notes
         )
-        plan = plan_load(unet_name, detection.components, {ROLE: choice}, notes)
+        plan = plan_load(unet_name, detection.components, {ROLE: choice}, notes, cls)
         built = build_diffusion_model(
             header, detection, with_fit(place, plan, choice), fp8_optimizations=fast, progress=progress_bar()
         )

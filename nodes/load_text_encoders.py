@@ -86,6 +86,7 @@ class LoadTextEncodersWithDevice(surface.io.ComfyNode):
                 device_input("device", "text encoders"),
                 dtype_input("dtype", "text encoders"),
             ],
+            hidden=[io.Hidden.unique_id],
             outputs=[
                 io.Clip.Output(tooltip="The text encoders, for CLIP Text Encode and the like."),
                 summary_output(),
@@ -115,7 +116,7 @@ class LoadTextEncodersWithDevice(surface.io.ComfyNode):
         components = [
             dataclasses.replace(d.components[0], name=f"{ROLE}:{d.family}") for d in detections if d.components
         ]
-        plan = plan_load(" + ".join(names), components, {ROLE: choice}, notes)
+        plan = plan_load(" + ".join(names), components, {ROLE: choice}, notes, cls)
         built = build_text_encoders(headers, type, with_fit(place, plan, choice), progress_bar())
         return loaded(_summary(type, names, detections, choice, plan, built.clip, notes + built.notes), built.clip)
 

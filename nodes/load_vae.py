@@ -58,6 +58,7 @@ class LoadVAEWithDevice(surface.io.ComfyNode):
                 device_input("device", "VAE"),
                 dtype_input("dtype", "VAE (a VAE has no fp8)", VAE_DTYPES),
             ],
+            hidden=[io.Hidden.unique_id],
             outputs=[io.Vae.Output(tooltip="The VAE, for VAE Decode / Encode."), summary_output()],
         )
 
@@ -77,7 +78,7 @@ class LoadVAEWithDevice(surface.io.ComfyNode):
         require_kind(vae_name, detection, ROLE, "VAE", "Load VAE")
         notes: list[str] = []
         place, choice = resolve_placement(ROLE, device, dtype, detection, inventory.snapshot(), notes)
-        plan = plan_load(vae_name, detection.components, {ROLE: choice}, notes)
+        plan = plan_load(vae_name, detection.components, {ROLE: choice}, notes, cls)
         built = build_vae(header, place, progress_bar())
         return loaded(_summary(vae_name, detection, choice, plan, built.vae, notes + built.notes), built.vae)
 

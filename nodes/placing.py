@@ -27,6 +27,7 @@ from ..core.errors import (
 )
 from ..core.placement.budget import Placement
 from ..core.placement.fit import Choice, FitPlan, plan_fit
+from ..core.units import format_bytes
 from . import panel, surface
 from .bridge import device_id
 from .bridge.checkpoint import default_dtype
@@ -139,13 +140,35 @@ def check_devices(**inputs: str) -> bool | str:
     return True
 
 
-def plan_load(name: str, components: Any, choices: dict[str, Choice], notes: list[str]) -> FitPlan:
-    """The fit plan of a load, refused (before anything is read) when RAM cannot hold it; ``notes`` are logged."""
+def plan_load(
+    name: str, components: Any, choices: dict[str, Choice], notes: list[str], node: type | None = None
+) -> FitPlan:
+    """The fit plan of a load, refused (before anything is read) when RAM cannot hold it; ``notes`` are logged, and
+    the plan is shown on the loader ``node`` (the node class ComfyUI runs) before its weights are read."""
     plan = plan_fit(components, choices)
     require_ram(name, plan)
     for note in notes:
         log.warning("[Device Control] %s: %s", name, note)
+    lines = [f"Loading {name}: the fit plan, before any weight is read"]
+    lines += [
+        f"  {c.component.replace('_', ' ')}: {c.device}, {c.dtype}: {format_bytes(c.bytes)}" for c in plan.components
+    ]
+    lines += [f"  fit on {d.device}: {d.verdict}" for d in plan.devices]
+    lines += [f"  warning: {note}" for note in notes]
+    log.info("[Device Control] %s", "\n".join(lines))
+    _show_on_node(node, "\n".join(lines))
     return plan
+
+
+def _show_on_node(node: type | None, text: str) -> None:
+    """Show ``text`` on the running node in the frontend, where ComfyUI can (its progress text)."""
+    hidden = getattr(node, "hidden", None)
+    node_id = getattr(hidden, "unique_id", None)
+    if node_id is None or not surface.running_in_comfyui():
+        return
+    send = getattr(surface.prompt_server(), "send_progress_text", None)
+    if callable(send):
+        send(text, node_id)
 
 
 def loaded(summary: str, *values: Any) -> Any:

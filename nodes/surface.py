@@ -52,6 +52,7 @@ COMFY_SYMBOLS: dict[str, tuple[str, ...]] = {
         "Combo",
         "ComfyNode",
         "Custom",
+        "Hidden",
         "Model",
         "MultiType",
         "NodeOutput",
@@ -96,8 +97,9 @@ COMFY_SYMBOLS: dict[str, tuple[str, ...]] = {
     ),
     "comfyui_version": ("__version__",),
     "folder_paths": ("get_filename_list", "get_folder_paths", "get_full_path"),
+    "nodes": ("NODE_CLASS_MAPPINGS",),
     "server": ("PromptServer",),
-    "server.PromptServer.instance": ("last_node_id", "prompt_queue", "routes", "send_sync"),
+    "server.PromptServer.instance": ("last_node_id", "prompt_queue", "routes", "send_progress_text", "send_sync"),
     "server.PromptServer.instance.prompt_queue": ("currently_running", "get_current_queue_volatile", "mutex"),
     "server.PromptServer.instance.routes": ("get", "post"),
 }
@@ -155,7 +157,7 @@ COMFY_ATTRIBUTES: dict[str, tuple[str, ...]] = {
         "supported_inference_dtypes",
         "vae_key_prefix",
     ),
-    "server:PromptServer": ("last_node_id", "prompt_queue", "routes", "send_sync"),
+    "server:PromptServer": ("last_node_id", "prompt_queue", "routes", "send_progress_text", "send_sync"),
     "execution:PromptQueue": ("currently_running", "get_current_queue_volatile", "mutex"),
 }
 
@@ -170,47 +172,9 @@ OPTIONAL: frozenset[str] = frozenset(
         "comfy.model_patcher:ModelPatcher.is_dynamic",
         "comfy.model_patcher:ModelPatcher.model.model_offload_buffer_memory",
         "comfy.patcher_extension.CallbacksMP",
+        "server:PromptServer.send_progress_text",
     }
 )
-
-__all__ = [
-    "COMFY_ATTRIBUTES",
-    "COMFY_SYMBOLS",
-    "NODE_API_MISSING",
-    "OPTIONAL",
-    "ComfyExtension",
-    "base_model_class",
-    "classic_clone",
-    "clip_type",
-    "clip_types",
-    "comfy_lora",
-    "comfy_sd",
-    "comfy_utils",
-    "comfyui_version",
-    "dynamic_vram_enabled",
-    "folder_paths",
-    "fp8_rounding_noise",
-    "has_model_class",
-    "io",
-    "is_dynamic",
-    "key_weight",
-    "load_models_gpu",
-    "load_text_encoders",
-    "loaded_model_class",
-    "loaded_model_list",
-    "loaded_models",
-    "lowvram_patch_class",
-    "model_detection",
-    "model_management",
-    "model_patcher_class",
-    "old_quants_converter",
-    "on_load_callback_kind",
-    "prompt_server",
-    "running_in_comfyui",
-    "soft_empty_cache",
-    "supported_models",
-    "throw_if_interrupted",
-]
 
 
 def running_in_comfyui() -> bool:
@@ -250,8 +214,15 @@ def comfy_lora() -> ModuleType:
 
 
 def clip_types() -> list[str]:
-    """The text-encoder types of the running ComfyUI (``comfy.sd.CLIPType``), as its CLIP loaders name them."""
-    return [member.name.lower() for member in comfy_sd().CLIPType]
+    """The text-encoder types the running ComfyUI's CLIP loaders offer (``sdxl`` is DualCLIPLoader's name for the
+    default type), then every other ``comfy.sd.CLIPType``, as those loaders name them."""
+    offered: list[str] = []
+    for loader in ("CLIPLoader", "DualCLIPLoader"):
+        try:
+            offered += importlib.import_module("nodes").NODE_CLASS_MAPPINGS[loader].INPUT_TYPES()["required"]["type"][0]
+        except (ImportError, AttributeError, KeyError, IndexError, TypeError):
+            continue  # a ComfyUI whose loaders changed shape: its CLIPType names still serve
+    return list(dict.fromkeys([*offered, *(member.name.lower() for member in comfy_sd().CLIPType)]))
 
 
 def clip_type(name: str) -> Any:

@@ -116,7 +116,7 @@ def test_the_weights_are_written_straight_onto_a_simulated_gpu(comfy, monkeypatc
             r"is a checkpoint \(Stable Diffusion 1\.5\), not a diffusion model; "
             "load it with Load Checkpoint With Device",
         ),
-        ("vae", r"is a vae .*not a diffusion model; load it with ComfyUI's Load VAE"),
+        ("vae", r"is a vae .*not a diffusion model; load it with Load VAE With Device"),
     ],
 )
 def test_a_file_of_another_kind_is_refused_naming_what_it_is_and_what_takes_it(comfy, monkeypatch, kind, message):

@@ -21,16 +21,22 @@ diffusion model as ComfyUI does on a CPU, in fp32, on both sides (SDXL's takes 1
 
 from __future__ import annotations
 
+import asyncio
 import json
+import struct
+import time
+import uuid
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import numpy as np
 import pytest
 from PIL import Image
 
 from tools.family_workflows import FAMILIES, Family
 from tools.make_family_fixtures import DIFFUSION_FIXTURES
+from tools.stress import run_coroutine
 
 REPO = Path(__file__).resolve().parents[2]
 MiB = 1024**2
@@ -193,3 +199,48 @@ def _fp32_bytes(path: Path) -> int:
         length = int.from_bytes(handle.read(8), "little")
         header = json.loads(handle.read(length))
     return 4 * sum(int(np.prod(entry["shape"])) for name, entry in header.items() if name != "__metadata__")
+
+
+#: ComfyUI's binary websocket event for a node's progress text (``protocol.BinaryEventTypes.TEXT``).
+TEXT_EVENT = 3
+
+
+async def _node_texts_and_runs(server, prompt: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """What the websocket carries for ``prompt``, in order: ``("text", node, text)`` for a node's progress text and
+    ``("executed", node, "")`` when a node finished, until the prompt ends."""
+    client, seen = uuid.uuid4().hex, []
+    async with aiohttp.ClientSession() as session, session.ws_connect(f"{server.url}/ws?clientId={client}") as ws:
+        prompt_id = await asyncio.to_thread(server.queue, prompt, client)
+        deadline = time.monotonic() + 300
+        while (left := deadline - time.monotonic()) > 0:
+            message = await ws.receive(timeout=left)
+            if message.type == aiohttp.WSMsgType.BINARY and struct.unpack(">I", message.data[:4])[0] == TEXT_EVENT:
+                length = struct.unpack(">I", message.data[4:8])[0]
+                seen.append(("text", message.data[8 : 8 + length].decode(), message.data[8 + length :].decode()))
+            elif message.type == aiohttp.WSMsgType.TEXT:
+                data = json.loads(message.data)
+                if data["type"] == "executed":
+                    seen.append(("executed", data["data"]["node"], ""))
+                elif data["type"] == "executing" and (data["data"].get("node"), data["data"].get("prompt_id")) == (
+                    None,
+                    prompt_id,
+                ):
+                    return seen
+    return seen
+
+
+def test_each_loader_shows_its_fit_plan_on_the_node_before_reading_a_weight(server, api):
+    family = next(f for f in FAMILIES if f.stem.startswith("flux"))
+    prompt = lora_prompt(family, "unused", "all")
+    prompt = {key: prompt[key] for key in ("1", "6", "7", "12")}  # the three loaders, and a node that uses the CLIP
+    prompt |= {
+        node: api.report_prompt(value=[source, 0])["1"] for node, source in (("15", "1"), ("16", "12"), ("17", "7"))
+    }
+    server.free()
+    seen = run_coroutine(_node_texts_and_runs(server, prompt))
+    for node, what in (("1", "diffusion model"), ("6", "text encoder"), ("12", "vae")):
+        texts = [i for i, (kind, who, text) in enumerate(seen) if kind == "text" and who == node]
+        done = next(i for i, (kind, who, _) in enumerate(seen) if kind == "executed" and who == node)
+        assert texts and texts[0] < done, f"node {node} showed no fit plan before it finished: {seen}"
+        plan = seen[texts[0]][2]
+        assert "the fit plan, before any weight is read" in plan and what in plan and "fit on cpu" in plan, plan
