@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..devices.backends import backend_of
 from ..devices.slices import SLICES, RowSlices
 from ..devices.tensors import Target
 from ..devices.transfer import LOOKAHEAD, Prefetcher, compute_target, to_target
@@ -88,16 +89,16 @@ def _take_slices(functions: Sequence, shape: tuple[int, ...], slices: RowSlices)
 
 def forward_in_slices(layer: torch.nn.Module, input: torch.Tensor, compute: Compute, dim: int) -> torch.Tensor | None:
     """``layer``'s output computed one row slice of its weight at a time (``dim``: the output's dimension of the
-    weight's rows); ``None`` when the layer does not stream in slices now, or a weight function needs the whole
-    weight (the caller then computes it whole)."""
+    weight's rows); ``None`` when the layer does not stream in slices now, computes where its weight is, or has a
+    weight function that needs the whole weight (the caller then computes it whole)."""
     slices: RowSlices | None = layer.__dict__.get(SLICES)
     if slices is None:
         return None
     weight, functions = layer.weight, getattr(layer, "weight_function", ())
-    shape = tuple(weight.shape)
-    if not _take_slices(functions, shape, slices):
-        return None
     dtype, target = input.dtype, compute_target(input)
+    shape = tuple(weight.shape)
+    if backend_of(target).holds(weight, target) or not _take_slices(functions, shape, slices):
+        return None  # computing where the weight is (the host, for a host input): nothing crosses
     ahead, bias = _start(layer, target, dtype)
     out = None
     for index, (start, stop) in enumerate(slices.ranges()):

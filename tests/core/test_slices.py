@@ -156,3 +156,11 @@ def test_a_weight_function_that_takes_slices_patches_each_slice_alone_or_the_who
     assert patch.calls == slices.ranges()  # one patched slice at a time
     patch.multiple, patch.calls = 128, []  # slices start on 192: not a multiple of 128
     assert torch.equal(_streamed(layer, x, device, slices, (patch,)), expected) and patch.calls == [(0, 256)]
+
+
+def test_a_sliced_layer_given_a_host_input_computes_whole_where_its_weight_is():
+    """ComfyUI computes some inputs on the host even for a model on a device (a time embedding): nothing crosses."""
+    layer, x, slices = _layer("linear")
+    stream(Layer("layer", layer, 0, True), SimulatedDevice(64 * MiB), NO_HOOKS, slices)
+    with torch.no_grad():
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
