@@ -12,9 +12,10 @@ crosses at once. A piece is a whole streamed layer, or one row slice of a layer 
 (``core.devices.slices``): a layer larger than the *streaming unit* the budget allows streams in slices of at
 most the unit. The unit is ``budget * STREAM_SHARE / STREAM_COPIES`` (at least :data:`MIN_UNIT`), so the
 reserve is at most :data:`STREAM_SHARE` of the budget whatever the size of the model's layers, and the rest of
-the budget holds resident layers. Layers no larger than the unit stream whole, without slicing overhead. The
-reserve holds streamed weights only: activations are not part of a model's budget (ComfyUI keeps room for them
-on the devices it manages, the patcher on the others).
+the budget holds resident layers; a budget too tight for what cannot stream plus that reserve is planned with
+the smallest unit before it is declared short. Layers no larger than the unit stream whole, without slicing
+overhead. The reserve holds streamed weights only: activations are not part of a model's budget (ComfyUI keeps
+room for them on the devices it manages, the patcher on the others).
 
 **Policy.** Which streamable layers stay resident when not all fit: ``largest-first`` (as ComfyUI does) keeps
 the biggest layers, so the fewest bytes per layer stream and the reserve is smallest; ``execution-order`` keeps
@@ -211,9 +212,27 @@ def plan_layers(
         allowed: when given, only these layers may be resident (an unload never moves other layers in).
         multiples: by layer name, the multiple of rows its slices must hold (``None``: it streams whole only,
             e.g. its patches need the whole weight); layers not named slice on :data:`ROW_QUANTUM` rows.
-        unit: the streaming unit (default :func:`streaming_unit` of the budget; an unload keeps its model's).
+        unit: the streaming unit (default :func:`streaming_unit` of the budget, or :data:`MIN_UNIT` when the
+            budget's unit leaves no room for what cannot stream: the least reserve, so a plan over its budget
+            says what the model needs at least; an unload keeps its model's unit).
     """
-    unit = streaming_unit(budget) if unit is None else unit
+    if unit is not None:
+        return _plan_with(layers, budget, policy, allowed, multiples, unit)
+    plan = _plan_with(layers, budget, policy, allowed, multiples, streaming_unit(budget))
+    if not plan.over_budget or plan.unit == MIN_UNIT:
+        return plan
+    return _plan_with(layers, budget, policy, allowed, multiples, MIN_UNIT)
+
+
+def _plan_with(
+    layers: Sequence[Layer],
+    budget: int,
+    policy: Policy,
+    allowed: Iterable[str] | None,
+    multiples: Mapping[str, int | None] | None,
+    unit: int,
+) -> Plan:
+    """:func:`plan_layers` with the streaming unit given."""
     fixed = [layer for layer in layers if not layer.streamable]
     streamable = [layer for layer in layers if layer.streamable]
     options = _options(streamable, unit, multiples)

@@ -308,3 +308,16 @@ def test_a_budget_that_cannot_hold_what_cannot_stream_and_the_reserve_names_what
         "; the budget 2.00 MiB cannot hold the 768.00 KiB of this model that cannot stream plus the 3.00 MiB it "
         "needs to stream the rest: it needs at least 3.75 MiB, so it runs 1.75 MiB over its budget"
     )
+
+
+def test_a_tight_budget_streams_in_the_smallest_slices_before_it_says_what_is_missing():
+    """Between what cannot stream plus the least reserve (1 MiB pieces) and that plus the budget's own unit, the
+    plan slices finer rather than run over: the figure a short budget is told to reach is enough."""
+    net, device = _Wide(), SimulatedDevice(128 * MiB)
+    net.fixed = Scale(int(41.5 * MiB / 12))  # 41.5 MiB that cannot stream
+    engine = partial_model_of(net)
+    report = engine.load(device, 45 * MiB)  # its own unit (1.25 MiB) would need 41.5 + 3.75 MiB
+    assert not report.plan.over_budget and report.plan.reserve_bytes == 3 * MiB
+    engine.unload_all()
+    short = engine.load(device, 44 * MiB)
+    assert short.plan.over_budget and "it needs at least 44.50 MiB" in short.summary()
