@@ -85,6 +85,7 @@ COMFY_SYMBOLS: dict[str, tuple[str, ...]] = {
         "vram_state",
     ),
     "comfy.model_patcher": ("LowVramPatch", "ModelPatcher", "get_key_weight"),
+    "comfy.ops": ("disable_weight_init", "manual_cast"),
     "comfy.patcher_extension": ("CallbacksMP",),
     "comfy.sd": ("CLIP", "CLIPType", "VAE", "detect_te_model", "load_text_encoder_state_dicts"),
     "comfy.supported_models": ("models",),
@@ -157,6 +158,8 @@ COMFY_ATTRIBUTES: dict[str, tuple[str, ...]] = {
         "supported_inference_dtypes",
         "vae_key_prefix",
     ),
+    "comfy.ops:disable_weight_init": ("Conv1d", "Conv2d", "Linear"),
+    "comfy.ops:manual_cast": ("Conv1d", "Conv2d", "Linear"),
     "server:PromptServer": ("last_node_id", "prompt_queue", "routes", "send_progress_text", "send_sync"),
     "execution:PromptQueue": ("currently_running", "get_current_queue_volatile", "mutex"),
 }
@@ -258,6 +261,15 @@ def key_weight(model: Any, key: str) -> tuple[Any, Any, Any]:
 def lowvram_patch_class() -> type:
     """``comfy.model_patcher.LowVramPatch``: the patch ComfyUI attaches to streamed layers."""
     return importlib.import_module("comfy.model_patcher").LowVramPatch
+
+
+def standard_layer_classes() -> frozenset[type]:
+    """ComfyUI's standard Linear and 1-d/2-d convolution classes (``comfy.ops.disable_weight_init`` and
+    ``manual_cast``): those whose cast is plain, so a cast layer of the pack computes bit for bit as they do.
+    Other families of ComfyUI's ops (fp8 matmuls, quantized and scaled layers) are not among them."""
+    ops = importlib.import_module("comfy.ops")
+    plain, manual = ops.disable_weight_init, ops.manual_cast
+    return frozenset({plain.Linear, plain.Conv1d, plain.Conv2d, manual.Linear, manual.Conv1d, manual.Conv2d})
 
 
 def folder_paths() -> ModuleType:

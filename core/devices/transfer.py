@@ -41,8 +41,9 @@ def side_stream(target: Target) -> object | None:
 class QueuedCopy:
     """A copy queued on a device's side stream: the tensor it makes, and the event that marks its end.
 
-    ``source`` and ``version`` say what was copied, so a copy made ahead of use can be checked before it is
-    used (the weight was not changed or replaced since).
+    ``source``, ``rows`` and ``version`` say what was copied (the source's rows ``start:stop`` only, when
+    ``rows`` is given), so a copy made ahead of use can be checked before it is used (the weight was not changed
+    or replaced since).
     """
 
     source: torch.Tensor
@@ -51,15 +52,23 @@ class QueuedCopy:
     moved: torch.Tensor
     event: object | None
     private: bool
+    rows: tuple[int, int] | None = None
 
     @property
     def nbytes(self) -> int:
         """Bytes the copy takes on its device (read from the source: the copy may not be done)."""
-        return tensor_bytes(self.source)
+        return tensor_bytes(_rows_of(self.source, self.rows))
 
-    def matches(self, tensor: torch.Tensor, *, copy: bool) -> bool:
-        """Whether this is a copy of ``tensor`` as it is now, usable where a private copy is needed if ``copy``."""
-        return self.source is tensor and _version(tensor) == self.version and (self.private or not copy)
+    def matches(self, tensor: torch.Tensor, *, copy: bool, rows: tuple[int, int] | None = None) -> bool:
+        """Whether this is a copy of ``tensor``'s ``rows`` as it is now, usable where a private copy is needed if
+        ``copy``."""
+        same = self.source is tensor and self.rows == rows and _version(tensor) == self.version
+        return same and (self.private or not copy)
+
+
+def _rows_of(tensor: torch.Tensor, rows: tuple[int, int] | None) -> torch.Tensor:
+    """``tensor``'s rows ``start:stop`` (a view), or the whole tensor."""
+    return tensor if rows is None else tensor.narrow(0, rows[0], rows[1] - rows[0])
 
 
 def _version(tensor: torch.Tensor) -> int | None:
@@ -67,19 +76,22 @@ def _version(tensor: torch.Tensor) -> int | None:
     return None if tensor.is_inference() else tensor._version
 
 
-def queue_copy(tensor: torch.Tensor, target: Target, *, copy: bool = False) -> QueuedCopy:
-    """Queue a copy of ``tensor`` (elsewhere) to ``target`` on its side stream; the host waits only when the
-    backend has no streams or the host memory is not pinned. ``copy``: the result must not share memory with
-    ``tensor`` (it will be changed, by a patch)."""
+def queue_copy(
+    tensor: torch.Tensor, target: Target, *, copy: bool = False, rows: tuple[int, int] | None = None
+) -> QueuedCopy:
+    """Queue a copy of ``tensor`` (elsewhere; its ``rows`` only, when given) to ``target`` on its side stream; the
+    host waits only when the backend has no streams or the host memory is not pinned. ``copy``: the result must
+    not share memory with ``tensor`` (it will be changed, by a patch)."""
     backend = backend_of(target)
-    count_copy(target_of(tensor), target, tensor_bytes(tensor))
+    source = _rows_of(tensor, rows)
+    count_copy(target_of(tensor), target, tensor_bytes(source))
     stream = backend.side_stream(target)
     if stream is None:
-        moved = backend.copy_to(tensor, target, copy=copy)
-        return QueuedCopy(tensor, _version(tensor), target, moved, None, copy)
+        moved = backend.copy_to(source, target, copy=copy)
+        return QueuedCopy(tensor, _version(tensor), target, moved, None, copy, rows)
     with backend.on_stream(stream):
-        moved = backend.copy_to(tensor, target, non_blocking=backend.is_pinned(tensor), copy=copy)
-    return QueuedCopy(tensor, _version(tensor), target, moved, backend.record(stream), copy)
+        moved = backend.copy_to(source, target, non_blocking=backend.is_pinned(source), copy=copy)
+    return QueuedCopy(tensor, _version(tensor), target, moved, backend.record(stream), copy, rows)
 
 
 def use_copy(queued: QueuedCopy, target: Target) -> torch.Tensor:
@@ -102,11 +114,16 @@ LOOKAHEAD = "device_control_lookahead"
 class Prefetcher(Protocol):
     """What a cast layer asks of its model's prefetch."""
 
-    def before_use(self, module: torch.nn.Module, target: Target, dtype: torch.dtype | None = None) -> None:
-        """``module`` is about to compute on ``target`` in ``dtype``: its copies and the next layers' are queued."""
+    def before_use(
+        self, module: torch.nn.Module, target: Target, dtype: torch.dtype | None = None, piece: int = 0
+    ) -> None:
+        """``module`` is about to compute on ``target`` in ``dtype`` (with row slice ``piece`` of its weight, when it
+        streams in slices): its copies and the next ones are queued."""
 
-    def take(self, tensor: torch.Tensor, target: Target, *, copy: bool) -> torch.Tensor | None:
-        """The queued copy of ``tensor``, waited for; ``None`` when there is none."""
+    def take(
+        self, tensor: torch.Tensor, target: Target, *, copy: bool, rows: tuple[int, int] | None = None
+    ) -> torch.Tensor | None:
+        """The queued copy of ``tensor`` (its ``rows``), waited for; ``None`` when there is none."""
 
 
 def to_target(tensor: torch.Tensor, target: Target, *, copy: bool = False) -> torch.Tensor:

@@ -28,7 +28,7 @@ from ..devices.tensors import HOST, Target, label_of, same_target
 from ..errors import DeviceControlError, first_line
 from ..progress import ProgressCallback
 from ..units import format_bytes
-from .plan import DEFAULT_POLICY, STREAM_COPIES, Layer, Plan, Policy, layers_of, plan_layers
+from .plan import DEFAULT_POLICY, Layer, Plan, Policy, layers_of, plan_layers
 from .prefetch import Lookahead
 from .streaming import NO_HOOKS, LayerHooks, apply_plan, is_streaming, leave, reset_flags, to_host
 
@@ -54,22 +54,28 @@ class LoadReport:
         return self.total_bytes - self.resident_bytes
 
     def summary(self) -> str:
-        """``3.20 GiB: 1.20 GiB resident on sim:0, 2.00 GiB streamed from cpu (412 layers)``, plus what the
-        guard did."""
+        """``3.20 GiB: 1.20 GiB resident on sim:0, 2.00 GiB streamed from cpu (412 layers, 9 in row slices)``,
+        what a budget too small for the model is missing, and what the out-of-memory guard did."""
         text = f"{format_bytes(self.total_bytes)}: {format_bytes(self.resident_bytes)} resident on {self.target}"
         if self.streamed_bytes:
+            sliced = f", {len(self.plan.slices)} in row slices" if self.plan.slices else ""
             text += (
                 f", {format_bytes(self.streamed_bytes)} streamed from {label_of(HOST)} "
-                f"({self.plan.streamed_layers} layers)"
+                f"({self.plan.streamed_layers} layers{sliced})"
             )
         if self.plan.over_budget:
-            text += (
-                f"; the budget {format_bytes(self.plan.budget)} is below the {format_bytes(self.plan.fixed_bytes)} "
-                "this model cannot stream, which stays resident anyway"
-            )
+            text += f"; {_short_of(self.plan)}"
         if self.oom:
             text += f"; {self.oom}"
         return text
+
+
+def _short_of(plan: Plan) -> str:
+    """What a budget that cannot hold even what cannot stream plus the streaming reserve is missing."""
+    budget, fixed, reserve = (format_bytes(n) for n in (plan.budget, plan.fixed_bytes, plan.reserve_bytes))
+    needed, over = format_bytes(plan.needed_bytes), format_bytes(plan.needed_bytes - plan.budget)
+    what = f"the {fixed} of this model that cannot stream plus the {reserve} it needs to stream the rest"
+    return f"the budget {budget} cannot hold {what}: it needs at least {needed}, so it runs {over} over its budget"
 
 
 class PartialModel:
@@ -167,7 +173,7 @@ class PartialModel:
         if fresh:
             self.limits.pop(key, None)
         before_in, before_out = self.resident_bytes(target), self._resident_elsewhere(target)
-        plan = self._plan(target, min(budget, self.limits.get(key, budget)))
+        plan = self._plan(target, min(budget, self.limits.get(key, budget)), hooks)
         plan, oom = self._apply_guarded(plan, target, hooks, progress)
         resident = self.resident_bytes(target)
         moved_in, moved_out = max(0, resident - before_in), before_out + max(0, before_in - resident)
@@ -181,9 +187,18 @@ class PartialModel:
         before = self.resident_bytes(target)
         if nbytes >= before:
             return self.unload_all(hooks=hooks)
-        reserve = STREAM_COPIES * max((layer.nbytes for layer in self.streamed_layers()), default=0)
+        # The same streaming unit as now: the layers streamed already keep their pieces, so the reserve can
+        # only grow and the layers kept fit in what is left.
+        reserve, unit = (self.plan.reserve_bytes, self.plan.unit) if self.plan is not None else (0, None)
         allowed = [layer.name for layer in self.layers() if layer.is_resident(target)]
-        plan = plan_layers(self.layers(), before + reserve - nbytes, self.policy, allowed=allowed)
+        plan = plan_layers(
+            self.layers(),
+            before + reserve - nbytes,
+            self.policy,
+            allowed=allowed,
+            multiples=self._multiples(hooks),
+            unit=unit,
+        )
         self._apply(plan, target, hooks, progress)
         return before - self.resident_bytes(target)
 
@@ -205,10 +220,14 @@ class PartialModel:
 
     # -- internals ---------------------------------------------------------------------------------
 
-    def _plan(self, target: Target, budget: int) -> Plan:
+    def _plan(self, target: Target, budget: int, hooks: LayerHooks) -> Plan:
         if backend_of(target).is_host:
             budget = self.total_bytes()  # on the host, everything is resident: there is nothing to stream from
-        return plan_layers(self.layers(), budget, self.policy)
+        return plan_layers(self.layers(), budget, self.policy, multiples=self._multiples(hooks))
+
+    def _multiples(self, hooks: LayerHooks) -> dict[str, int | None]:
+        """The row multiple each layer that could stream in slices may be sliced on, as its owner says."""
+        return {layer.name: hooks.slice_multiple(layer) for layer in self.layers() if layer.streamable and layer.rows}
 
     def _resident_elsewhere(self, target: Target) -> int:
         if self.target is None or same_target(self.target, target) or same_target(self.target, HOST):
@@ -222,10 +241,8 @@ class PartialModel:
         self.target = target
         try:
             apply_plan(self.layers(), plan, target, hooks, progress)
-        finally:  # whatever streams now prefetches, within the room the plan keeps for streaming
-            streamed = self.streamed_layers()
-            largest = max((la.nbytes for la in streamed), default=0)
-            self.lookahead.attach([la.module for la in streamed], STREAM_COPIES * largest)
+        finally:  # whatever streams now prefetches, within the streaming reserve the plan keeps
+            self.lookahead.attach([la.module for la in self.streamed_layers()], plan.reserve_bytes)
         self.plan = plan
 
     def _apply_guarded(
@@ -237,7 +254,7 @@ class PartialModel:
             return plan, None
         except torch.OutOfMemoryError as error:
             oom = self._lower_limit(target, error)
-        lowered = self._plan(target, self.limits[label_of(target)])
+        lowered = self._plan(target, self.limits[label_of(target)], hooks)
         try:
             self._apply(lowered, target, hooks, progress)
             return lowered, oom
@@ -263,7 +280,7 @@ class PartialModel:
         key = label_of(target)
         self.limits[key] = 0
         empty_cache(target)
-        plan = self._plan(target, 0)
+        plan = self._plan(target, 0, hooks)
         try:
             self._apply(plan, target, hooks, progress)
         except torch.OutOfMemoryError as last:

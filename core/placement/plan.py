@@ -5,28 +5,48 @@ A *layer* is a module with tensors of its own. A layer that speaks the cast prot
 weights stay in host memory and its forward casts them to the input's device for each use. Any other layer
 must be resident.
 
+**The streaming reserve.** While a streamed layer computes, what it copied is on the device in its stored dtype
+and, cast or patched, in the compute dtype; the copies queued ahead for the next layers are there too. The
+budget keeps room for that: the *streaming reserve*, :data:`STREAM_COPIES` times the largest *piece* that
+crosses at once. A piece is a whole streamed layer, or one row slice of a layer streamed in slices
+(``core.devices.slices``): a layer larger than the *streaming unit* the budget allows streams in slices of at
+most the unit. The unit is ``budget * STREAM_SHARE / STREAM_COPIES`` (at least :data:`MIN_UNIT`), so the
+reserve is at most :data:`STREAM_SHARE` of the budget whatever the size of the model's layers, and the rest of
+the budget holds resident layers; a budget too tight for what cannot stream plus that reserve is planned with
+the smallest unit before it is declared short. Layers no larger than the unit stream whole, without slicing
+overhead. The reserve holds streamed weights only: activations are not part of a model's budget (ComfyUI keeps
+room for them on the devices it manages, the patcher on the others).
+
 **Policy.** Which streamable layers stay resident when not all fit: ``largest-first`` (as ComfyUI does) keeps
-the biggest layers, so the fewest bytes per layer stream and the room kept for casting the streamed ones is
-smallest; ``execution-order`` keeps the first layers, so the copies of the later ones could overlap with the
-computation of the earlier ones. ``tools/bench.py`` measures both (``--only policy``); the default is
-:data:`DEFAULT_POLICY`, for the reason given there.
+the biggest layers, so the fewest bytes per layer stream and the reserve is smallest; ``execution-order`` keeps
+the first layers, so the copies of the later ones could overlap with the computation of the earlier ones.
+``tools/bench.py`` measures both (``--only policy``); the default is :data:`DEFAULT_POLICY`, for the reason
+given there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
 
+from ..devices.slices import ROW_QUANTUM, RowSlices, row_geometry, row_slices
 from ..devices.tensors import HOST, Target, is_on, own_tensors, tensor_bytes
 
-#: While a streamed layer computes, its weights are on the device once in their stored dtype and once in the
-#: compute dtype (twice the bytes when fp16 computes in fp32): room for that many copies of the largest
-#: streamed layer is kept inside the budget.
+#: While a streamed piece computes, its weights are on the device once in their stored dtype and once in the
+#: compute dtype (twice the bytes when fp16 computes in fp32), and the next piece is copied ahead: room for that
+#: many of the largest streamed piece is kept inside the budget (the streaming reserve).
 STREAM_COPIES = 3
 
+#: The streaming reserve is at most this share of the budget: the streaming unit is the budget times this share
+#: over :data:`STREAM_COPIES` (1/36 of the budget: 16.7 MiB of a 600 MiB budget).
+STREAM_SHARE = 1 / 12
+
+#: The smallest streaming unit: below a budget of 36 MiB the reserve is more than :data:`STREAM_SHARE` of it,
+#: rather than copies so small that their fixed cost dominates.
+MIN_UNIT = 1024**2
 
 #: A module with this attribute set stays resident even when it could stream (a host application needs it on
 #: the compute device: a text encoder reads its device from its token embedding, for instance).
@@ -47,12 +67,15 @@ DEFAULT_POLICY = Policy.LARGEST_FIRST
 
 @dataclass(eq=False)
 class Layer:
-    """One module with tensors of its own: its size, and whether it can stream."""
+    """One module with tensors of its own: its size, whether it can stream, and the geometry of its rows when it
+    can stream in row slices (``rows`` is 0 when it cannot)."""
 
     name: str
     module: torch.nn.Module
     nbytes: int
     streamable: bool
+    rows: int = 0
+    row_bytes: int = 0
 
     def is_resident(self, target: Target | None) -> bool:
         """Whether all of this layer's tensors are on ``target``.
@@ -89,13 +112,23 @@ def layers_of(root: torch.nn.Module) -> list[Layer]:
             nbytes += tensor_bytes(tensor)
         if owns:
             streamable = hasattr(module, "comfy_cast_weights") and not getattr(module, RESIDENT_MARK, False)
-            layers.append(Layer(name, module, nbytes, streamable))
+            rows, row_bytes = (row_geometry(module) if streamable else None) or (0, 0)
+            layers.append(Layer(name, module, nbytes, streamable, rows, row_bytes))
     return layers
+
+
+def streaming_unit(budget: int) -> int:
+    """The most bytes one streamed piece may take under ``budget`` (see the module's docstring)."""
+    return max(MIN_UNIT, int(budget * STREAM_SHARE / STREAM_COPIES))
 
 
 @dataclass(frozen=True)
 class Plan:
-    """Which layers are resident under a budget (the rest stream) and the bytes on each side."""
+    """Which layers are resident under a budget (the rest stream, some in row slices) and the bytes on each side.
+
+    ``reserve_bytes`` is the streaming reserve (:data:`STREAM_COPIES` times the largest streamed piece), ``unit``
+    the streaming unit the plan was made with, ``slices`` the row slices of the layers that stream in slices.
+    """
 
     budget: int
     policy: Policy
@@ -105,11 +138,42 @@ class Plan:
     reserve_bytes: int
     fixed_bytes: int
     streamed_layers: int
+    unit: int = 0
+    slices: Mapping[str, RowSlices] = field(default_factory=dict)
+
+    @property
+    def needed_bytes(self) -> int:
+        """The least the model needs on its device with this plan: what it keeps resident plus the reserve."""
+        return self.resident_bytes + self.reserve_bytes
 
     @property
     def over_budget(self) -> bool:
-        """The layers that cannot stream (and the casting room) alone need more than the budget."""
-        return self.resident_bytes + self.reserve_bytes > self.budget
+        """Even with every layer that can stream streaming, what cannot stream plus the reserve exceeds the
+        budget (the plan then keeps only what cannot stream)."""
+        return self.needed_bytes > self.budget
+
+
+@dataclass(frozen=True)
+class _Option:
+    """How one layer streams under a unit: the bytes of its largest piece, and its slices if it is sliced."""
+
+    piece: int
+    slices: RowSlices | None
+
+
+def _options(streamable: Sequence[Layer], unit: int, multiples: Mapping[str, int | None] | None) -> dict[int, _Option]:
+    """How each streamable layer would stream (by ``id``): in slices when it is larger than ``unit`` and its
+    rows can be sliced on the multiple its owner allows (``multiples``; :data:`ROW_QUANTUM` by default)."""
+    options = {}
+    for layer in streamable:
+        multiple = ROW_QUANTUM if multiples is None else multiples.get(layer.name, ROW_QUANTUM)
+        extra = layer.nbytes - layer.rows * layer.row_bytes  # the bias: it crosses whole, with the first slice
+        slices = None
+        if layer.rows and multiple is not None and layer.nbytes > unit:
+            slices = row_slices(layer.rows, layer.row_bytes, unit, multiple, extra)
+        piece = layer.nbytes if slices is None else slices.largest * layer.row_bytes + extra
+        options[id(layer)] = _Option(piece, slices)
+    return options
 
 
 def _greedy(order: Sequence[Layer], room: int) -> list[Layer]:
@@ -119,22 +183,6 @@ def _greedy(order: Sequence[Layer], room: int) -> list[Layer]:
             chosen.append(layer)
             used += layer.nbytes
     return chosen
-
-
-def _longest_prefix(candidates: Sequence[Layer], room: int, forced: int) -> list[Layer]:
-    """The longest run of layers from the start that fits with the casting room the rest needs."""
-    rest_max = [0] * (len(candidates) + 1)  # rest_max[i]: the largest layer from i on
-    for i in range(len(candidates) - 1, -1, -1):
-        rest_max[i] = max(rest_max[i + 1], candidates[i].nbytes)
-    used, length = 0, 0
-    for i, layer in enumerate(candidates):
-        if used + layer.nbytes + STREAM_COPIES * max(rest_max[i + 1], forced) > room:
-            break
-        used += layer.nbytes
-        length = i + 1
-    if STREAM_COPIES * max(rest_max[length], forced) > room:
-        return []
-    return list(candidates[:length])
 
 
 def _total(layers: Iterable[Layer]) -> int:
@@ -147,79 +195,139 @@ def plan_layers(
     policy: Policy = DEFAULT_POLICY,
     *,
     allowed: Iterable[str] | None = None,
+    multiples: Mapping[str, int | None] | None = None,
+    unit: int | None = None,
 ) -> Plan:
-    """Choose the resident layers for ``budget`` bytes (weights plus casting room).
+    """Choose the resident layers for ``budget`` bytes (weights plus the streaming reserve).
 
-    The casting room is :data:`STREAM_COPIES` times the largest layer that streams. ``largest-first`` tries
-    each possible largest streamed size: layers above it must be resident, the others are filled in from
-    the largest down, and the choice that keeps the most bytes resident wins. ``execution-order`` keeps the
-    longest run of layers from the start that fits with the room the rest needs to stream.
+    ``largest-first`` tries each possible size of the largest streamed piece: layers whose piece is larger must
+    be resident, the others are filled in from the largest down, and the choice that keeps the most bytes
+    resident wins. ``execution-order`` keeps the longest run of layers from the start that fits with the
+    reserve the rest needs.
 
     Args:
         layers: the model's layers (:func:`layers_of`).
         budget: bytes the model may take on its device.
         policy: which streamable layers to prefer.
         allowed: when given, only these layers may be resident (an unload never moves other layers in).
+        multiples: by layer name, the multiple of rows its slices must hold (``None``: it streams whole only,
+            e.g. its patches need the whole weight); layers not named slice on :data:`ROW_QUANTUM` rows.
+        unit: the streaming unit (default :func:`streaming_unit` of the budget, or :data:`MIN_UNIT` when the
+            budget's unit leaves no room for what cannot stream: the least reserve, so a plan over its budget
+            says what the model needs at least; an unload keeps its model's unit).
     """
+    if unit is not None:
+        return _plan_with(layers, budget, policy, allowed, multiples, unit)
+    plan = _plan_with(layers, budget, policy, allowed, multiples, streaming_unit(budget))
+    if not plan.over_budget or plan.unit == MIN_UNIT:
+        return plan
+    return _plan_with(layers, budget, policy, allowed, multiples, MIN_UNIT)
+
+
+def _plan_with(
+    layers: Sequence[Layer],
+    budget: int,
+    policy: Policy,
+    allowed: Iterable[str] | None,
+    multiples: Mapping[str, int | None] | None,
+    unit: int,
+) -> Plan:
+    """:func:`plan_layers` with the streaming unit given."""
     fixed = [layer for layer in layers if not layer.streamable]
     streamable = [layer for layer in layers if layer.streamable]
-    candidates, forced = _candidates(streamable, allowed)
+    options = _options(streamable, unit, multiples)
+    candidates, forced = _candidates(streamable, allowed, options)
     room = budget - _total(fixed)
     if not forced and _total(candidates) == _total(streamable) <= room:
         chosen = candidates  # everything fits
     elif policy is Policy.EXECUTION_ORDER:
-        chosen = _longest_prefix(candidates, room, forced)
+        chosen = _longest_prefix(candidates, room, forced, options)
     else:
-        chosen = _largest_first(candidates, room, forced)
-    return _plan_of(layers, budget, policy, resident=[*fixed, *chosen])
+        chosen = _largest_first(candidates, room, forced, options)
+    return _plan_of(layers, budget, policy, [*fixed, *chosen], options, unit)
 
 
-def _candidates(streamable: Sequence[Layer], allowed: Iterable[str] | None) -> tuple[list[Layer], int]:
-    """The streamable layers that may be resident, and the largest one that may not (it must stream)."""
+def _candidates(
+    streamable: Sequence[Layer], allowed: Iterable[str] | None, options: Mapping[int, _Option]
+) -> tuple[list[Layer], int]:
+    """The streamable layers that may be resident, and the largest piece of those that may not (they stream)."""
     if allowed is None:
         return list(streamable), 0
     names = set(allowed)
     candidates = [layer for layer in streamable if layer.name in names]
-    return candidates, max((layer.nbytes for layer in streamable if layer.name not in names), default=0)
+    return candidates, max((options[id(la)].piece for la in streamable if la.name not in names), default=0)
 
 
-def _plan_of(layers: Sequence[Layer], budget: int, policy: Policy, *, resident: Sequence[Layer]) -> Plan:
+def _plan_of(
+    layers: Sequence[Layer],
+    budget: int,
+    policy: Policy,
+    resident: Sequence[Layer],
+    options: Mapping[int, _Option],
+    unit: int,
+) -> Plan:
     """The plan that keeps ``resident`` on the device and streams every other layer."""
     kept = {id(layer) for layer in resident}
     streamed = [layer for layer in layers if id(layer) not in kept]
+    ways = [(layer.name, options[id(layer)]) for layer in streamed if layer.streamable]
     return Plan(
         budget=budget,
         policy=policy,
         resident=frozenset(layer.name for layer in resident),
         resident_bytes=_total(resident),
         streamed_bytes=_total(streamed),
-        reserve_bytes=STREAM_COPIES * max((layer.nbytes for layer in streamed), default=0),
+        reserve_bytes=STREAM_COPIES * max((way.piece for _name, way in ways), default=0),
         fixed_bytes=_total(layer for layer in layers if not layer.streamable),
         streamed_layers=len(streamed),
+        unit=unit,
+        slices=_sliced(ways),
     )
 
 
-def _largest_first(candidates: Sequence[Layer], room: int, forced: int) -> list[Layer]:
-    """The resident layers that keep the most bytes, over every choice of the largest layer that streams."""
+def _sliced(ways: Sequence[tuple[str, _Option]]) -> dict[str, RowSlices]:
+    """The slices of the streamed layers that stream in slices, by name."""
+    return {name: way.slices for name, way in ways if way.slices is not None}
+
+
+def _largest_first(candidates: Sequence[Layer], room: int, forced: int, options: Mapping[int, _Option]) -> list[Layer]:
+    """The resident layers that keep the most bytes, over every choice of the largest piece that streams."""
     ordered = sorted(candidates, key=lambda layer: -layer.nbytes)
     best, chosen = -1, []
-    for largest in sorted({layer.nbytes for layer in ordered} | {forced}, reverse=True):
+    for largest in sorted({options[id(layer)].piece for layer in ordered} | {forced}, reverse=True):
         if largest < forced:
             break
-        option = _keeping_all_above(ordered, largest, room)
+        option = _keeping_all_above(ordered, largest, room, options)
         if option is not None and _total(option) > best:
             best, chosen = _total(option), option
     return chosen
 
 
-def _keeping_all_above(ordered: Sequence[Layer], largest: int, room: int) -> list[Layer] | None:
-    """Every layer bigger than ``largest`` (the biggest that may stream), then as many smaller ones as fit with
-    the casting room for ``largest``; ``None`` when the bigger ones alone do not fit."""
-    must = [layer for layer in ordered if layer.nbytes > largest]
+def _keeping_all_above(
+    ordered: Sequence[Layer], largest: int, room: int, options: Mapping[int, _Option]
+) -> list[Layer] | None:
+    """Every layer whose piece is bigger than ``largest`` (the biggest that may stream), then as many others as
+    fit with the reserve for ``largest``; ``None`` when the bigger ones alone do not fit."""
+    must = [layer for layer in ordered if options[id(layer)].piece > largest]
     left = room - STREAM_COPIES * largest - _total(must)
     if left < 0:
         return None
-    return must + _greedy([layer for layer in ordered if layer.nbytes <= largest], left)
+    return must + _greedy([layer for layer in ordered if options[id(layer)].piece <= largest], left)
+
+
+def _longest_prefix(candidates: Sequence[Layer], room: int, forced: int, options: Mapping[int, _Option]) -> list[Layer]:
+    """The longest run of layers from the start that fits with the reserve the rest needs."""
+    rest_max = [0] * (len(candidates) + 1)  # rest_max[i]: the largest piece from i on
+    for i in range(len(candidates) - 1, -1, -1):
+        rest_max[i] = max(rest_max[i + 1], options[id(candidates[i])].piece)
+    used, length = 0, 0
+    for i, layer in enumerate(candidates):
+        if used + layer.nbytes + STREAM_COPIES * max(rest_max[i + 1], forced) > room:
+            break
+        used += layer.nbytes
+        length = i + 1
+    if STREAM_COPIES * max(rest_max[length], forced) > room:
+        return []
+    return list(candidates[:length])
 
 
 def is_streaming(layer: Layer) -> bool:

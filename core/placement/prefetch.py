@@ -10,11 +10,14 @@ by pass (a pass ends when a layer is used again), so the first pass of a model p
 later one follows the order the model really runs in, whatever its architecture. The last layer of a pass
 prefetches nothing, so no copy is left on the device when sampling ends.
 
-**How far ahead** is the room the plan keeps for streaming (``core.placement.plan.STREAM_COPIES`` copies of the
-largest streamed layer), less what the layer computing takes there: its copies, twice over when they are cast to
-another dtype or patched (the copy and its result). A layer that computes in the dtype it is stored in leaves room
-for two of the largest layers ahead, one that casts for one. The next layer is always queued; more are queued
-while they fit. A copy whose layer is not used next after all (the order changed) is dropped.
+**How far ahead** is the streaming reserve the plan keeps (``core.placement.plan``: ``STREAM_COPIES`` of the
+largest streamed piece), less what the piece computing takes there: its copies, twice over when they are cast to
+another dtype or patched (the copy and its result). A piece is what crosses for one computation: a layer streamed
+whole (weight and bias), or one row slice of a layer streamed in slices (``core.devices.slices``; its bias
+crosses with the first slice and stays until the layer is done). A piece that computes in the dtype it is
+stored in leaves room for two of the largest pieces ahead, one that casts for one. The next piece is always
+queued (the next slice of the same layer, or the next layer's first); more are queued while they fit. A copy
+whose layer is not used next after all (the order changed) is dropped.
 
 A copy made ahead is used only if it is still a copy of the weight as it is (same tensor, same version);
 otherwise the layer copies it again, as it would without prefetch. ``DEVICE_CONTROL_PREFETCH=off`` turns
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from ..devices.backends import Target, backend_of, same_target
+from ..devices.slices import SLICES
 from ..devices.tensors import tensor_bytes
 from ..devices.transfer import LOOKAHEAD, QueuedCopy, queue_copy, use_copy
 from ..errors import InvalidSizeError
@@ -76,6 +80,26 @@ class _InFlight:
     ahead: bool
 
 
+@dataclass(frozen=True, eq=False)
+class _Piece:
+    """One copy a streamed layer makes: its weight or bias, whole or one row slice; ``private`` when patch
+    functions will change the copy."""
+
+    tensor: torch.Tensor
+    rows: tuple[int, int] | None
+    private: bool
+
+    @property
+    def key(self) -> tuple[int, tuple[int, int] | None]:
+        return id(self.tensor), self.rows
+
+    @property
+    def nbytes(self) -> int:
+        rows = self.rows
+        whole = tensor_bytes(self.tensor)
+        return whole if rows is None else whole // self.tensor.shape[0] * (rows[1] - rows[0])
+
+
 class Lookahead:
     """The prefetch of one model: the order its streamed layers run in, and the copies queued ahead."""
 
@@ -86,12 +110,12 @@ class Lookahead:
         self._successor: dict[int, torch.nn.Module] = {}
         self._seen: set[int] = set()
         self._previous: torch.nn.Module | None = None
-        self._in_flight: dict[int, _InFlight] = {}  # id of the source tensor -> its copy
+        self._in_flight: dict[tuple, _InFlight] = {}  # (id of the source tensor, rows) -> its copy
 
     # -- set up by the engine ---------------------------------------------------------------------
 
     def attach(self, modules: Iterable[torch.nn.Module], room: int) -> None:
-        """Prefetch for ``modules`` (the streamed layers) within ``room`` bytes (the layer computing and the
+        """Prefetch for ``modules`` (the streamed layers) within ``room`` bytes (the piece computing and the
         copies ahead of it); forget queued copies."""
         self.detach()
         if not _enabled:
@@ -122,34 +146,55 @@ class Lookahead:
 
     # -- called by a streamed layer ---------------------------------------------------------------
 
-    def before_use(self, module: torch.nn.Module, target: Target, dtype: torch.dtype | None = None) -> None:
-        """``module`` is about to compute on ``target`` in ``dtype``: queue its own copies (unless queued
-        already), then those of the layers that come next, within the room it leaves."""
-        self._learn(module)
-        self._queue(module, target, ahead=False)
-        window = self.room - _in_use(module, target, dtype)
-        chain = list(self._ahead_of(module, window))
-        self._drop_unexpected({id(module)} | {id(m) for m in chain}, target)
-        queued = sum(entry.copy.nbytes for entry in self._in_flight.values() if entry.module is not module)
-        for index, following in enumerate(chain):
-            queued = self._queue(following, target, ahead=True, queued=queued, limit=None if index == 0 else window)
-            if queued is None:
-                return
+    def before_use(
+        self, module: torch.nn.Module, target: Target, dtype: torch.dtype | None = None, piece: int = 0
+    ) -> None:
+        """``module`` is about to compute on ``target`` in ``dtype``, with its piece number ``piece`` (its row slice,
+        when it streams in slices): queue that piece's copies (unless queued already), then the pieces that come
+        next, within the room it leaves."""
+        if piece == 0:
+            self._learn(module)
+        groups = _pieces(module, target)
+        current = groups[piece]
+        for item in current:
+            self._queue(module, item, target, ahead=False)
+        window = self.room - _in_use(groups, piece, dtype)
+        chain = list(self._ahead_of(module, groups[piece + 1 :], target, window))
+        self._drop_unexpected({id(module)} | {id(owner) for owner, _group in chain}, target)
+        mine = {item.key for item in current}
+        queued = sum(entry.copy.nbytes for key, entry in self._in_flight.items() if key not in mine)
+        self._queue_ahead(chain, target, queued, window)
+
+    def _queue_ahead(
+        self, chain: list[tuple[torch.nn.Module, list[_Piece]]], target: Target, queued: int, window: int
+    ) -> None:
+        """Queue the pieces of ``chain`` in order: the first always, the others while ``queued`` bytes stay
+        within ``window``."""
+        for index, (owner, group) in enumerate(chain):
+            for item in group:
+                queued = self._queue(owner, item, target, ahead=True, queued=queued, limit=window if index else None)
+                if queued is None:
+                    return
 
     def _queue(
-        self, module: torch.nn.Module, target: Target, *, ahead: bool, queued: int = 0, limit: int | None = None
+        self,
+        module: torch.nn.Module,
+        item: _Piece,
+        target: Target,
+        *,
+        ahead: bool,
+        queued: int = 0,
+        limit: int | None = None,
     ) -> int | None:
-        """Queue the copies of ``module``'s weights that are not queued yet; the bytes queued ahead after that,
-        or ``None`` when ``limit`` stopped it."""
-        for tensor, copy in _streamed(module, target):
-            if id(tensor) in self._in_flight:
-                continue
-            size = tensor_bytes(tensor)
-            if limit is not None and queued + size > limit:
-                return None
-            self._in_flight[id(tensor)] = _InFlight(module, queue_copy(tensor, target, copy=copy), ahead)
-            queued += size
-        return queued
+        """Queue ``item``'s copy unless it is queued; the bytes queued ahead after that, or ``None`` when
+        ``limit`` stopped it."""
+        if item.key in self._in_flight:
+            return queued
+        if limit is not None and queued + item.nbytes > limit:
+            return None
+        copy = queue_copy(item.tensor, target, copy=item.private, rows=item.rows)
+        self._in_flight[item.key] = _InFlight(module, copy, ahead)
+        return queued + item.nbytes
 
     def _drop_unexpected(self, expected: set[int], target: Target) -> None:
         """Drop the copies queued for layers not expected now (the order changed) or for another device."""
@@ -158,11 +203,13 @@ class Lookahead:
                 self.stats.dropped += entry.ahead
                 del self._in_flight[key]
 
-    def take(self, tensor: torch.Tensor, target: Target, *, copy: bool) -> torch.Tensor | None:
-        """The queued copy of ``tensor`` on ``target``, once the current stream waited for it; ``None`` when
-        there is none that still matches the tensor (the caller copies it as usual)."""
-        entry = self._in_flight.pop(id(tensor), None)
-        if entry is None or not entry.copy.matches(tensor, copy=copy):
+    def take(
+        self, tensor: torch.Tensor, target: Target, *, copy: bool, rows: tuple[int, int] | None = None
+    ) -> torch.Tensor | None:
+        """The queued copy of ``tensor`` (its ``rows``) on ``target``, once the current stream waited for it;
+        ``None`` when there is none that still matches the tensor (the caller copies it as usual)."""
+        entry = self._in_flight.pop((id(tensor), rows), None)
+        if entry is None or not entry.copy.matches(tensor, copy=copy, rows=rows):
             return None
         if entry.ahead:
             self.stats.ahead += 1
@@ -185,36 +232,55 @@ class Lookahead:
             self._seen.add(key)
         self._previous = module
 
-    def _ahead_of(self, module: torch.nn.Module, window: int) -> Iterator[torch.nn.Module]:
-        """The layers expected after ``module``, nearest first, for ``window`` bytes at most (and the next)."""
+    def _ahead_of(
+        self, module: torch.nn.Module, rest: list[list[_Piece]], target: Target, window: int
+    ) -> Iterator[tuple[torch.nn.Module, list[_Piece]]]:
+        """The pieces expected after the current one, nearest first: ``module``'s ``rest``, then the layers
+        expected after it; for ``window`` bytes at most (and the next piece)."""
         size, visited = 0, {id(module)}
-        following = self._successor.get(id(module))
-        while following is not None and id(following) not in visited:
-            yield following
-            size += sum(tensor_bytes(tensor) for tensor, _copy in _streamed(following, None))
-            if size > window:
+        owner: torch.nn.Module | None = module
+        groups = rest
+        while owner is not None:
+            for group in groups:
+                yield owner, group
+                size += sum(item.nbytes for item in group)
+                if size > window:
+                    return
+            visited.add(id(owner))
+            owner = self._successor.get(id(owner))
+            if owner is None or id(owner) in visited:
                 return
-            visited.add(id(following))
-            following = self._successor.get(id(following))
+            groups = _pieces(owner, target)
 
 
-def _streamed(module: torch.nn.Module, target: Target | None) -> Iterator[tuple[torch.Tensor, bool]]:
-    """The weight and bias a cast layer copies for a computation on ``target`` (those not there already), and
-    whether each copy must be private (patch functions will change it)."""
-    for name, functions in (("weight", "weight_function"), ("bias", "bias_function")):
+def _pieces(module: torch.nn.Module, target: Target) -> list[list[_Piece]]:
+    """The copies a streamed layer's computation on ``target`` makes (those not there already), by the step
+    that uses them: one group for a layer streamed whole (weight and bias); for one streamed in row slices, its
+    bias with the first slice, then one group per slice."""
+    pieces: list[_Piece] = []
+    for name, functions in (("bias", "bias_function"), ("weight", "weight_function")):
         tensor = getattr(module, name, None)
         if not isinstance(tensor, torch.Tensor):
             continue
-        if target is not None and backend_of(target).holds(tensor, target):
+        if backend_of(target).holds(tensor, target):
             continue
-        yield tensor, bool(getattr(module, functions, None))
+        pieces.append(_Piece(tensor, None, bool(getattr(module, functions, None))))
+    slices = module.__dict__.get(SLICES)
+    if slices is None or not pieces or pieces[-1].tensor is not getattr(module, "weight", None):
+        return [pieces]
+    weight = pieces.pop()
+    groups = [[_Piece(weight.tensor, rows, weight.private)] for rows in slices.ranges()]
+    groups[0][:0] = pieces
+    return groups
 
 
-def _in_use(module: torch.nn.Module, target: Target, dtype: torch.dtype | None) -> int:
-    """Bytes ``module``'s computation takes on ``target`` for its streamed weights: each copy, and the cast or
-    patched result made from it where there is one."""
+def _in_use(groups: list[list[_Piece]], piece: int, dtype: torch.dtype | None) -> int:
+    """Bytes a layer's computation with its piece number ``piece`` takes on its device: each copy it uses (the
+    piece's, and the bias a sliced layer keeps), and the cast or patched result made from it where there is
+    one."""
+    using = groups[piece] if piece == 0 else [*groups[0][:-1], *groups[piece]]
     total = 0
-    for tensor, patched in _streamed(module, target):
-        cast = dtype is not None and tensor.dtype != dtype and tensor.is_floating_point()
-        total += tensor_bytes(tensor) * (2 if cast or patched else 1)
+    for item in using:
+        cast = dtype is not None and item.tensor.dtype != dtype and item.tensor.is_floating_point()
+        total += item.nbytes * (2 if cast or item.private else 1)
     return total

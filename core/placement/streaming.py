@@ -2,8 +2,10 @@
 
 The moves keep ComfyUI's layer protocol: a streaming layer has ``comfy_cast_weights`` set, the flag it had
 before in ``prev_comfy_cast_weights`` (ComfyUI's own mark of a streaming layer), and empty ``weight_function``
-and ``bias_function`` lists for its owner's on-the-fly patches. The owner reacts to each change through
-:class:`LayerHooks` (patching a weight that becomes resident, restoring it when it leaves).
+and ``bias_function`` lists for its owner's on-the-fly patches. A layer the plan streams in row slices also
+carries its slices (``core.devices.slices.SLICES``). The owner reacts to each change through
+:class:`LayerHooks` (patching a weight that becomes resident, restoring it when it leaves) and says which
+layers its patches let stream in slices.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..devices.marks import mark_streamed
+from ..devices.slices import ROW_QUANTUM, SLICES, RowSlices
 from ..devices.tensors import HOST, Target, move_own, own_tensors, same_target
 from ..devices.transfer import pinned_memory
 from ..progress import ProgressCallback
@@ -34,6 +37,11 @@ class LayerHooks:
     def on_streamed(self, layer: Layer) -> None:
         """``layer`` now streams (its cast flag is set, its weight and bias functions are empty)."""
 
+    def slice_multiple(self, layer: Layer) -> int | None:
+        """The multiple of rows a slice of ``layer``'s weight must hold for the owner's on-the-fly patches to
+        apply to it alone; ``None`` when they need the whole weight (the layer then streams whole)."""
+        return ROW_QUANTUM
+
 
 NO_HOOKS = LayerHooks()
 
@@ -51,9 +59,14 @@ def to_host(layer: Layer) -> None:
         move_own(layer.module, name, HOST)
 
 
-def stream(layer: Layer, target: Target | None, hooks: LayerHooks) -> None:
-    """Mark ``layer`` (in host memory) to be cast to ``target`` on each use; the owner then adds its patches."""
+def stream(layer: Layer, target: Target | None, hooks: LayerHooks, slices: RowSlices | None = None) -> None:
+    """Mark ``layer`` (in host memory) to be cast to ``target`` on each use, whole or in ``slices``; the owner then
+    adds its patches."""
     module = layer.module
+    if slices is None:
+        module.__dict__.pop(SLICES, None)
+    else:
+        module.__dict__[SLICES] = slices
     for _name, tensor, is_param in own_tensors(module):
         if is_param:
             mark_streamed(tensor)
@@ -71,6 +84,7 @@ def stream(layer: Layer, target: Target | None, hooks: LayerHooks) -> None:
 def reset_flags(layer: Layer) -> None:
     """Undo streaming marks: the cast flag the layer had before, no weight functions, weights not streamed."""
     module = layer.module
+    module.__dict__.pop(SLICES, None)
     if hasattr(module, "prev_comfy_cast_weights"):
         module.comfy_cast_weights = module.prev_comfy_cast_weights
         del module.prev_comfy_cast_weights
@@ -127,7 +141,7 @@ def apply_plan(
         for done, layer in enumerate(outgoing, start=1):
             hooks.before_leaving(layer)
             to_host(layer)
-            stream(layer, target, hooks)
+            stream(layer, target, hooks, plan.slices.get(layer.name))
             _report(progress, done, steps)
         for layer in staying:  # resident already: the owner may still have to patch it (idempotent)
             hooks.before_resident(layer, target)
@@ -137,7 +151,7 @@ def apply_plan(
     finally:
         for layer in layers:
             if layer.streamable and not layer.is_resident(target):
-                stream(layer, target, hooks)
+                stream(layer, target, hooks, plan.slices.get(layer.name))
 
 
 def _sort_out(layers: Sequence[Layer], plan: Plan, target: Target) -> tuple[list[Layer], list[Layer], list[Layer]]:

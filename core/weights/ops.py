@@ -7,11 +7,9 @@ They speak the protocol of ComfyUI's own layers, so ComfyUI's model patcher driv
 * ``weight_function`` / ``bias_function``: callables applied to the cast weight and bias, in order (how a LoRA
   is applied to a layer that is not resident).
 
-The cast follows ComfyUI's order, so results are bit-identical to ``comfy.ops.manual_cast``: the weight moves
-to the compute device in its stored dtype (fewer bytes over the bus), then converts; the bias moves and
-converts in one step; the functions run last. A per-tensor ``scale_weight`` (scaled fp8) is applied like
-ComfyUI's scaled-fp8 layers do. Moves go through ``core.devices.transfer`` (side streams and events on every
-backend); a layer of a model that prefetches takes the copy ``core.placement.prefetch`` queued ahead for it.
+How the weights are made ready (and in which order, for results bit-identical to ``comfy.ops.manual_cast``)
+is ``core.weights.casting``; a Linear or convolution streamed in row slices computes its output slice by slice
+there. A per-tensor ``scale_weight`` (scaled fp8) is applied like ComfyUI's scaled-fp8 layers do.
 
 :func:`convert` turns an existing module tree's layers into cast layers in place and returns a handle whose
 ``undo`` restores them; the forward signatures do not change.
@@ -19,67 +17,20 @@ backend); a layer of a model that prefetches takes the copy ``core.placement.pre
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch.nn import functional as F  # noqa: N812 - the name every torch user knows
 
-from ..devices.tensors import Target
-from ..devices.transfer import LOOKAHEAD, Prefetcher, compute_target, to_target
+from ..devices.transfer import compute_target
 from ..progress import ProgressCallback
+from .casting import cast_weight_bias, forward_in_slices
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float | None) -> torch.Tensor:
     shape = tuple(weight.shape) if weight is not None else (x.shape[-1],)
     return F.rms_norm(x, shape, weight.to(dtype=x.dtype) if weight is not None else None, eps)
-
-
-def cast_weight_bias(
-    layer: torch.nn.Module,
-    input: torch.Tensor | None = None,
-    dtype: torch.dtype | None = None,
-    target: Target | None = None,
-    bias_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``layer``'s weight and bias, ready to compute with ``input`` (on its device, in its dtype)."""
-    if input is not None:
-        dtype = dtype or input.dtype
-        bias_dtype = bias_dtype or dtype
-        target = target if target is not None else compute_target(input)
-    ahead = layer.__dict__.get(LOOKAHEAD) if target is not None else None
-    if ahead is not None:  # a streamed layer of a model that prefetches: its copies were (or are now) queued
-        ahead.before_use(layer, target, dtype)
-    bias = None
-    if getattr(layer, "bias", None) is not None:
-        bias = _cast_one(layer.bias, target, bias_dtype, getattr(layer, "bias_function", ()), ahead, always=True)
-    weight = _cast_one(layer.weight, target, dtype, getattr(layer, "weight_function", ()), ahead, always=False)
-    return weight, bias
-
-
-def _cast_one(
-    tensor: torch.Tensor,
-    target: Target | None,
-    dtype: torch.dtype | None,
-    functions: Sequence,
-    ahead: Prefetcher | None,
-    *,
-    always: bool,
-) -> torch.Tensor:
-    """``tensor`` on ``target`` in ``dtype`` with the owner's patch ``functions`` applied (a copy when there are
-    any, so the stored tensor is never changed). The weight is cast only when its dtype differs or functions
-    apply; the bias is always brought to its dtype (ComfyUI's order of operations, for identical results).
-    A copy queued ahead by ``ahead`` is used when there is one."""
-    result = ahead.take(tensor, target, copy=bool(functions)) if ahead is not None else None
-    if result is None:
-        result = to_target(tensor, target, copy=bool(functions))
-    if always:
-        result = result.to(dtype=dtype) if dtype is not None else result
-    elif functions or (dtype is not None and result.dtype != dtype):
-        result = result.to(dtype=dtype)
-    for function in functions:
-        result = function(result)
-    return result
 
 
 def _casting(layer: torch.nn.Module) -> bool:
@@ -95,25 +46,41 @@ class CastLayer:
 
 
 class Linear(CastLayer, torch.nn.Linear):
-    """``nn.Linear`` that casts its weights on the fly (and applies a scaled-fp8 scale when it has one)."""
+    """``nn.Linear`` that casts its weights on the fly (and applies a scaled-fp8 scale when it has one); streamed in
+    row slices, it computes its output features slice by slice."""
+
+    device_control_sliceable = True  # core.devices.slices.SLICEABLE
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not _casting(self):
             return super().forward(input)
+        out = forward_in_slices(self, input, self._linear, -1)
+        if out is not None:
+            return out
         weight, bias = cast_weight_bias(self, input)
+        return self._linear(input, weight, bias)
+
+    def _linear(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         scale = getattr(self, "scale_weight", None)
         if scale is None:
             return F.linear(input, weight, bias)
         scale = scale.to(device=weight.device, dtype=weight.dtype)
-        if weight.numel() < input.numel():  # scale whichever operand is smaller
+        if self.weight.numel() < input.numel():  # scale whichever operand is smaller (the whole weight decides)
             return F.linear(input, weight * scale, bias)
         return F.linear(input * scale, weight, bias)
 
 
 class _Conv(CastLayer):
+    @property
+    def device_control_sliceable(self) -> bool:  # core.devices.slices.SLICEABLE: output channels, one group
+        return self.groups == 1
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not _casting(self):
             return super().forward(input)
+        out = forward_in_slices(self, input, self._conv_forward, 1)
+        if out is not None:
+            return out
         weight, bias = cast_weight_bias(self, input)
         return self._conv_forward(input, weight, bias)
 

@@ -7,7 +7,8 @@
   :func:`get_weight` and :func:`set_weight` read and replace them, so the owner can keep the originals and put
   the very same tensors back (an exact restore).
 * :class:`OnTheFlyPatch` applies the same patches to a weight that is not resident, each time it is cast for
-  a computation (the ``weight_function`` path), so a LoRA gives the same result resident or streamed.
+  a computation (the ``weight_function`` path), so a LoRA gives the same result resident or streamed; to a
+  weight streamed in row slices, slice by slice where the patches allow it (``core.weights.patch_rows``).
 
 The owner is ComfyUI's model patcher (``nodes/bridge/patcher.py``), through the protocol ComfyUI's own uses.
 """
@@ -23,6 +24,7 @@ import torch
 
 from ..errors import PatchError
 from .patch_math import Patch, calculate_weight, patch_kind
+from .patch_rows import patches_for_rows, row_multiple
 
 log = logging.getLogger("device_control")
 
@@ -186,6 +188,22 @@ class OnTheFlyPatch:
         self.convert_func = convert_func
         self.set_func = set_func
         self.fp8_noise = fp8_noise
+
+    def slice_multiple(self, shape: tuple[int, ...]) -> int | None:
+        """The multiple of rows on which slices of this weight (of ``shape``) must start for :meth:`rows` to give
+        exactly those rows of the patched weight; ``None`` when only the whole weight can be patched: a weight
+        stored in a special form, or in fp8 (its stochastic rounding draws noise for the whole tensor at once),
+        or patches that need every row (``core.weights.patch_rows``)."""
+        if self.storage_dtype not in COMPUTABLE or self.convert_func is not None or self.set_func is not None:
+            return None
+        return row_multiple(self.patches[self.key], shape)
+
+    def rows(self, weight: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of the weight (``weight``: those rows, cast) patched: bit for bit the same rows of
+        the whole weight patched, on slices :meth:`slice_multiple` allowed."""
+        patches = patches_for_rows(self.patches[self.key], start, stop)
+        patched = calculate_weight(patches, weight.to(torch.float32, copy=True), self.key)
+        return round_to(patched, self.storage_dtype, key_seed(self.key), self.fp8_noise).to(weight.dtype)
 
     def __call__(self, weight: torch.Tensor) -> torch.Tensor:
         dtype = weight.dtype

@@ -22,6 +22,7 @@ device is made here, from ComfyUI's own list, least recently used first.
 from __future__ import annotations
 
 import logging
+import math
 from collections import namedtuple
 from typing import Any
 
@@ -29,6 +30,7 @@ import torch
 
 from ...core.devices.backends import backend_of
 from ...core.devices.memory import free_bytes
+from ...core.devices.slices import ROW_QUANTUM
 from ...core.devices.tensors import Target, label_of, own_tensors, same_target
 from ...core.placement.budget import Placement
 from ...core.placement.engine import LoadReport, partial_model_of
@@ -47,6 +49,7 @@ from .books import (
     note_loaded,
     placement_of,
 )
+from .layers import give_back_layers, take_layers
 from .lora_coverage import report_coverage
 from .patches import check_added, check_present, describe, lora_file
 from .subjects import model_label
@@ -115,6 +118,18 @@ class _Hooks(LayerHooks):
             if name in ("weight", "bias"):
                 functions.append(patcher.on_the_fly(key, getattr(module, name)))
         _add_wrappers(patcher, layer)
+
+    def slice_multiple(self, layer: Any) -> int | None:
+        """Row slices of a streamed weight keep to the 64-row multiples, and to what its LoRA or other patch
+        needs (``OnTheFlyPatch.slice_multiple``); ComfyUI's weight wrappers are functions of the whole weight."""
+        patcher, module = self.patcher, layer.module
+        key = f"{layer.name}.weight" if layer.name else "weight"
+        if getattr(patcher, "weight_wrapper_patches", {}).get(key):
+            return None
+        if self.force or key not in patcher.patches:  # forced patches are in the stored weight: none on the fly
+            return ROW_QUANTUM
+        multiple = patcher.on_the_fly(key, module.weight).slice_multiple(tuple(module.weight.shape))
+        return None if multiple is None else math.lcm(ROW_QUANTUM, multiple)
 
 
 def _add_wrappers(patcher: Any, layer: Any) -> None:
@@ -195,6 +210,7 @@ class DeviceControlPatcher(surface.model_patcher_class()):
         target = placement.target if placement is not None else device_to
         engine = partial_model_of(self.model)
         _keep_embeddings_resident(self.model, engine)
+        take_layers(self.model, engine)  # ComfyUI's standard layers stream in row slices too
         budget = self._budget(target, lowvram_model_memory if not full_load else 0)
         compute = device_to if isinstance(device_to, torch.device) and device_to.type != "cpu" else None
         hooks = _Hooks(self, compute, force_patch_weights)
@@ -269,6 +285,7 @@ class DeviceControlPatcher(surface.model_patcher_class()):
             engine = partial_model_of(self.model)
             if engine.unload_all(hooks=_Hooks(self, None, False)):
                 note_displacement()
+            give_back_layers(self.model, engine)
             forget_loaded(self.model)
             self.model.model_lowvram = True  # ComfyUI's own unpatch then resets every layer's cast flags too
         super().unpatch_model(device_to, unpatch_weights)

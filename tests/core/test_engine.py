@@ -16,7 +16,8 @@ from core.errors import DeviceControlError
 from core.placement.engine import partial_model_of
 from core.placement.plan import layers_of
 from core.placement.streaming import LayerHooks
-from tests.core.small_net import partial_budget, run, sizes
+from core.weights import ops
+from tests.core.small_net import Scale, partial_budget, run, sizes
 
 MiB = 1024**2
 
@@ -266,3 +267,57 @@ def test_out_of_memory_at_any_layer_of_a_move_is_survived_with_true_books(net, x
     gc.collect()
     assert device.allocated() == 0
     assert torch.equal(net(x), reference)
+
+
+class _Wide(torch.nn.Module):
+    """Four 4 MiB cast linears and a 768 KiB layer that cannot stream: no layer fits a small budget whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(ops.Linear(1024, 1024, bias=False) for _ in range(4))
+        self.fixed = Scale(64 * 1024)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_budget_smaller_than_every_layer_is_used_and_the_summary_says_no_shortfall():
+    """What Move To GPU printed for the small Flux of the issue ("below the 42 KiB this model cannot stream",
+    with everything streamed): a budget that holds what cannot stream and the streaming reserve is used, and
+    the summary says nothing is missing."""
+    net, device = _Wide(), SimulatedDevice(64 * MiB)
+    x = torch.randn(3, 1024)
+    reference = net(x)
+    report = partial_model_of(net).load(device, 9 * MiB)
+    assert report.resident_bytes >= 4 * MiB and report.plan.slices  # a whole layer resident, the others in slices
+    assert report.resident_bytes + report.plan.reserve_bytes <= 9 * MiB
+    assert "in row slices" in report.summary() and "budget" not in report.summary()
+    assert torch.equal(run(net, x, device), reference)
+
+
+def test_a_budget_that_cannot_hold_what_cannot_stream_and_the_reserve_names_what_it_is_missing():
+    net, device = _Wide(), SimulatedDevice(64 * MiB)
+    report = partial_model_of(net).load(device, 2 * MiB)
+    plan = report.plan
+    assert plan.over_budget and plan.resident_bytes == plan.fixed_bytes == 768 * 1024
+    assert plan.reserve_bytes == 3 * MiB  # three pieces of the smallest unit (1 MiB)
+    assert report.summary().endswith(
+        "; the budget 2.00 MiB cannot hold the 768.00 KiB of this model that cannot stream plus the 3.00 MiB it "
+        "needs to stream the rest: it needs at least 3.75 MiB, so it runs 1.75 MiB over its budget"
+    )
+
+
+def test_a_tight_budget_streams_in_the_smallest_slices_before_it_says_what_is_missing():
+    """Between what cannot stream plus the least reserve (1 MiB pieces) and that plus the budget's own unit, the
+    plan slices finer rather than run over: the figure a short budget is told to reach is enough."""
+    net, device = _Wide(), SimulatedDevice(128 * MiB)
+    net.fixed = Scale(int(41.5 * MiB / 12))  # 41.5 MiB that cannot stream
+    engine = partial_model_of(net)
+    report = engine.load(device, 45 * MiB)  # its own unit (1.25 MiB) would need 41.5 + 3.75 MiB
+    assert not report.plan.over_budget and report.plan.reserve_bytes == 3 * MiB
+    engine.unload_all()
+    short = engine.load(device, 44 * MiB)
+    assert short.plan.over_budget and "it needs at least 44.50 MiB" in short.summary()

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import math
+import re
+
 import pytest
 import torch
 
-from core.placement.plan import STREAM_COPIES, Policy, layers_of, plan_layers
+from core.devices.slices import ROW_QUANTUM
+from core.placement.plan import STREAM_COPIES, STREAM_SHARE, Layer, Policy, layers_of, plan_layers
 from core.weights import ops
 from tests.core.small_net import sizes
+from tools.layouts import ITEM_SIZE, layouts
 
 MiB = 1024**2
 
@@ -72,3 +77,111 @@ def test_an_unload_plan_only_keeps_layers_that_were_resident():
 def test_a_budget_below_the_fixed_layers_keeps_them_and_says_so(net):
     plan = plan_layers(layers_of(net), 0)
     assert plan.resident == {"fixed"} and plan.over_budget
+
+
+# -- budgets that are used: row slices on the layouts of real models -----------------------------------------
+
+MB = 1000**2
+
+
+def layout_layers(tensors: dict[str, list], fp32: bool) -> list[Layer]:
+    """A model's layers as the planner sees them, from a layout (tensor names, shapes, dtypes; no weights).
+
+    A module whose tensors are a weight and a bias is a cast layer (ComfyUI builds them from its ops: Linear,
+    convolutions, norms), whose rows slice when its weight has two dimensions or more and 64-multiple rows;
+    anything else (RMS-norm scales, position tables) cannot stream.
+    """
+    modules: dict[str, dict[str, tuple[list[int], str]]] = {}
+    for name, (shape, dtype) in tensors.items():
+        module, _, leaf = name.rpartition(".")
+        modules.setdefault(module, {})[leaf] = (shape, dtype)
+    layers = []
+    for module, own in modules.items():
+        size = {leaf: math.prod(shape) * (4 if fp32 else ITEM_SIZE[dtype]) for leaf, (shape, dtype) in own.items()}
+        streamable = "weight" in own and set(own) <= {"weight", "bias"}
+        rows, row_bytes = 0, 0
+        shape = own.get("weight", ([], ""))[0]
+        if streamable and len(shape) >= 2 and shape[0] % ROW_QUANTUM == 0:
+            rows, row_bytes = shape[0], size["weight"] // shape[0]
+        layers.append(Layer(module, torch.nn.Module(), sum(size.values()), streamable, rows, row_bytes))
+    return layers
+
+
+def first_blocks(tensors: dict[str, list]) -> dict[str, list]:
+    """A Flux-layout model cut to one double and one single block (the small Flux and Chroma of the tests)."""
+    return {k: v for k, v in tensors.items() if not re.match(r"(double|single)_blocks\.[1-9]", k)}
+
+
+FAMILIES = {
+    "SD1.5": ("sd15.diffusion_model.json", False),
+    "SDXL": ("sdxl_base.diffusion_model.json", False),
+    "SD3.5 Large": ("sd35_large.diffusion_model.json", False),
+    "Flux 3072, depth 1/1": ("flux1_dev.diffusion_model.json", True),
+    "Chroma, depth 1/1": ("chroma.diffusion_model.json", True),
+    "Wan 2.1 1.3B": ("wan21_t2v_1_3b.diffusion_model.json", False),
+    "Flux": ("flux1_dev.diffusion_model.json", False),
+    "Chroma": ("chroma.diffusion_model.json", False),
+    "Wan 2.1 14B": ("wan21_t2v_14b.diffusion_model.json", False),
+}
+
+
+@pytest.mark.parametrize("fp32", [False, True], ids=["as stored", "fp32"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_budget_from_600mb_is_used_on_every_family(family, fp32):
+    """From 600 MB to the model's size, the reserve is at most 10 % of the budget and the resident bytes at least
+    90 % of what the budget leaves besides it."""
+    name, cut = FAMILIES[family]
+    tensors = layouts()[name]["tensors"]
+    layers = layout_layers(first_blocks(tensors) if cut else tensors, fp32)
+    total = sum(layer.nbytes for layer in layers)
+    for step in range(41):
+        budget = 600 * MB + (total - 600 * MB) * step // 40
+        plan = plan_layers(layers, budget)
+        assert plan.reserve_bytes <= 0.10 * budget, (family, budget, plan.reserve_bytes)
+        assert plan.resident_bytes >= 0.90 * (budget - plan.reserve_bytes), (family, budget, plan.resident_bytes)
+        assert plan.needed_bytes <= budget and not plan.over_budget
+        streamed = {layer.name: layer for layer in layers if layer.name not in plan.resident}
+        assert all(streamed[name].nbytes > plan.unit for name in plan.slices)  # only layers above the unit slice
+
+
+def test_the_small_flux_of_the_issue_keeps_its_600mb_budget_resident():
+    """Flux at hidden size 3072 with one block of each kind, 2.03 GiB in fp32: all of it streamed in 23 pieces of
+    up to 264 MB before; now the budget holds 0.54 GB of it and the biggest layers stream in row slices."""
+    layers = layout_layers(first_blocks(layouts()["flux1_dev.diffusion_model.json"]["tensors"]), fp32=True)
+    assert sum(layer.nbytes for layer in layers) == pytest.approx(2.03 * 1024**3, rel=0.005)
+    plan = plan_layers(layers, 600 * MB)
+    assert plan.resident_bytes > 540 * MB and plan.reserve_bytes <= 50 * MB and len(plan.slices) > 10
+    by_name = {layer.name: layer for layer in layers}
+    for name, slices in plan.slices.items():
+        layer = by_name[name]
+        assert slices.largest * layer.row_bytes + layer.nbytes - layer.rows * layer.row_bytes <= plan.unit
+
+
+def test_sd15_sized_layers_stream_whole_at_the_budgets_it_is_used_with():
+    """SD1.5 stored in fp16 (layers of at most 59 MB): from a 1 GiB budget on, every layer it streams is below
+    the streaming unit or kept resident, so nothing streams in slices and nothing pays for them."""
+    layers = layout_layers(layouts()["sd15.diffusion_model.json"]["tensors"], fp32=False)
+    for budget in (1024**3, 1.25 * 1024**3, 1.5 * 1024**3):
+        plan = plan_layers(layers, int(budget))
+        assert plan.streamed_bytes > 0 and not plan.slices
+        assert plan.reserve_bytes <= STREAM_SHARE * budget
+
+
+def test_a_layer_whose_patches_need_every_row_streams_whole_or_stays_resident():
+    layers = layout_layers(first_blocks(layouts()["flux1_dev.diffusion_model.json"]["tensors"]), fp32=True)
+    sliced = sorted(plan_layers(layers, 600 * MB).slices)
+    whole = plan_layers(layers, 600 * MB, multiples=dict.fromkeys(sliced[:2]))
+    assert not set(sliced[:2]) & set(whole.slices)  # resident, or streamed whole
+    assert whole.reserve_bytes <= 0.10 * 600 * MB  # kept resident rather than streamed with a room their size
+    oft = plan_layers(layers, 600 * MB, multiples=dict.fromkeys(sliced, 192))
+    assert all(slices.aligned_to(192) for slices in oft.slices.values())
+
+
+def test_an_unload_keeps_the_streaming_unit_and_frees_what_it_is_asked():
+    layers = layout_layers(first_blocks(layouts()["flux1_dev.diffusion_model.json"]["tensors"]), fp32=True)
+    plan = plan_layers(layers, 1500 * MB)
+    resident = list(plan.resident)
+    for asked in (10 * MB, 100 * MB, 400 * MB):
+        budget = plan.resident_bytes + plan.reserve_bytes - asked
+        smaller = plan_layers(layers, budget, allowed=resident, unit=plan.unit)
+        assert plan.resident_bytes - smaller.resident_bytes >= asked and smaller.resident <= plan.resident

@@ -205,3 +205,59 @@ def test_weights_made_in_inference_mode_are_prefetched_too():
         out = net(device.place(x))
     assert partial_model_of(net).lookahead.stats.ahead > 0
     assert torch.equal(out.cpu(), _on_host(net, x))
+
+
+# -- layers streamed in row slices -------------------------------------------------------------------------------
+
+
+class WideNet(torch.nn.Module):
+    """Six 4 MiB cast linears: under a 9 MiB budget one stays resident and the others stream in 1 MiB slices."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(ops.Linear(1024, 1024) for _ in range(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x) * 0.05
+        return x
+
+
+def _sliced_net() -> tuple[WideNet, SimulatedDevice, torch.Tensor, torch.Tensor]:
+    net, device = WideNet(), SimulatedDevice(64 * MiB)
+    x = torch.randn(4, 1024, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reference = net(x)
+    report = partial_model_of(net).load(device, 9 * MiB)
+    assert len(report.plan.slices) == 5 and all(len(s.ranges()) > 3 for s in report.plan.slices.values())
+    return net, device, x, reference
+
+
+def test_slices_are_copied_ahead_slice_after_slice_and_layer_after_layer_within_the_reserve():
+    net, device, x, reference = _sliced_net()
+    engine = partial_model_of(net)
+    with torch.no_grad():
+        first = net(device.place(x))
+        ahead_in_first_pass = engine.lookahead.stats.ahead
+        device.reset_peak()
+        second = net(device.place(x))
+    pieces = sum(len(s.ranges()) + 1 for s in engine.plan.slices.values())  # the slices, and each bias
+    assert ahead_in_first_pass > 0  # a layer's next slices are known before the order of layers is
+    assert engine.lookahead.stats.ahead - ahead_in_first_pass == pieces - 2  # all but the first layer's first
+    assert torch.equal(device.release(first).clone(), reference) and torch.equal(
+        device.release(second).clone(), reference
+    )
+    activations = 4 * 4 * 1024 * 4  # input, output and the slice's part, with room
+    assert engine.plan.reserve_bytes <= 3 * MiB + 3 * 4096
+    assert device.peak_allocated() <= engine.resident_bytes() + engine.plan.reserve_bytes + activations
+    assert engine.lookahead.in_flight_bytes == 0
+
+
+def test_a_sliced_copy_used_without_waiting_is_caught(monkeypatch):
+    net, device, x, _reference = _sliced_net()
+    with torch.no_grad():
+        net(device.place(x))
+        monkeypatch.setattr(type(backend_of(device)), "wait", lambda self, stream, event: None)
+        with pytest.raises(MissingWaitError):
+            net(device.place(x))

@@ -8,6 +8,10 @@ import importlib
 import pytest
 import torch
 
+from core.devices.simulated import SimulatedDevice
+from core.devices.slices import RowSlices, row_geometry
+from core.placement.plan import Layer
+from core.placement.streaming import NO_HOOKS, reset_flags, stream
 from core.weights import ops
 
 STORAGE = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]
@@ -78,3 +82,47 @@ def test_a_converted_comfyui_layer_computes_as_before(manual_cast, name):
     assert torch.equal(theirs(inputs), expected)
     handle.undo()
     assert not isinstance(theirs, ops.CastLayer)
+
+
+@pytest.fixture(scope="module")
+def comfy_ops(manual_cast):
+    """ComfyUI's ops, and the standard layer classes the pack's surface names (as ComfyUI loads the pack)."""
+    from tools.comfy_inprocess import import_pack
+
+    surface = importlib.import_module(f"{import_pack().__name__}.nodes.surface")
+    return importlib.import_module("comfy.ops"), surface.standard_layer_classes()
+
+
+SLICED = {"Linear": ((96, 256), torch.randn(2, 5, 96)), "Conv1d": ((8, 256, 3), torch.randn(2, 8, 9))}
+SLICED["Conv2d"] = ((8, 256, 3), torch.randn(1, 8, 6, 6))
+
+
+@pytest.mark.parametrize("storage", STORAGE[:4], ids=str)
+@pytest.mark.parametrize("family", ["disable_weight_init", "manual_cast"])
+@pytest.mark.parametrize("name", list(SLICED))
+def test_comfyuis_standard_layers_converted_and_streamed_in_slices_compute_as_comfyui(comfy_ops, name, family, storage):
+    """How Move To GPU gets a model from ComfyUI's own loader to stream in row slices: its standard layers become
+    cast layers, and streamed in slices they compute bit for bit what ComfyUI's layer computes whole; undone,
+    the layer is ComfyUI's again, with every attribute it had (ComfyUI 0.2x gives layers more of them)."""
+    comfy, standard = comfy_ops
+    args, x = SLICED[name]
+    theirs = getattr(getattr(comfy, family), name)(*args, dtype=storage)
+    with torch.no_grad():
+        for parameter in theirs.parameters():
+            parameter.copy_((torch.randn(parameter.shape) * 0.5).to(storage))
+    theirs.comfy_cast_weights = True  # as ComfyUI streams it
+    expected = theirs(x)
+    attributes, cls = dict(theirs.__dict__), type(theirs)
+    assert cls in standard
+    handle = ops.convert(theirs, accept=lambda c: c in standard)
+    assert len(handle.layers) == 1 and row_geometry(theirs) is not None
+    device = SimulatedDevice(64 * 1024**2)
+    layer = Layer("layer", theirs, 0, True)
+    stream(layer, device, NO_HOOKS, RowSlices((0, 64, 192, 256)))
+    with torch.no_grad():
+        out = theirs(device.place(x))
+    assert torch.equal(device.release(out).clone(), expected), (name, family, storage)
+    reset_flags(layer)
+    handle.undo()
+    assert type(theirs) is cls and set(attributes) <= set(theirs.__dict__)
+    assert set(theirs.__dict__) - set(attributes) <= {"weight_function", "bias_function"}  # emptied, as ComfyUI does

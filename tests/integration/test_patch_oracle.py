@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 
 import pytest
 import torch
 
+from core.devices.slices import row_slices
 from core.weights.patch_math import calculate_weight
 from core.weights.patching import OnTheFlyPatch, key_seed, round_to
 
@@ -293,3 +295,63 @@ def test_nan_in_a_patch_is_refused_when_added_naming_the_file_the_weight_and_the
     )
     with pytest.raises(patch_error, match=expected):  # (the patch for a weight this model lacks is skipped)
         load_lora("nan.safetensors")
+
+
+#: Patch types that need the whole weight (the layer streams whole): their norm or layout spans every row.
+WHOLE_ONLY = {"lora-dora-full", "loha-cp", "glora", "glora-old", "boft"}
+WHOLE_ONLY |= {"strength-model-offset-function", "shape-mismatch", "oft"}  # a function; a diff that does not fit;
+# OFT with a norm bound (its alpha is 0.5 here)
+
+
+@pytest.mark.parametrize("storage", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_row_slices_of_streamed_patches_equal_comfyuis_whole_patched_weight(comfy, storage):
+    """A layer streamed in row slices patches each slice alone: every slice equals the same rows of ComfyUI's
+    ``calculate_weight`` on the whole weight, with ComfyUI's own adapter classes; a patch that needs every row says
+    so (its layer then streams whole)."""
+    lora, adapters, _patcher, _float = comfy
+    sliced = 0
+    for name, (weight, patches) in cases(adapters).items():
+        rows = torch.cat([weight] * 16)  # 384 or 256 rows: several 64-row slices, and 192-row ones for LoKr
+        function = OnTheFlyPatch("w", {"w": _taller(patches, 16)}, storage_dtype=storage)
+        multiple = function.slice_multiple(tuple(rows.shape))
+        if name in WHOLE_ONLY:
+            assert multiple is None, name
+            continue
+        assert multiple is not None, name
+        stored = rows.to(storage)
+        expected = lora.calculate_weight(_taller(patches, 16), stored.to(torch.float32, copy=True), "w").to(storage)
+        for start, stop in row_slices(stored.shape[0], 1, 1, math.lcm(64, multiple)).ranges():
+            got = function.rows(stored[start:stop].to(torch.float32), start, stop)
+            assert torch.equal(got, expected[start:stop].to(torch.float32)), (name, start, stop)
+        sliced += 1
+    assert sliced >= 7
+
+
+def _taller(patches: list, times: int) -> list:
+    """``patches`` for a weight ``times`` as tall (each factor on the output side repeated), so it slices."""
+    taller = []
+    for strength, value, strength_model, offset, function in patches:
+        name = getattr(value, "name", None)
+        if name == "lora":
+            up, down, alpha, mid, dora, reshape = value.weights
+            grown = type(value)(set(), (torch.cat([up] * times), down, alpha, mid, _grow(dora, times), reshape))
+        elif name == "loha":
+            w1a, w1b, alpha, w2a, w2b, t1, t2, dora = value.weights
+            grown = type(value)(
+                set(), (torch.cat([w1a] * times), w1b, alpha, torch.cat([w2a] * times), w2b, t1, t2, dora)
+            )
+        elif name == "lokr" and value.weights[0] is not None:
+            w1, *rest = value.weights
+            grown = type(value)(set(), (torch.cat([w1] * times), *rest))
+        elif isinstance(value, tuple) and value and isinstance(value[-1], tuple):
+            grown = (value[0], (torch.cat([value[1][0]] * times), *value[1][1:]))
+        elif isinstance(value, tuple) and len(value) == 1:
+            grown = (torch.cat([value[0]] * times),)
+        else:
+            grown = value
+        taller.append((strength, grown, strength_model, offset, function))
+    return taller
+
+
+def _grow(tensor: torch.Tensor | None, times: int) -> torch.Tensor | None:
+    return tensor if tensor is None or tensor.shape[0] == 1 else torch.cat([tensor] * times)

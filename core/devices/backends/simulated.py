@@ -89,8 +89,9 @@ class SimulatedBackend(DeviceBackend):
     def copy_to(
         self, tensor: torch.Tensor, target: Target, *, non_blocking: bool = False, copy: bool = False
     ) -> torch.Tensor:
-        # The device shares host storage: a copy that will be changed (patched) must not be the stored weight.
-        source = tensor.detach().clone() if copy else tensor.detach()
+        # The device shares host storage: a copy that will be changed (patched) must not be the stored weight,
+        # and a copy of part of a weight (a row slice) is booked for its own bytes, not the whole storage's.
+        source = tensor.detach().clone() if copy else _own_storage(tensor.detach())
         return target.place(source, host_waits=not non_blocking)
 
     # -- streams and events ----------------------------------------------------------------------
@@ -124,6 +125,17 @@ class SimulatedBackend(DeviceBackend):
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         return tensor.untyped_storage().data_ptr() in self._pinned
+
+
+def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` on a storage of its own bytes, sharing the memory (no copy): the device books storages, and a
+    contiguous view of part of a weight (a row slice) must count as what it is."""
+    storage = tensor.untyped_storage()
+    size = tensor.numel() * tensor.element_size()
+    if storage.nbytes() == size or not tensor.is_contiguous():
+        return tensor
+    start = tensor.storage_offset() * tensor.element_size()
+    return torch.empty(0, dtype=tensor.dtype).set_(storage[start : start + size], 0, tensor.shape, tensor.stride())
 
 
 @contextlib.contextmanager

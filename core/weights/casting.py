@@ -1,0 +1,132 @@
+"""A cast layer's weight and bias made ready for one computation: whole, or one row slice at a time.
+
+The cast follows ComfyUI's order, so results are bit-identical to ``comfy.ops.manual_cast``: the weight moves
+to the compute device in its stored dtype (fewer bytes over the bus), then converts; the bias moves and
+converts in one step; the owner's functions (on-the-fly patches) run last, on a private copy. A layer of a model
+that prefetches takes the copy ``core.placement.prefetch`` queued ahead for it.
+
+**Row slices.** A layer the placement engine streams in slices (``core.devices.slices``) computes its output
+rows slice by slice (:func:`forward_in_slices`): its bias crosses whole, then each slice of its weight is copied,
+cast and patched just before the rows it computes, and is released before the next one is used. A patch function
+takes part in a slice through two methods, ``slice_multiple(shape)`` (the row multiple its slices must start on,
+or ``None`` when it needs the whole weight) and ``rows(weight, start, stop)`` (the patched slice, equal to
+the same rows of the whole patched weight). A layer with a function that cannot computes whole, as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..devices.backends import backend_of
+from ..devices.slices import SLICES, RowSlices
+from ..devices.tensors import Target
+from ..devices.transfer import LOOKAHEAD, Prefetcher, compute_target, to_target
+
+#: ``compute(input, weight, bias)`` of one layer (``F.linear``, a convolution) on a weight and bias ready to use.
+Compute = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+def cast_weight_bias(
+    layer: torch.nn.Module,
+    input: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+    target: Target | None = None,
+    bias_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``layer``'s weight and bias, ready to compute with ``input`` (on its device, in its dtype)."""
+    if input is not None:
+        dtype = dtype or input.dtype
+        bias_dtype = bias_dtype or dtype
+        target = target if target is not None else compute_target(input)
+    ahead = layer.__dict__.get(LOOKAHEAD) if target is not None else None
+    if ahead is not None:  # a streamed layer of a model that prefetches: its copies were (or are now) queued
+        ahead.before_use(layer, target, dtype)
+    bias = None
+    if getattr(layer, "bias", None) is not None:
+        bias = cast_one(layer.bias, target, bias_dtype, getattr(layer, "bias_function", ()), ahead, always=True)
+    weight = cast_one(layer.weight, target, dtype, getattr(layer, "weight_function", ()), ahead, always=False)
+    return weight, bias
+
+
+def cast_one(
+    tensor: torch.Tensor,
+    target: Target | None,
+    dtype: torch.dtype | None,
+    functions: Sequence,
+    ahead: Prefetcher | None,
+    *,
+    always: bool,
+    rows: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """``tensor`` (its ``rows`` only, when given) on ``target`` in ``dtype`` with the owner's patch ``functions``
+    applied (a copy when there are any, so the stored tensor is never changed). The weight is cast only when its
+    dtype differs or functions apply; the bias is always brought to its dtype (ComfyUI's order of operations, for
+    identical results). A copy queued ahead by ``ahead`` is used when there is one."""
+    result = ahead.take(tensor, target, copy=bool(functions), rows=rows) if ahead is not None else None
+    if result is None:
+        source = tensor if rows is None else tensor.narrow(0, rows[0], rows[1] - rows[0])
+        result = to_target(source, target, copy=bool(functions))
+    if always:
+        result = result.to(dtype=dtype) if dtype is not None else result
+    elif functions or (dtype is not None and result.dtype != dtype):
+        result = result.to(dtype=dtype)
+    for function in functions:
+        result = function(result)
+    return result
+
+
+def _take_slices(functions: Sequence, shape: tuple[int, ...], slices: RowSlices) -> bool:
+    """Whether every weight function applies to these slices of a weight of ``shape`` alone."""
+    for function in functions:
+        slice_multiple = getattr(function, "slice_multiple", None)
+        multiple = slice_multiple(shape) if slice_multiple is not None else None
+        if multiple is None or not slices.aligned_to(multiple):
+            return False
+    return True
+
+
+def forward_in_slices(layer: torch.nn.Module, input: torch.Tensor, compute: Compute, dim: int) -> torch.Tensor | None:
+    """``layer``'s output computed one row slice of its weight at a time (``dim``: the output's dimension of the
+    weight's rows); ``None`` when the layer does not stream in slices now, computes where its weight is, or has a
+    weight function that needs the whole weight (the caller then computes it whole)."""
+    slices: RowSlices | None = layer.__dict__.get(SLICES)
+    if slices is None:
+        return None
+    weight, functions = layer.weight, getattr(layer, "weight_function", ())
+    dtype, target = input.dtype, compute_target(input)
+    shape = tuple(weight.shape)
+    if backend_of(target).holds(weight, target) or not _take_slices(functions, shape, slices):
+        return None  # computing where the weight is (the host, for a host input): nothing crosses
+    ahead, bias = _start(layer, target, dtype)
+    out = None
+    for index, (start, stop) in enumerate(slices.ranges()):
+        if index and ahead is not None:
+            ahead.before_use(layer, target, dtype, index)
+        on_rows = [_on_rows(function, start, stop) for function in functions]
+        part_weight = cast_one(weight, target, dtype, on_rows, ahead, always=False, rows=(start, stop))
+        part = compute(input, part_weight, None if bias is None else bias[start:stop])
+        del part_weight  # released before the next slice is used
+        if out is None:
+            size = list(part.shape)
+            size[dim] = shape[0]
+            out = part.new_empty(size)
+        out.narrow(dim, start, stop - start).copy_(part)
+    return out
+
+
+def _start(layer: torch.nn.Module, target: Target, dtype: torch.dtype) -> tuple[Prefetcher | None, torch.Tensor | None]:
+    """A sliced layer starts computing: its prefetch told (its first piece queued), its bias made ready whole."""
+    ahead = layer.__dict__.get(LOOKAHEAD)
+    if ahead is not None:
+        ahead.before_use(layer, target, dtype)
+    bias = None
+    if getattr(layer, "bias", None) is not None:
+        bias = cast_one(layer.bias, target, dtype, getattr(layer, "bias_function", ()), ahead, always=True)
+    return ahead, bias
+
+
+def _on_rows(function: Callable, start: int, stop: int) -> Callable:
+    """``function`` applied to rows ``start:stop`` of its weight."""
+    return lambda weight: function.rows(weight, start, stop)

@@ -1,0 +1,143 @@
+"""Files the row-slice integration tests make for themselves, in a folder of the test session (nothing is
+committed): a Flux-layout diffusion model as the issue describes it, LoRAs for any diffusion-model file, and a
+test-only custom node that makes a text conditioning of any width.
+
+* The Flux-layout model is FLUX.1-dev's layout (``tests/data``, hidden size 3072, the one ComfyUI 0.3.52's
+  detection fixes) cut to one double and one single block: 2.03 GiB in fp32, 23 Linear layers of up to 264 MB.
+  The running ComfyUI reads its configuration from that layout, builds its own Flux class on torch's ``meta``
+  device, checks its detection names the result the same, and it is filled with small seeded random weights
+  (N(0, 0.02) for matrices, 1 for norm scales, 0 for biases) and written in bf16.
+* A LoRA for a diffusion-model file has a rank-4 factor pair for every matrix, in the generic naming every ComfyUI
+  maps (``diffusion_model.<weight>``); for Flux, the first double block's attention also in diffusers naming
+  (``transformer.transformer_blocks.0.attn.to_q``...), which ComfyUI maps to parts of the fused qkv weight (patches
+  with offsets).
+* The custom node exists because a Flux layout needs a 4096-wide text conditioning (its T5 width, fixed by
+  ComfyUI 0.3.52's detection) and no text encoder that small exists: the node draws one from a seed.
+
+Run with the runtime's Python from the repository: ``python -m tests.slice_models FOLDER [SD35_FILE]`` writes
+them all (and a LoRA for the SD3.5-layout fixture when its file is given).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from tools.layouts import layouts
+
+FLUX_FILE = "device_control_flux_3072_1x1.safetensors"
+
+CONDITIONING_NODE = '''"""Test-only: a text conditioning of any width, drawn from a seed."""
+
+import torch
+
+
+class DeviceControlTestConditioning:
+    @classmethod
+    def INPUT_TYPES(cls):
+        number = ("INT", {"default": 1, "min": 0, "max": 1 << 20})
+        return {"required": {"tokens": number, "width": number, "pooled": number, "seed": number}}
+
+    RETURN_TYPES = ("CONDITIONING",)
+    FUNCTION = "make"
+    CATEGORY = "testing"
+
+    def make(self, tokens, width, pooled, seed):
+        generator = torch.Generator().manual_seed(seed)
+        cond = torch.randn(1, tokens, width, generator=generator)
+        return ([[cond, {"pooled_output": torch.randn(1, pooled, generator=generator)}]],)
+
+
+NODE_CLASS_MAPPINGS = {"DeviceControlTestConditioning": DeviceControlTestConditioning}
+'''
+
+
+def _materialise(key: str, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    if key.endswith(".bias"):
+        return torch.zeros(like.shape)
+    if like.dim() == 1:
+        return torch.ones(like.shape)
+    return torch.randn(like.shape, generator=generator) * 0.02
+
+
+def _later_block(key: str) -> bool:
+    """Whether ``key`` belongs to a double or single block after the first."""
+    return re.match(r"(double|single)_blocks\.[1-9]", key) is not None
+
+
+def make_flux(target: Path, seed: int = 3) -> Path:
+    """Write the Flux-layout model (see the module's docstring), checked against the running ComfyUI's detection."""
+    from tools.comfy_inprocess import import_comfy
+
+    import_comfy()
+    import comfy.model_detection
+
+    real = layouts()["flux1_dev.diffusion_model.json"]["tensors"]
+    cut = {k: torch.empty(shape, device="meta") for k, (shape, _dtype) in real.items() if not _later_block(k)}
+    config = comfy.model_detection.model_config_from_unet(cut, "")  # the running ComfyUI's own reading of it
+    with torch.device("meta"):
+        model = config.get_model({}, "", device=torch.device("meta"))
+    layout = model.diffusion_model.state_dict()
+    detected = comfy.model_detection.model_config_from_unet(layout, "")
+    if type(detected).__name__ != "Flux" or detected.unet_config != config.unet_config:
+        raise RuntimeError(f"ComfyUI detects the Flux-layout file as {type(detected).__name__}")
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {k: _materialise(k, layout[k], generator).to(torch.bfloat16).contiguous() for k in sorted(layout)}
+    target.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(target))
+    return target
+
+
+def make_lora(model_file: Path, target: Path, seed: int = 5, flux_diffusers: bool = False) -> Path:
+    """Write a rank-4 LoRA for every matrix of ``model_file`` (see the module's docstring)."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+
+    def pair(name: str, rows: int, columns: int, up: str, down: str) -> None:
+        tensors[f"{name}.{up}.weight"] = torch.randn(rows, 4, generator=generator) * 0.05
+        tensors[f"{name}.{down}.weight"] = torch.randn(4, columns, generator=generator) * 0.05
+
+    with safe_open(str(model_file), "pt") as handle:
+        for key in handle.keys():  # noqa: SIM118 (not a dict)
+            shape = handle.get_slice(key).get_shape()
+            if key.endswith(".weight") and len(shape) == 2:
+                name = f"diffusion_model.{key.removesuffix('.weight')}"
+                pair(name, shape[0], shape[1], "lora_up", "lora_down")
+                tensors[f"{name}.alpha"] = torch.tensor(4.0)
+    if flux_diffusers:
+        for part in ("to_q", "to_k", "to_v"):
+            pair(f"transformer.transformer_blocks.0.attn.{part}", 3072, 3072, "lora_B", "lora_A")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.to(torch.float16).contiguous() for k, v in tensors.items()}, str(target))
+    return target
+
+
+def write_conditioning_node(folder: Path) -> Path:
+    """Write the test-only conditioning node into ``folder`` (a ComfyUI ``custom_nodes`` folder)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "device_control_test_conditioning.py"
+    path.write_text(CONDITIONING_NODE)
+    return path
+
+
+FLUX_LORA = "device_control_flux_lora.safetensors"
+SD35_LORA = "device_control_sd35_tiny_lora.safetensors"
+
+
+def main() -> None:
+    """``FOLDER [SD35_FILE]``: the Flux-layout model and its LoRA, the node, and a LoRA for the SD3.5 fixture."""
+    folder = Path(sys.argv[1])
+    flux = make_flux(folder / "diffusion_models" / FLUX_FILE)
+    make_lora(flux, folder / "loras" / FLUX_LORA, flux_diffusers=True)
+    if len(sys.argv) > 2:
+        make_lora(Path(sys.argv[2]), folder / "loras" / SD35_LORA)
+    write_conditioning_node(folder / "custom_nodes")
+
+
+if __name__ == "__main__":
+    main()
