@@ -55,3 +55,17 @@ def test_move_and_offload_take_any_model_and_pass_a_trigger_through(comfy_server
     assert offload["input"]["optional"]["model"][0] == "MODEL,CLIP,VAE"
     modes = offload["input"]["required"]["mode"][1]["options"]
     assert modes == ["full", "free N GB", "all models", "all except this one"]
+
+
+def test_our_loaders_offer_every_dtype_and_text_encoder_type_the_running_comfyuis_loaders_offer(comfy_server):
+    info = comfy_server.get("/object_info")
+    ours = info["DeviceControl_LoadDiffusionModel"]["input"]["required"]["dtype"][1]["options"]
+    stock = info["UNETLoader"]["input"]["required"]["weight_dtype"]
+    stock = stock[1]["options"] if stock[0] == "COMBO" else stock[0]
+    assert {"default" if o == "auto" else o for o in ours} >= set(stock)
+    types = info["DeviceControl_LoadTextEncoders"]["input"]["required"]["type"][1]["options"]
+    for loader in ("CLIPLoader", "DualCLIPLoader"):
+        offered = info[loader]["input"]["required"]["type"]
+        assert set(types) >= set(offered[1]["options"] if offered[0] == "COMBO" else offered[0]), loader
+    vae = info["DeviceControl_LoadVAE"]["input"]["required"]["dtype"][1]["options"]
+    assert vae == ["auto", "fp32", "fp16", "bf16"]
