@@ -119,7 +119,6 @@ COMFY_ATTRIBUTES: dict[str, tuple[str, ...]] = {
         "get_all_callbacks",
         "is_clone",
         "is_dynamic",
-        "load_text_encoders",
         "load",
         "load_device",
         "loaded_size",

@@ -113,7 +113,7 @@ def test_a_checkpoint_that_cannot_fit_in_ram_is_refused_before_reading(comfy):
     tiny = DeviceInfo("cpu", "cpu", "CPU", "cpu", 4 * 1024**3, 1024**3)
     plan = plan_fit(detection.components, {"diffusion_model": Choice(tiny, "fp32")})
     with pytest.raises(_errors(node).DeviceControlError, match=r"does not fit: needs 3\.20 GiB.*Nothing was read"):
-        node.require_ram(SD15_CHECKPOINT, plan)
+        importlib.import_module(node.__name__.rsplit(".", 1)[0] + ".placing").require_ram(SD15_CHECKPOINT, plan)
 
 
 def test_a_diffusion_model_only_file_is_pointed_to_the_right_loader(comfy, tmp_path):
