@@ -25,12 +25,16 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(torch.int16 if tensor.element_size() == 2 else torch.int8)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize(("stored", "target"), [(s, t) for s in REDUCED for t in (*REDUCED, torch.float32) if s != t])
-def test_every_value_converts_bit_for_bit_as_torch_converts_it(monkeypatch, stored, target):
+def test_every_value_converts_bit_for_bit_as_torch_converts_it(monkeypatch, stored, target, threads):
     monkeypatch.setattr(converting, "STEP", 1000)  # many steps, and a last one that is shorter
+    monkeypatch.setattr(converting, "SPLIT_FROM", 20)  # 16-bit values: three parts, one per thread
     source = every_value(stored)
     got = torch.empty(source.shape, dtype=target)
-    Float32Steps().copy(got, source)
+    steps = Float32Steps(threads)
+    steps.copy(got, source)
+    steps.release()
     expected = source.to(target)
     assert torch.equal(bits(got) if target.itemsize < 4 else got.view(torch.int32), bits(expected)
                        if target.itemsize < 4 else expected.view(torch.int32))  # fmt: skip
@@ -52,3 +56,17 @@ def test_a_reader_converts_a_file_through_float32_in_any_shape(tmp_path, monkeyp
                 got = torch.empty(tensor.shape, dtype=target)
                 reader.read_into(name, got)
                 assert torch.equal(bits(got), bits(tensor.to(target))), (name, target)
+
+
+def test_tensors_made_in_inference_mode_are_converted_by_every_thread(monkeypatch):
+    """ComfyUI runs nodes in inference mode; a tensor made there can only be written there, on any thread."""
+    monkeypatch.setattr(converting, "SPLIT_FROM", 1000)
+    steps = Float32Steps(2)
+    with torch.inference_mode():
+        source = torch.randn(10_000).half()
+        got = torch.empty(10_000, dtype=torch.float8_e4m3fn)
+        steps.copy(got, source)
+        empty = torch.empty(0, dtype=torch.float8_e4m3fn)
+        steps.copy(empty, source[:0])
+    steps.release()
+    assert torch.equal(bits(got), bits(source.to(torch.float8_e4m3fn)))
