@@ -1,8 +1,8 @@
 """Benchmarks, side by side with ComfyUI in one run; writes Markdown tables and the raw runs to ``docs/bench/``.
 
     python3 tools/bench.py                       # every section, 5 runs each
-    python3 tools/bench.py --only ops --runs 7   # one section (loader, detection, ops, patching, policy,
-                                                 # panel, soak, streaming, slices), more runs
+    python3 tools/bench.py --only ops --runs 7   # one section (loader, split_loaders, detection, ops,
+                                                 # patching, policy, panel, soak, streaming, slices), more runs
     python3 tools/bench.py --out /tmp/bench      # write elsewhere
 
 Every measurement runs in a fresh process (``tools/bench_workers.py``, ``tools/bench_panel.py``,
@@ -31,21 +31,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from any folder
 
+from tools.bench_format import DETECTED_FILES, SD15
+from tools.bench_loads import SPLIT_FILES
 from tools.bench_tables import TABLES
 from tools.runtime import NEWEST_VERSION, REPO, fixtures_dir, provision, venv_python
 
 log = logging.getLogger("device_control.tools")
-SD15 = "SD1.5 (synthetic, 2.0 GiB fp16)"
-SDXL = "SDXL base checkpoint (sparse)"
-# label -> (name in the layouts, file name): real layouts, weights left as a hole (no disk, reads as zeros)
-SPARSE = {
-    SDXL: ("sdxl_base.checkpoint.json", "bench_sdxl_base_sparse.safetensors"),
-    "Flux.1 dev checkpoint (sparse)": ("flux1_dev.checkpoint.json", "bench_flux1_dev_sparse.safetensors"),
-    "Wan 2.1 T2V 14B diffusion model (sparse)": (
-        "wan21_t2v_14b.diffusion_model.json",
-        "bench_wan21_14b_sparse.safetensors",
-    ),
-}
+#: Every sparse file the sections read: label -> (name in the layouts, file name).
+SPARSE = DETECTED_FILES | SPLIT_FILES
 
 
 @dataclass
@@ -91,7 +84,7 @@ def worker(*args: str, module: str = "tools.bench_workers") -> dict:
 
 
 def files() -> dict[str, Path]:
-    """The synthetic SD1.5 and the sparse layouts the benchmarks read (made once)."""
+    """The synthetic SD1.5 and the sparse layouts the benchmarks read (made once), by label."""
     subprocess.run([str(venv_python()), "-m", "tools.make_fixtures"], cwd=REPO, check=True, capture_output=True)
     code = (
         "import sys, tools.layouts as l; from pathlib import Path\n"

@@ -9,63 +9,10 @@ from __future__ import annotations
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
+from tools.bench_format import DETECTED_FILES, SD15, SDXL, GiB, Section, Worker, fmt_gib, fmt_ms, fmt_ratio, fmt_s
+from tools.bench_loads import loader, split_loaders
 from tools.runtime import REPO, fixtures_dir, venv_python
-
-GiB = 1024**3
-SD15 = "SD1.5 (synthetic, 2.0 GiB fp16)"
-SDXL = "SDXL base checkpoint (sparse)"
-Worker = Callable[..., dict]
-Section = Callable[[int, dict[str, Path], Worker, Callable[[list[Any]], Any]], tuple[list[Any], str]]
-
-
-def _gib(value: float) -> str:
-    return f"{value / GiB:.2f} GiB"
-
-
-def _s(value: float) -> str:
-    return f"{value:.1f} s"
-
-
-def _ms(value: float) -> str:
-    return f"{value:.1f} ms"
-
-
-def _ratio(value: float) -> str:
-    return f"{value:.2f}x"
-
-
-def loader(runs: int, paths: dict[str, Path], worker: Worker, aggregate: Callable) -> tuple[list, str]:
-    rows = [
-        "| checkpoint (loaded to CPU, default dtypes) | loader | time | ratio to ComfyUI (same run) "
-        "| peak RSS above baseline | resident | peak / resident |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    raw = []
-    for label, path in ((SD15, paths[SD15]), ("SDXL (sparse, 6.5 GiB fp16)", paths[SDXL])):
-        pairs = [{who: worker("load", who, str(path)) for who in ("comfyui", "ours")} for _ in range(runs)]
-        raw.append({"file": label, "runs": pairs})
-        for who, name in (("comfyui", "ComfyUI"), ("ours", "Device Control")):
-            spread = aggregate([_load_figures(pair, who) for pair in pairs])
-            rows.append(
-                f"| {label} | {name} | {spread['seconds'].show(_s)} | {spread['ratio'].show(_ratio)} "
-                f"| {spread['extra'].show(_gib)} | {spread['resident'].show(_gib)} | "
-                f"{spread['peak_ratio'].show(lambda v: f'{v:.2f}')} |"
-            )
-    return raw, "\n".join(rows)
-
-
-def _load_figures(pair: dict[str, dict], who: str) -> dict[str, float]:
-    r = pair[who]
-    extra = r["peak"] - r["baseline"]
-    return {
-        "seconds": r["seconds"],
-        "ratio": r["seconds"] / pair["comfyui"]["seconds"],
-        "extra": extra,
-        "resident": r["resident"],
-        "peak_ratio": extra / r["resident"],
-    }
 
 
 def detection(runs: int, paths: dict[str, Path], worker: Worker, aggregate: Callable) -> tuple[list, str]:
@@ -74,7 +21,8 @@ def detection(runs: int, paths: dict[str, Path], worker: Worker, aggregate: Call
         "| --- | --- | --- | --- | --- |",
     ]
     raw = []
-    for label, path in paths.items():
+    for label in (SD15, *DETECTED_FILES):
+        path = paths[label]
         size = path.stat().st_size
         ours = [worker("detect", "ours", str(path), "7") for _ in range(runs)]
         theirs = [worker("detect", "comfyui", str(path), "3") for _ in range(runs)] if size < 8 * GiB else []
@@ -84,8 +32,8 @@ def detection(runs: int, paths: dict[str, Path], worker: Worker, aggregate: Call
             if theirs
             else "not run (larger than this machine's RAM allows)"
         )
-        mine = aggregate([o["median"] * 1000 for o in ours]).show(_ms)
-        rows.append(f"| {label} | {_gib(size)} | {mine} | {comfy} | {ours[0]['found']} |")
+        mine = aggregate([o["median"] * 1000 for o in ours]).show(fmt_ms)
+        rows.append(f"| {label} | {fmt_gib(size)} | {mine} | {comfy} | {ours[0]['found']} |")
     return raw, "\n".join(rows)
 
 
@@ -114,8 +62,8 @@ def ops(runs: int, _paths: dict[str, Path], worker: Worker, aggregate: Callable)
         )
         shown = " | ".join(cells[column].show(lambda v: f"{v:.2f} ms") for column in OPS_COLUMNS)
         rows.append(
-            f"| {label} | {shown} | {ratios['fp16'].show(_ratio)} | {ratios['bf16'].show(_ratio)} "
-            f"| {ratios['plain'].show(_ratio)} |"
+            f"| {label} | {shown} | {ratios['fp16'].show(fmt_ratio)} | {ratios['bf16'].show(fmt_ratio)} "
+            f"| {ratios['plain'].show(fmt_ratio)} |"
         )
     return raw, "\n".join(rows)
 
@@ -139,7 +87,7 @@ def patching(runs: int, paths: dict[str, Path], worker: Worker, aggregate: Calla
         ratio = aggregate([run[label]["ms"] / run[base_label]["ms"] for run in raw])
         exact = all(run[label]["exact"] for run in raw)
         rows.append(
-            f"| {label} | {times.show(lambda v: f'{v:.0f} ms')} | {ratio.show(_ratio)} | {raw[0][label]['layers']} "
+            f"| {label} | {times.show(lambda v: f'{v:.0f} ms')} | {ratio.show(fmt_ratio)} | {raw[0][label]['layers']} "
             f"| {exact} |"
         )
     return raw, "\n".join(rows)
@@ -156,7 +104,7 @@ def policy(runs: int, paths: dict[str, Path], worker: Worker, aggregate: Callabl
         policy_name, share = key.split("|")
         step = aggregate([run[key]["ms"] for run in raw]).show(lambda v: f"{v:.0f} ms")
         rows.append(
-            f"| {float(share):.0%} | {policy_name} | {_gib(r['resident'])} | {_gib(r['total'] - r['resident'])} "
+            f"| {float(share):.0%} | {policy_name} | {fmt_gib(r['resident'])} | {fmt_gib(r['total'] - r['resident'])} "
             f"| {r['streamed_layers']} | {r['reserve'] / 1024**2:.0f} MiB | {step} |"
         )
     return raw, "\n".join(rows)
@@ -173,17 +121,19 @@ def panel(runs: int, _paths: dict[str, Path], worker: Worker, aggregate: Callabl
     for when, figures in (("idle", r["idle_latency"]), ("while sampling", r["latency"])):
         ours, theirs = figures["snapshot"], figures["system_stats"]
         for what, key in (("median", "median_ms"), ("p99", "p99_ms"), ("max", "max_ms")):
-            rows.append(f"| GET latency {when}, {what} of 1,000 | {ours[key].show(_ms)} | {theirs[key].show(_ms)} |")
+            rows.append(
+                f"| GET latency {when}, {what} of 1,000 | {ours[key].show(fmt_ms)} | {theirs[key].show(fmt_ms)} |"
+            )
         made = figures["snapshot_made"]
         rows.append(
-            f"| snapshot made on the server {when}, median / p99 | {made['median_ms'].show(_ms)} / "
-            f"{made['p99_ms'].show(_ms)} | - |"
+            f"| snapshot made on the server {when}, median / p99 | {made['median_ms'].show(fmt_ms)} / "
+            f"{made['p99_ms'].show(fmt_ms)} | - |"
         )
     push, flow = r["push"], r["workflow"]
     cost = aggregate([run["workflow"]["open_s"] / run["workflow"]["closed_s"] - 1 for run in raw])
     rows += [
         f"| push thread CPU at 1 s | {push['cpu_share'].show(lambda v: f'{v:.2%}')} of one core "
-        f"({push['ms_per_push'].show(_ms)} per push) | - |",
+        f"({push['ms_per_push'].show(fmt_ms)} per push) | - |",
         f"| workflow time, panel open / closed | {flow['open_s'].show(lambda v: f'{v:.2f} s')} / "
         f"{flow['closed_s'].show(lambda v: f'{v:.2f} s')}; open costs {cost.show(lambda v: f'{v:+.1%}')} | - |",
         f"| {load['requests']:,} snapshot GETs (4 concurrent clients) with {load['clients']} websocket clients "
@@ -200,7 +150,7 @@ def panel(runs: int, _paths: dict[str, Path], worker: Worker, aggregate: Callabl
 def soak(_runs: int, _paths: dict[str, Path], worker: Worker, aggregate: Callable) -> tuple[list, str]:
     r = worker(module="tools.bench_soak")
     cycles, warmup = r["cycles"], r["warmup"]
-    cycle = aggregate(r["seconds"]).show(_s)
+    cycle = aggregate(r["seconds"]).show(fmt_s)
     table = "\n".join(
         [
             "| long soak (one run): load, Move To GPU (2 GB budget), sample, Offload To CPU, decode | Device Control |",
@@ -252,10 +202,11 @@ def streaming(runs: int, paths: dict[str, Path], worker: Worker, aggregate: Call
             ratio = aggregate([on["step_s"] / f for (_off, on, _run), f in zip(both, floor, strict=True)])
             hidden = aggregate([(off["step_s"] - on["step_s"]) / on["transfer_s"] for off, on, _run in both])
             rows.append(
-                f"| {label} | {link.split(',')[0]} | {float(budget):.0%} of {_gib(first['total'])} "
-                f"| {_gib(row['resident'])} | {_gib(row['streamed_per_step'])} | {_s(row['transfer_s'])} "
-                f"| {compute.show(_s)} | {_s(aggregate(floor).median)} | {off_s.show(_s)} | {on_s.show(_s)} "
-                f"| {ratio.show(_ratio)} | {hidden.show(lambda v: f'{v:.0%}')} |"
+                f"| {label} | {link.split(',')[0]} | {float(budget):.0%} of {fmt_gib(first['total'])} "
+                f"| {fmt_gib(row['resident'])} | {fmt_gib(row['streamed_per_step'])} | {fmt_s(row['transfer_s'])} "
+                f"| {compute.show(fmt_s)} | {fmt_s(aggregate(floor).median)} | {off_s.show(fmt_s)} "
+                f"| {on_s.show(fmt_s)} "
+                f"| {ratio.show(fmt_ratio)} | {hidden.show(lambda v: f'{v:.0%}')} |"
             )
     note = (
         "\n\nTimes are host seconds on the simulated GPU with `DEVICE_CONTROL_SIMULATE_LINK=<link>,10us,compute=10x`:"
@@ -301,11 +252,11 @@ def slices(runs: int, _paths: dict[str, Path], worker: Worker, aggregate: Callab
             )
             rows.append(
                 f"| {SLICES_MODEL} | {link.split(',')[0]} | {int(budget) / 1024**2:.0f} MiB | {way} "
-                f"| {_gib(row['resident'])} | {row['reserve'] / 1024**2:.0f} MiB | {row['peak'] / 1024**2:.0f} MiB "
-                f"| {_gib(row['streamed_per_step'])} ({row['copies_per_step']}) | {_s(row['transfer_s'])} "
-                f"| {compute.show(_s)} | {aggregate(steps).show(_s)} "
-                f"| {aggregate([t / f for t, f in zip(steps, floor, strict=True)]).show(_ratio)} "
-                f"| {versus.show(_ratio) if way == 'sliced' else '-'} |"
+                f"| {fmt_gib(row['resident'])} | {row['reserve'] / 1024**2:.0f} MiB | {row['peak'] / 1024**2:.0f} MiB "
+                f"| {fmt_gib(row['streamed_per_step'])} ({row['copies_per_step']}) | {fmt_s(row['transfer_s'])} "
+                f"| {compute.show(fmt_s)} | {aggregate(steps).show(fmt_s)} "
+                f"| {aggregate([t / f for t, f in zip(steps, floor, strict=True)]).show(fmt_ratio)} "
+                f"| {versus.show(fmt_ratio) if way == 'sliced' else '-'} |"
             )
     note = (
         "\n\nThe same simulated GPU and links as the streaming table (copies take ten times the link's time). "
@@ -321,6 +272,7 @@ def slices(runs: int, _paths: dict[str, Path], worker: Worker, aggregate: Callab
 
 TABLES: dict[str, Section] = {
     "loader": loader,
+    "split_loaders": split_loaders,
     "detection": detection,
     "ops": ops,
     "patching": patching,

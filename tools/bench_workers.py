@@ -1,6 +1,7 @@
 """Benchmark workers: each runs in a fresh runtime process and prints one JSON line of measurements.
 
     .runtime/venv/bin/python -m tools.bench_workers load comfyui|ours FILE
+    .runtime/venv/bin/python -m tools.bench_workers split comfyui|ours KIND DTYPE FILE [FILE ...]
     .runtime/venv/bin/python -m tools.bench_workers detect comfyui|ours FILE [REPEATS]
     .runtime/venv/bin/python -m tools.bench_workers ops
     .runtime/venv/bin/python -m tools.bench_workers patch CHECKPOINT LORA
@@ -11,12 +12,15 @@ Run by ``tools/bench.py``; a fresh process per measurement, so one load's memory
 
 from __future__ import annotations
 
+import importlib
 import json
 import resource
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -42,27 +46,114 @@ def load(loader: str, path: Path) -> dict:
     import comfy.supported_models
 
     if loader == "ours":
-        from tools.comfy_inprocess import import_pack
+        node = _pack_module("nodes.load_checkpoint").LoadCheckpointWithDevice
 
-        node = __import__(f"{import_pack().__name__}.nodes.load_checkpoint", fromlist=["x"])
+        def run() -> list:
+            model, clip, vae, _ = node.execute(path.name, "cpu", "cpu", "cpu", "auto", "auto", "auto").args
+            return [model, clip.patcher, vae.patcher]
+    else:
+
+        def run() -> list:
+            model, clip, vae, _ = comfy.sd.load_checkpoint_guess_config(str(path))
+            return [model, clip.patcher, vae.patcher]
+
+    return _measure(run, mm)
+
+
+def _measure(run: Callable[[], list], mm: Any) -> dict:
+    """Time ``run`` (a load that returns the patchers it made); memory around it and the bytes it left resident.
+
+    ``peak`` is the process's highest RSS so far (the load's, since it started from a small baseline); it counts
+    the pages of a memory-mapped file the load touched, as the operating system charges them to the process.
+    """
     baseline = psutil.Process().memory_info().rss
     started = time.perf_counter()
-    if loader == "ours":
-        model, clip, vae, _ = node.LoadCheckpointWithDevice.execute(
-            path.name, "cpu", "cpu", "cpu", "auto", "auto", "auto"
-        ).args
-    else:
-        model, clip, vae, _ = comfy.sd.load_checkpoint_guess_config(str(path))
+    patchers = run()
     seconds = time.perf_counter() - started
-    resident = model.model_size() + clip.patcher.model_size() + vae.patcher.model_size()
     return {
         "seconds": seconds,
         "baseline": baseline,
         "peak": _peak_rss(),
-        "resident": resident,
+        "resident": sum(patcher.model_size() for patcher in patchers),
         "after": psutil.Process().memory_info().rss,
         "loaded_models": len(mm.current_loaded_models),
+        "stored": _stored_bytes(patchers),
     }
+
+
+def _stored_bytes(patchers: list) -> dict[str, int]:
+    """Bytes of the loaded models' weights by dtype (both loaders must build the same thing)."""
+    stored: dict[str, int] = {}
+    for patcher in patchers:
+        for tensor in [*patcher.model.parameters(), *patcher.model.buffers()]:
+            key = str(tensor.dtype).replace("torch.", "")
+            stored[key] = stored.get(key, 0) + tensor.numel() * tensor.element_size()
+    return stored
+
+
+def _pack_module(name: str) -> Any:
+    from tools.comfy_inprocess import import_pack
+
+    return importlib.import_module(f"{import_pack().__name__}.{name}")
+
+
+#: ComfyUI's folder for each kind of split file.
+SPLIT_FOLDERS = {"diffusion_model": "diffusion_models", "text_encoders": "text_encoders", "vae": "vae"}
+
+
+def split_load(loader: str, kind: str, dtype: str, paths: list[Path]) -> dict:
+    """Load a diffusion model, a set of text encoders or a VAE to the CPU, with ComfyUI's loader or ours.
+
+    ``kind`` is ``diffusion_model``, ``vae`` or ``text_encoders:<type>`` (ComfyUI's CLIP type: ``sd3``...);
+    ``dtype`` is one of our loaders' dtype names (``auto``: ComfyUI's default). ComfyUI's side is what its
+    UNETLoader, CLIP loaders and VAELoader call: ``load_diffusion_model``, ``load_clip`` and ``VAE``.
+    """
+    kind, _, clip_type = kind.partition(":")
+    mm = _comfy(paths[0].parent)
+    import comfy.sd  # imported long before any load in a running ComfyUI: kept out of the timing
+    import comfy.utils
+    import folder_paths
+
+    for path in paths:
+        folder_paths.add_model_folder_path(SPLIT_FOLDERS[kind], str(path.parent))
+    if loader == "ours":
+        run = _ours_split(kind, clip_type, dtype, [path.name for path in paths])
+    else:
+        run = _comfy_split(comfy, kind, clip_type, _pack_module("nodes.placing").DTYPES[dtype], paths)
+    return _measure(run, mm)
+
+
+def _ours_split(kind: str, clip_type: str, dtype: str, names: list[str]) -> Callable[[], list]:
+    """Our node for ``kind``, called as ComfyUI calls it (its classes imported now, not in the timing)."""
+    if kind == "diffusion_model":
+        model_node = _pack_module("nodes.load_diffusion_model").LoadDiffusionModelWithDevice
+        return lambda: [model_node.execute(names[0], "cpu", dtype).args[0]]
+    if kind == "vae":
+        vae_node = _pack_module("nodes.load_vae").LoadVAEWithDevice
+        return lambda: [vae_node.execute(names[0], "cpu", dtype).args[0].patcher]
+    clip_node = _pack_module("nodes.load_text_encoders").LoadTextEncodersWithDevice
+    return lambda: [clip_node.execute(names[0], clip_type, "cpu", dtype, *names[1:]).args[0].patcher]
+
+
+def _comfy_split(comfy: Any, kind: str, clip_type: str, dtype: Any, paths: list[Path]) -> Callable[[], list]:
+    """What ComfyUI's own loader node for ``kind`` calls (``dtype`` ``None``: its default)."""
+    import folder_paths
+
+    options = {} if dtype is None else {"dtype": dtype}
+    if kind == "diffusion_model":
+        return lambda: [comfy.sd.load_diffusion_model(str(paths[0]), model_options=options)]
+    if kind == "vae":
+
+        def vae() -> list:
+            built = comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(paths[0])), dtype=dtype)
+            built.throw_exception_if_invalid()
+            return [built.patcher]
+
+        return vae
+    files = [str(path) for path in paths]
+    embeddings = folder_paths.get_folder_paths("embeddings")
+    clip_kind = getattr(comfy.sd.CLIPType, clip_type.upper())
+    return lambda: [comfy.sd.load_clip(files, embeddings, clip_kind, model_options=options).patcher]
 
 
 def detect(detector: str, path: Path, repeats: int = 5) -> dict:
@@ -230,6 +321,8 @@ def main() -> None:
         result = patching(Path(sys.argv[2]), Path(sys.argv[3]))
     elif kind == "policy":
         result = policy(Path(sys.argv[2]))
+    elif kind == "split":
+        result = split_load(sys.argv[2], sys.argv[3], sys.argv[4], [Path(p) for p in sys.argv[5:]])
     else:
         who, path = sys.argv[2], Path(sys.argv[3])
         result = load(who, path) if kind == "load" else detect(who, path, int(sys.argv[4]) if len(sys.argv) > 4 else 5)

@@ -8,7 +8,8 @@ on the target device):
 * stored dtype = target dtype, target in host memory: one positional read straight into the final tensor;
 * a dtype conversion: the converting copy reads the memory-mapped file directly, then the pages it read are
   released from the process (``madvise(DONTNEED)``; the kernel's page cache keeps them), so at most one
-  tensor's worth of the file is ever resident beside the model;
+  tensor's worth of the file is ever resident beside the model; conversions torch is slow at directly go
+  through float32 in small steps (``core.files.converting``), with the same result;
 * another device: through one staging buffer (pinned when asked), reused for every tensor.
 """
 
@@ -22,6 +23,7 @@ import torch
 
 from ..detection.headers import SAFETENSORS_DTYPES, FileHeader, TensorInfo, load_pickled_state
 from ..errors import ModelFileError
+from .converting import Float32Steps
 
 #: Called as ``progress(bytes_done, bytes_total)`` after every tensor; it may raise to stop the load
 #: (ComfyUI's interruption does), and the load stops cleanly between two tensors.
@@ -43,6 +45,7 @@ class WeightReader:
         self._map: mmap.mmap | None = None
         self._pickled: dict[str, torch.Tensor] | None = None
         self._staging = torch.empty(0, dtype=torch.uint8)
+        self._steps = Float32Steps()
 
     def __enter__(self) -> WeightReader:
         if self.header.format != "safetensors":
@@ -78,6 +81,7 @@ class WeightReader:
             self._fd = None
         self._pickled = None
         self._staging = torch.empty(0, dtype=torch.uint8)
+        self._steps.release()
 
     def info(self, name: str) -> TensorInfo:
         """The header entry of tensor ``name``."""
@@ -112,8 +116,7 @@ class WeightReader:
         elif self._map is not None and start % stored.itemsize == 0 and info.nbytes:
             self._convert_from_map(info, start, stored, dest)
         else:
-            with torch.no_grad():
-                dest.copy_(self._stage(info).view(stored).reshape(dest.shape))
+            self._steps.copy(dest, self._stage(info).view(stored))
 
     def _convert_from_map(self, info: TensorInfo, start: int, stored: torch.dtype, dest: torch.Tensor) -> None:
         self._check_within_file(info, start)
@@ -121,8 +124,7 @@ class WeightReader:
             warnings.simplefilter("ignore", UserWarning)
             mapped = torch.frombuffer(self._map, dtype=torch.uint8, count=info.nbytes, offset=start)
         try:
-            with torch.no_grad():
-                dest.copy_(mapped.view(stored).reshape(dest.shape))
+            self._steps.copy(dest, mapped.view(stored))
         finally:
             del mapped  # never leave a tensor pointing into the mapping once it may be closed
         page = mmap.PAGESIZE

@@ -23,6 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..errors import ModelFileError
 from ..progress import ProgressCallback
+from .hugepages import advise_huge_pages
 from .reader import WeightReader
 
 #: Where a module's tensor comes from: a tensor name in the file, or a function computing it (for the few
@@ -84,8 +85,11 @@ class MaterializeResult:
 
 
 def host_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """The default :data:`Allocate`: host memory."""
-    return torch.empty(shape, dtype=dtype)
+    """The default :data:`Allocate`: host memory (large tensors asking for huge pages: fewer page faults when
+    they are first written, see ``core.files.hugepages``)."""
+    tensor = torch.empty(shape, dtype=dtype)
+    advise_huge_pages(tensor)
+    return tensor
 
 
 def materialize(

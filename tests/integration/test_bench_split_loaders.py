@@ -1,0 +1,34 @@
+"""The split-loaders benchmark runs end to end on small files: its real worker, in fresh processes, loads each
+with ComfyUI's loader and ours, and the table comes out with a row per model and loader, and both loaders
+building the same weights (so a broken benchmark, or one that compares different things, fails here)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tools.bench import aggregate, worker
+from tools.bench_loads import LOAD_RULE, SplitModel, split_loaders
+
+#: Small stand-ins for the benchmark's rows, with conversions on the way (fp16 -> fp8, fp32 -> fp16).
+SMALL = (
+    SplitModel("Wan 2.1 small diffusion model as fp16", "diffusion_model", "fp16", ("wan21",)),
+    SplitModel("CLIP-L as fp8_e4m3fn", "text_encoders:stable_diffusion", "fp8_e4m3fn", ("clip_l",)),
+    SplitModel("SD1.5 VAE, default dtype", "vae", "auto", ("vae",)),
+)
+
+
+@pytest.mark.slow
+def test_the_split_loaders_section_runs_on_small_files_and_makes_its_table(synthetic_models):
+    raw, table = split_loaders(1, synthetic_models, worker, aggregate, models=SMALL)
+    lines = table.splitlines()
+    assert lines[1] == LOAD_RULE
+    rows = [line for line in lines[2:] if line.startswith("| ")]
+    assert [row.split(" | ")[:2] for row in rows] == [
+        [f"| {model.label}", name] for model in SMALL for name in ("ComfyUI", "Device Control")
+    ]
+    verdicts = [line for line in lines if line.startswith("- ")]
+    assert len(verdicts) == len(SMALL) and all(v.endswith("every run: yes.") for v in verdicts), verdicts
+    for entry in raw:
+        pair = entry["runs"][0]
+        assert pair["ours"]["resident"] == pair["comfyui"]["resident"] > 0
+        assert pair["ours"]["peak"] >= pair["ours"]["baseline"]

@@ -1,0 +1,176 @@
+"""The load benchmarks: ComfyUI's loader and ours in pairs of fresh processes, the same files in the page cache.
+
+``loader`` loads whole checkpoints; ``split_loaders`` loads a diffusion model, a text-encoder set and a VAE saved
+on their own, with Load Diffusion Model / Text Encoders / VAE With Device against what ComfyUI's UNETLoader,
+TripleCLIPLoader and VAELoader call. Both make the table ``load_rows`` writes: time, ratio to ComfyUI in the
+same run, peak RSS above the process's baseline, the bytes the models hold, and peak / resident.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tools.bench_format import SD15, SDXL, Worker, fmt_gib, fmt_ratio, fmt_s
+
+LOAD_HEADER = "| loader | time | ratio to ComfyUI (same run) | peak RSS above baseline | resident | peak / resident |"
+LOAD_RULE = "| --- | --- | --- | --- | --- | --- | --- |"
+LOADERS = (("comfyui", "ComfyUI"), ("ours", "Device Control"))
+#: The design's targets for our loaders: time against ComfyUI's in the same run, peak RSS against resident bytes.
+TIME_TARGET, PEAK_TARGET = 0.5, 1.1
+
+
+def loader(runs: int, paths: dict[str, Path], worker: Worker, aggregate: Callable) -> tuple[list, str]:
+    rows = [f"| checkpoint (loaded to CPU, default dtypes) {LOAD_HEADER}", LOAD_RULE]
+    raw = []
+    for label, path in ((SD15, paths[SD15]), ("SDXL (sparse, 6.5 GiB fp16)", paths[SDXL])):
+        warm_page_cache([path])
+        pairs = paired(runs, lambda who, path=path: worker("load", who, str(path)))
+        raw.append({"file": label, "runs": pairs})
+        rows += load_rows(label, pairs, aggregate)
+    return raw, "\n".join(rows)
+
+
+# Labels of the split files in the benchmark's paths, and the layouts they are written from (sparse).
+FLUX_DIFFUSION = "Flux.1 dev diffusion model (sparse)"
+CLIP_L, CLIP_G, T5XXL = "CLIP-L (sparse)", "CLIP-G (sparse)", "T5-XXL fp16 (sparse)"
+VAE_16CH = "Flux / SD3 16-channel VAE (sparse)"
+SPLIT_FILES = {
+    FLUX_DIFFUSION: ("flux1_dev.diffusion_model.json", "bench_flux1_dev_diffusion_model_sparse.safetensors"),
+    CLIP_L: ("te_clip_l.json", "bench_clip_l_sparse.safetensors"),
+    CLIP_G: ("te_clip_g.json", "bench_clip_g_sparse.safetensors"),
+    T5XXL: ("te_t5xxl_fp16.json", "bench_t5xxl_fp16_sparse.safetensors"),
+    VAE_16CH: ("vae_flux_sd3_16ch.json", "bench_vae_16ch_sparse.safetensors"),
+}
+
+
+@dataclass(frozen=True)
+class SplitModel:
+    """One row pair of the split-loaders table: what is loaded, how, and from which of the paths."""
+
+    label: str
+    #: ``diffusion_model``, ``vae`` or ``text_encoders:<ComfyUI's CLIP type>`` (see ``bench_workers.split_load``).
+    kind: str
+    #: Our loaders' dtype name, the same dtype for ComfyUI (``auto``: ComfyUI's default).
+    dtype: str
+    files: tuple[str, ...]
+
+
+SPLIT_MODELS = (
+    SplitModel("Flux.1 dev diffusion model (sparse, 22.2 GiB bf16) as fp8_e4m3fn", "diffusion_model", "fp8_e4m3fn",
+               (FLUX_DIFFUSION,)),
+    SplitModel("SD3.5 text encoders CLIP-L + CLIP-G + T5-XXL (sparse, 10.4 GiB fp16) as fp8_e4m3fn",
+               "text_encoders:sd3", "fp8_e4m3fn", (CLIP_L, CLIP_G, T5XXL)),
+    SplitModel("Flux / SD3 16-channel VAE (sparse, 0.31 GiB fp32), default dtype", "vae", "auto", (VAE_16CH,)),
+)  # fmt: skip
+
+SPLIT_NOTE = (
+    "Each file is read once before its model's runs, so both loaders find it in the page cache, except a file "
+    "larger than half the memory then available ({skipped}): it cannot stay cached beside the model loaded from "
+    "it. The files are sparse (a real layout, weights read as zeros), so reading one costs memory bandwidth, not "
+    "disk. Dtypes: the Flux model in fp8_e4m3fn for both, ComfyUI's UNETLoader with `weight_dtype` fp8_e4m3fn "
+    "(`load_diffusion_model(path, model_options={{'dtype': float8_e4m3fn}})`): in bf16 or fp32 the model would "
+    "not fit beside the file's pages in this machine's RAM. The text encoders in fp8_e4m3fn for both: what "
+    "TripleCLIPLoader builds under ComfyUI's `--fp8_e4m3fn-text-enc` (`load_clip([3 files], "
+    "model_options={{'dtype': float8_e4m3fn}})`); ComfyUI's fp16 default would hold 10.4 GiB of weights beside "
+    "10.4 GiB of file. The VAE in ComfyUI's default (fp32 on the CPU), as VAELoader builds it "
+    "(`VAE(sd=load_torch_file(path))`)."
+)
+
+
+def split_loaders(
+    runs: int,
+    paths: dict[str, Path],
+    worker: Worker,
+    aggregate: Callable,
+    models: tuple[SplitModel, ...] = SPLIT_MODELS,
+) -> tuple[list, str]:
+    rows = [f"| model (loaded to CPU) {LOAD_HEADER}", LOAD_RULE]
+    raw, verdicts, skipped = [], [], []
+    for model in models:
+        files = [str(paths[label]) for label in model.files]
+        skipped += [path.name for path in warm_page_cache([paths[label] for label in model.files])]
+        pairs = paired(
+            runs, lambda who, model=model, files=files: worker("split", who, model.kind, model.dtype, *files)
+        )
+        raw.append({"model": model.label, "kind": model.kind, "dtype": model.dtype, "runs": pairs})
+        rows += load_rows(model.label, pairs, aggregate)
+        verdicts.append(verdict(model.label, pairs, aggregate))
+    note = SPLIT_NOTE.format(skipped=", ".join(skipped) or "none")
+    return raw, "\n".join([*rows, "", *verdicts, "", note])
+
+
+def verdict(label: str, pairs: list[dict[str, dict]], aggregate: Callable) -> str:
+    """The targets, met or not by the medians, and whether both loaders built the same weights in every run."""
+    ours = aggregate([_load_figures(pair, "ours") for pair in pairs])
+    same = all(pair["ours"]["stored"] == pair["comfyui"]["stored"] for pair in pairs)
+    time_ok, peak_ok = ours["ratio"].median <= TIME_TARGET, ours["peak_ratio"].median <= PEAK_TARGET
+    return (
+        f"- {label}: time {fmt_ratio(ours['ratio'].median)} of ComfyUI's (target <= {TIME_TARGET}x: "
+        f"{'met' if time_ok else 'not met'}); peak RSS {ours['peak_ratio'].median:.2f}x resident (target <= "
+        f"{PEAK_TARGET}x: {'met' if peak_ok else 'not met'}); the same weights (dtype and bytes) as ComfyUI's in "
+        f"every run: {'yes' if same else 'no'}."
+    )
+
+
+def paired(runs: int, measure: Callable[[str], dict]) -> list[dict[str, dict]]:
+    """``runs`` pairs of measurements, ComfyUI's and ours, each in a fresh process; who goes first alternates,
+    so that neither always runs right after the other's load (page cache, memory the kernel reclaims)."""
+    pairs = []
+    for index in range(runs):
+        order = [who for who, _name in LOADERS][:: 1 if index % 2 == 0 else -1]
+        pair = {who: measure(who) for who in order}
+        pairs.append({who: pair[who] for who, _name in LOADERS})
+    return pairs
+
+
+def load_rows(label: str, pairs: list[dict[str, dict]], aggregate: Callable) -> list[str]:
+    """One table row per loader: time, ratio to ComfyUI's in the same run, peak RSS, resident, their ratio."""
+    rows = []
+    for who, name in LOADERS:
+        spread = aggregate([_load_figures(pair, who) for pair in pairs])
+        rows.append(
+            f"| {label} | {name} | {spread['seconds'].show(fmt_s)} | {spread['ratio'].show(fmt_ratio)} "
+            f"| {spread['extra'].show(fmt_gib)} | {spread['resident'].show(fmt_gib)} | "
+            f"{spread['peak_ratio'].show(lambda v: f'{v:.2f}')} |"
+        )
+    return rows
+
+
+def _load_figures(pair: dict[str, dict], who: str) -> dict[str, float]:
+    r = pair[who]
+    extra = r["peak"] - r["baseline"]
+    return {
+        "seconds": r["seconds"],
+        "ratio": r["seconds"] / pair["comfyui"]["seconds"],
+        "extra": extra,
+        "resident": r["resident"],
+        "peak_ratio": extra / r["resident"],
+    }
+
+
+def warm_page_cache(paths: list[Path]) -> list[Path]:
+    """Read each file once, so that every loader finds it in the page cache; return the files left out.
+
+    A file larger than half the memory available now is left out: it cannot stay cached beside the model
+    loaded from it, and reading it would only push other files out.
+    """
+    skipped = []
+    for path in paths:
+        if path.stat().st_size > _available_bytes() // 2:
+            skipped.append(path)
+            continue
+        with open(path, "rb", buffering=0) as handle:
+            chunk = bytearray(16 * 1024**2)
+            while handle.readinto(chunk):
+                pass
+    return skipped
+
+
+def _available_bytes() -> int:
+    """``MemAvailable`` from ``/proc/meminfo`` (standard library only: this runs outside the runtime)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
