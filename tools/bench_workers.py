@@ -132,7 +132,8 @@ def _ours_split(kind: str, clip_type: str, dtype: str, names: list[str]) -> Call
         vae_node = _pack_module("nodes.load_vae").LoadVAEWithDevice
         return lambda: [vae_node.execute(names[0], "cpu", dtype).args[0].patcher]
     clip_node = _pack_module("nodes.load_text_encoders").LoadTextEncodersWithDevice
-    return lambda: [clip_node.execute(names[0], clip_type, "cpu", dtype, *names[1:]).args[0].patcher]
+    files = [*names, *["none"] * (4 - len(names))]
+    return lambda: [clip_node.execute(*files, clip_type, "cpu", dtype).args[0].patcher]
 
 
 def _comfy_split(comfy: Any, kind: str, clip_type: str, dtype: Any, paths: list[Path]) -> Callable[[], list]:
