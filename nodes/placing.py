@@ -273,7 +273,7 @@ def require_ram(name: str, plan: FitPlan) -> None:
     host = next((d for d in plan.devices if d.device == "cpu"), None)
     if host is not None and not host.fits:
         raise DeviceControlError(
-            f"{name} does not fit: {host.verdict}. Nothing was read. Choose a smaller dtype (fp16 or fp8) for the "
+            f"{name} {host.verdict}. Nothing was read. Choose a smaller dtype (fp16 or fp8) for the "
             "largest component, put it on a GPU, or close programs that use RAM."
         )
 

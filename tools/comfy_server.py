@@ -143,6 +143,12 @@ class ComfyServer:
             self.process.kill()
             self.process.wait(timeout=10)
 
+    def restart(self) -> ComfyServer:
+        """A fresh ComfyUI process on the same port and folders: nothing loaded, cached, or held by the allocator
+        from earlier prompts (``free`` unloads models, but the process may keep the memory they took)."""
+        self.stop()
+        return self.start()
+
     def __enter__(self) -> ComfyServer:
         return self.start()
 

@@ -24,6 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 from tools.runtime import RELEASES, REPO, TESTED_VERSIONS, missing_source, provision
 
 log = logging.getLogger("device_control.tools")
+#: Each pass ends with its slowest tests: where the time of a run goes, in every CI log.
+DURATIONS = ("--durations=25",)
 
 
 def arguments(argv: list[str]) -> list[str]:
@@ -57,11 +59,11 @@ def main() -> int:
     steps: list[tuple[str, list[str]]] = [
         ("", [str(python), "-m", "ruff", "check", "."]),
         ("", [str(python), "-m", "ruff", "format", "--check", "."]),
-        (newest, [str(python), "-m", "pytest", *pytest_args]),
+        (newest, [str(python), "-m", "pytest", *DURATIONS, *pytest_args]),
     ]
     # The tiers that run ComfyUI, again on each older version (core/ does not depend on ComfyUI).
     tiers = pytest_args or ["tests/integration", "tests/browser"]
-    steps += [(version, [str(python), "-m", "pytest", *tiers]) for version in older]
+    steps += [(version, [str(python), "-m", "pytest", *DURATIONS, *tiers]) for version in older]
     for version, step in steps:
         label = " ".join(step[2:]) + (f" (ComfyUI {version})" if version else "")
         log.info("[Device Control] $ %s", label)
