@@ -114,6 +114,8 @@ def split_load(loader: str, kind: str, dtype: str, paths: list[Path]) -> dict:
     import comfy.utils
     import folder_paths
 
+    import nodes  # noqa: F401  ComfyUI's own nodes, imported at its start (our text-encoder types read them)
+
     for path in paths:
         folder_paths.add_model_folder_path(SPLIT_FOLDERS[kind], str(path.parent))
     if loader == "ours":

@@ -25,10 +25,18 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(torch.int16 if tensor.element_size() == 2 else torch.int8)
 
 
+@pytest.fixture(params=[True, False], ids=["per-thread-counts", "process-count"])
+def counts(request, monkeypatch):
+    """Both ways of stepping: large steps on threads that run torch alone, small ones below torch's grain."""
+    monkeypatch.setattr(converting, "thread_counts_are_per_thread", lambda: request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize(("stored", "target"), [(s, t) for s in REDUCED for t in (*REDUCED, torch.float32) if s != t])
-def test_every_value_converts_bit_for_bit_as_torch_converts_it(monkeypatch, stored, target, threads):
+def test_every_value_converts_bit_for_bit_as_torch_converts_it(monkeypatch, counts, stored, target, threads):
     monkeypatch.setattr(converting, "STEP", 1000)  # many steps, and a last one that is shorter
+    monkeypatch.setattr(converting, "LARGE_STEP", 1000)
     monkeypatch.setattr(converting, "SPLIT_FROM", 20)  # 16-bit values: three parts, one per thread
     source = every_value(stored)
     got = torch.empty(source.shape, dtype=target)
@@ -46,8 +54,9 @@ def test_the_pairs_through_float32_are_the_slow_reduced_ones():
     assert (torch.bfloat16, torch.float8_e4m3fn) not in VIA_FLOAT32  # as fast directly
 
 
-def test_a_reader_converts_a_file_through_float32_in_any_shape(tmp_path, monkeypatch):
+def test_a_reader_converts_a_file_through_float32_in_any_shape(tmp_path, monkeypatch, counts):
     monkeypatch.setattr(converting, "STEP", 777)
+    monkeypatch.setattr(converting, "LARGE_STEP", 777)
     weights = {"a": torch.randn(96, 40).half(), "b": torch.randn(3, 5, 7).half()}
     save_file(weights, tmp_path / "w.safetensors")
     with WeightReader(read_header(tmp_path / "w.safetensors")) as reader:
@@ -58,7 +67,7 @@ def test_a_reader_converts_a_file_through_float32_in_any_shape(tmp_path, monkeyp
                 assert torch.equal(bits(got), bits(tensor.to(target))), (name, target)
 
 
-def test_tensors_made_in_inference_mode_are_converted_by_every_thread(monkeypatch):
+def test_tensors_made_in_inference_mode_are_converted_by_every_thread(monkeypatch, counts):
     """ComfyUI runs nodes in inference mode; a tensor made there can only be written there, on any thread."""
     monkeypatch.setattr(converting, "SPLIT_FROM", 1000)
     steps = Float32Steps(2)
@@ -69,4 +78,20 @@ def test_tensors_made_in_inference_mode_are_converted_by_every_thread(monkeypatc
         empty = torch.empty(0, dtype=torch.float8_e4m3fn)
         steps.copy(empty, source[:0])
     steps.release()
+    assert torch.equal(bits(got), bits(source.to(torch.float8_e4m3fn)))
+
+
+@pytest.mark.skipif(not converting.thread_counts_are_per_thread(), reason="torch keeps one thread count per process")
+def test_converting_threads_run_torch_alone_and_leave_the_callers_count(monkeypatch):
+    """Large steps run on threads set to one torch thread; the calling thread (ComfyUI's) keeps its count."""
+    monkeypatch.setattr(converting, "SPLIT_FROM", 1000)
+    before = torch.get_num_threads()
+    steps = Float32Steps(2)
+    source = torch.randn(3 * converting.LARGE_STEP + 5).half()
+    got = torch.empty(source.shape, dtype=torch.float8_e4m3fn)
+    steps.copy(got, source)
+    counts = [steps._pool.submit(torch.get_num_threads).result() for _ in range(4)]
+    steps.release()
+    assert torch.get_num_threads() == before
+    assert counts == [1, 1, 1, 1]
     assert torch.equal(bits(got), bits(source.to(torch.float8_e4m3fn)))
