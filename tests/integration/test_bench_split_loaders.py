@@ -26,12 +26,17 @@ def test_the_split_loaders_section_runs_on_small_files_and_makes_its_table(synth
     lines = table.splitlines()
     assert lines[1] == LOAD_RULE
     rows = [line for line in lines[2:] if line.startswith("| ")]
-    assert [row.split(" | ")[:2] for row in rows] == [
-        [f"| {model.label}", name] for model in SMALL for name in ("ComfyUI", "Device Control")
-    ]
+    names = [row.split(" | ")[1].split(" / ")[0] for row in rows]
+    assert [row.split(" | ")[0] for row in rows] == [f"| {model.label}" for model in SMALL for _ in range(3)]
+    assert names == ["ComfyUI", "Device Control", "floor: read + write + convert, processor time"] * len(SMALL)
     verdicts = [line for line in lines if line.startswith("- ")]
     assert len(verdicts) == len(SMALL) and all(v.endswith("every run: yes.") for v in verdicts), verdicts
     for entry in raw:
         pair = entry["runs"][0]
         assert pair["ours"]["resident"] == pair["comfyui"]["resident"] > 0
         assert pair["ours"]["peak"] >= pair["ours"]["baseline"]
+        # The floor's worker ran on the same files: every byte read, the resident bytes written.
+        floor = entry["floor"]
+        assert floor["read"]["cpu"] > 0 and floor["write"]["cpu"] >= 0 and floor["floor"] > 0
+    # CLIP-L's fp16 weights become fp8: the floor converts the file's weights (no more than the model holds).
+    assert 0 < raw[1]["floor"]["converted"] <= raw[1]["runs"][0]["ours"]["stored"]["float8_e4m3fn"]

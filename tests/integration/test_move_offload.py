@@ -13,6 +13,7 @@ import pytest
 
 from tools.comfy_server import ComfyError
 from tools.make_fixtures import SD15_CHECKPOINT
+from tools.runtime import DEFAULT_VERSION, NEWEST_VERSION
 
 REPO = Path(__file__).resolve().parents[2]
 MOVE = REPO / "workflows" / "sd15_move_to_gpu_and_offload.json"
@@ -20,6 +21,9 @@ LOW_VRAM = REPO / "workflows" / "sd15_low_vram_lora_budget.json"
 TWO = REPO / "workflows" / "two_checkpoints_offload_between.json"
 GiB = 1024**3
 REPORT = {"label": "", "devices": "all"}
+#: Move/offload cycles per prompt of the drift test: 100 in the newest ComfyUI's pass, 25 in the others (the same
+#: code of ours runs in each; the other versions check ComfyUI's side of the books, and CI keeps within its hour).
+CYCLES = 100 if DEFAULT_VERSION == NEWEST_VERSION else 25
 
 
 def gpu(entry: dict, api, node: str) -> dict:
@@ -121,14 +125,14 @@ def cycles_prompt(count: int) -> dict:
 
 
 def test_a_hundred_move_offload_cycles_leave_no_drift(server, api):
-    server.run(cycles_prompt(100))  # ComfyUI's own caches and history for a 200-node prompt settle over two runs
-    warm = server.run(cycles_prompt(100))
+    server.run(cycles_prompt(CYCLES))  # ComfyUI's own caches and history for a long prompt settle over two runs
+    warm = server.run(cycles_prompt(CYCLES))
     rss = api.report_json(warm, "9")["host"]["process_rss"]
-    entry = server.run(cycles_prompt(100))
+    entry = server.run(cycles_prompt(CYCLES))
     report = api.report_json(entry, "9")
     assert gpu(entry, api, "9")["torch_allocated"] == gpu(warm, api, "9")["torch_allocated"] == 0
     assert report["host"]["process_rss"] < rss * 1.01
-    freed = [text(entry, str(101 + 2 * i)) for i in range(100)]
+    freed = [text(entry, str(101 + 2 * i)) for i in range(CYCLES)]
     assert all("3.20 GiB freed" in line for line in freed)
 
 
