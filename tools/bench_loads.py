@@ -66,15 +66,15 @@ SPLIT_MODELS = (
 )  # fmt: skip
 
 SPLIT_NOTE = (
-    "Each file is read once before its model's runs, so both loaders find it in the page cache, except a file "
-    "larger than half the memory then available ({skipped}): it cannot stay cached beside the model loaded from "
-    "it. The files are sparse (a real layout, weights read as zeros), so reading one costs memory bandwidth, not "
-    "disk. Dtypes: the Flux model in fp8_e4m3fn for both, ComfyUI's UNETLoader with `weight_dtype` fp8_e4m3fn "
-    "(`load_diffusion_model(path, model_options={{'dtype': float8_e4m3fn}})`): in bf16 or fp32 the model would "
-    "not fit beside the file's pages in this machine's RAM. The text encoders in fp8_e4m3fn for both: what "
-    "TripleCLIPLoader builds under ComfyUI's `--fp8_e4m3fn-text-enc` (`load_clip([3 files], "
-    "model_options={{'dtype': float8_e4m3fn}})`); ComfyUI's fp16 default would hold 10.4 GiB of weights beside "
-    "10.4 GiB of file. The VAE in ComfyUI's default (fp32 on the CPU), as VAELoader builds it "
+    "Each file is read before every run, so both loaders find it in the page cache (a load that peaks high pushes "
+    "files out for the next), except a file larger than half the memory then available ({skipped}): it cannot stay "
+    "cached beside the model loaded from it. The files are sparse (a real layout, weights read as zeros), so "
+    "reading one costs memory bandwidth, not disk. Dtypes: the Flux model in fp8_e4m3fn for both, ComfyUI's "
+    "UNETLoader with `weight_dtype` fp8_e4m3fn (`load_diffusion_model(path, model_options={{'dtype': "
+    "float8_e4m3fn}})`): in bf16 or fp32 the model would not fit beside the file's pages in this machine's RAM. The"
+    " text encoders in fp8_e4m3fn for both: what TripleCLIPLoader builds under ComfyUI's `--fp8_e4m3fn-text-enc` "
+    "(`load_clip([3 files], model_options={{'dtype': float8_e4m3fn}})`); ComfyUI's fp16 default would hold 10.4 GiB"
+    " of weights beside 10.4 GiB of file. The VAE in ComfyUI's default (fp32 on the CPU), as VAELoader builds it "
     "(`VAE(sd=load_torch_file(path))`)."
 )
 
@@ -92,9 +92,12 @@ def split_loaders(
         files = [str(paths[label]) for label in model.files]
         cold = [path.name for path in warm_page_cache([paths[label] for label in model.files])]
         skipped += cold
-        pairs = paired(
-            runs, lambda who, model=model, files=files: worker("split", who, model.kind, model.dtype, *files)
-        )
+
+        def measure(who: str, model: SplitModel = model, files: list[str] = files) -> dict:
+            warm_page_cache([Path(file) for file in files])  # again: the other loader's peak may have evicted them
+            return worker("split", who, model.kind, model.dtype, *files)
+
+        pairs = paired(runs, measure)
         resident = aggregate([pair["ours"]["resident"] for pair in pairs]).median
         stored = pairs[0]["ours"]["stored"]  # bytes per dtype: the floor converts to the dtype that holds most
         kept = max(stored, key=stored.get)
