@@ -90,11 +90,11 @@ def split_loaders(
     raw, verdicts, skipped = [], [], []
     for model in models:
         files = [str(paths[label]) for label in model.files]
-        cold = [path.name for path in warm_page_cache([paths[label] for label in model.files])]
+        cold = [path.name for path in too_large_to_cache([paths[label] for label in model.files])]
         skipped += cold
 
         def measure(who: str, model: SplitModel = model, files: list[str] = files) -> dict:
-            warm_page_cache([Path(file) for file in files])  # again: the other loader's peak may have evicted them
+            warm_page_cache([Path(file) for file in files])  # before every run: a high peak may have evicted them
             return worker("split", who, model.kind, model.dtype, *files)
 
         pairs = paired(runs, measure)
@@ -191,16 +191,20 @@ def warm_page_cache(paths: list[Path]) -> list[Path]:
     A file larger than half the memory available now is left out: it cannot stay cached beside the model
     loaded from it, and reading it would only push other files out.
     """
-    skipped = []
+    skipped = too_large_to_cache(paths)
     for path in paths:
-        if path.stat().st_size > _available_bytes() // 2:
-            skipped.append(path)
+        if path in skipped:
             continue
         with open(path, "rb", buffering=0) as handle:
             chunk = bytearray(16 * 1024**2)
             while handle.readinto(chunk):
                 pass
     return skipped
+
+
+def too_large_to_cache(paths: list[Path]) -> list[Path]:
+    """The files larger than half the memory available now (``warm_page_cache`` leaves them out)."""
+    return [path for path in paths if path.stat().st_size > _available_bytes() // 2]
 
 
 def _available_bytes() -> int:
