@@ -29,6 +29,7 @@ import torch
 
 from core.detection.headers import SAFETENSORS_DTYPES, read_header
 from core.files.converting import Float32Steps
+from tools.bench_loads import drop_from_page_cache
 
 #: Elements the conversion is timed on (scaled to the load's count).
 SAMPLE = 1 << 28
@@ -52,9 +53,7 @@ def read_files(paths: list[Path], cold: bool) -> dict[str, float]:
 def _read_once(paths: list[Path], cold: bool, chunk: int) -> dict[str, float]:
     if cold:
         for path in paths:
-            fd = os.open(path, os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
+            drop_from_page_cache(path)
     view = memoryview(bytearray(chunk))
     started, cpu = time.perf_counter(), processor_seconds()
     for path in paths:

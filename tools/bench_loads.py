@@ -8,6 +8,7 @@ same run, peak RSS above the process's baseline, the bytes the models hold, and 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,15 +67,16 @@ SPLIT_MODELS = (
 )  # fmt: skip
 
 SPLIT_NOTE = (
-    "Each file is read before every run, so both loaders find it in the page cache (a load that peaks high pushes "
-    "files out for the next), except a file larger than half the memory then available ({skipped}): it cannot stay "
-    "cached beside the model loaded from it. The files are sparse (a real layout, weights read as zeros), so "
-    "reading one costs memory bandwidth, not disk. Dtypes: the Flux model in fp8_e4m3fn for both, ComfyUI's "
-    "UNETLoader with `weight_dtype` fp8_e4m3fn (`load_diffusion_model(path, model_options={{'dtype': "
-    "float8_e4m3fn}})`): in bf16 or fp32 the model would not fit beside the file's pages in this machine's RAM. The"
-    " text encoders in fp8_e4m3fn for both: what TripleCLIPLoader builds under ComfyUI's `--fp8_e4m3fn-text-enc` "
-    "(`load_clip([3 files], model_options={{'dtype': float8_e4m3fn}})`); ComfyUI's fp16 default would hold 10.4 GiB"
-    " of weights beside 10.4 GiB of file. The VAE in ComfyUI's default (fp32 on the CPU), as VAELoader builds it "
+    "Before every run the benchmark's other files are dropped from the page cache (so each load finds free memory, "
+    "not cached pages the kernel must reclaim first: that cost some runs seconds) and the run's files read in, so "
+    "both loaders find them cached, except a file larger than half the memory then available ({skipped}): it cannot "
+    "stay cached beside the model loaded from it, and is dropped too. The files are sparse (a real layout, weights "
+    "read as zeros), so reading one costs memory bandwidth, not disk. Dtypes: the Flux model in fp8_e4m3fn for both, "
+    "ComfyUI's UNETLoader with `weight_dtype` fp8_e4m3fn (`load_diffusion_model(path, model_options={{'dtype': "
+    "float8_e4m3fn}})`): in bf16 or fp32 the model would not fit beside the file's pages in this machine's RAM. The "
+    "text encoders in fp8_e4m3fn for both: what TripleCLIPLoader builds under ComfyUI's `--fp8_e4m3fn-text-enc` "
+    "(`load_clip([3 files], model_options={{'dtype': float8_e4m3fn}})`); ComfyUI's fp16 default would hold 10.4 GiB "
+    "of weights beside 10.4 GiB of file. The VAE in ComfyUI's default (fp32 on the CPU), as VAELoader builds it "
     "(`VAE(sd=load_torch_file(path))`)."
 )
 
@@ -94,13 +96,14 @@ def split_loaders(
         skipped += cold
 
         def measure(who: str, model: SplitModel = model, files: list[str] = files) -> dict:
-            warm_page_cache([Path(file) for file in files])  # before every run: a high peak may have evicted them
+            settle_page_cache([Path(file) for file in files], list(paths.values()))
             return worker("split", who, model.kind, model.dtype, *files)
 
         pairs = paired(runs, measure)
         resident = aggregate([pair["ours"]["resident"] for pair in pairs]).median
         stored = pairs[0]["ours"]["stored"]  # bytes per dtype: the floor converts to the dtype that holds most
         kept = max(stored, key=stored.get)
+        settle_page_cache([Path(file) for file in files], list(paths.values()))  # the loads' state
         floor = worker(kept, str(int(resident)), "1" if cold else "0", *files, module="tools.bench_floor")
         raw.append({"model": model.label, "kind": model.kind, "dtype": model.dtype, "runs": pairs, "floor": floor})
         rows += load_rows(model.label, pairs, aggregate)
@@ -183,6 +186,26 @@ def _load_figures(pair: dict[str, dict], who: str) -> dict[str, float]:
         "resident": r["resident"],
         "peak_ratio": extra / r["resident"],
     }
+
+
+def settle_page_cache(used: list[Path], others: list[Path]) -> None:
+    """The same page cache before every run: the benchmark's other files dropped from it (so a load finds the
+    memory they held free, not pages the kernel must reclaim first, which cost some runs seconds), a file too
+    large to stay cached dropped too, and the rest of ``used`` read in."""
+    cold = too_large_to_cache(used)
+    for path in [*cold, *(path for path in others if path not in used)]:
+        if path.exists():
+            drop_from_page_cache(path)
+    warm_page_cache(used)
+
+
+def drop_from_page_cache(path: Path) -> None:
+    """Ask the kernel to drop ``path``'s clean pages from the page cache (no privileges needed)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def warm_page_cache(paths: list[Path]) -> list[Path]:

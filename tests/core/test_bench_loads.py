@@ -4,7 +4,7 @@ targets are judged from the medians (with a stand-in worker: no ComfyUI, no mode
 from __future__ import annotations
 
 from tools.bench import aggregate
-from tools.bench_loads import LOAD_RULE, SPLIT_MODELS, paired, split_loaders, warm_page_cache
+from tools.bench_loads import LOAD_RULE, SPLIT_MODELS, paired, settle_page_cache, split_loaders, warm_page_cache
 
 GiB = 1024**3
 
@@ -73,3 +73,19 @@ def test_a_file_too_large_for_the_page_cache_is_left_out(tmp_path, monkeypatch):
         handle.truncate(10**6)  # sparse
     monkeypatch.setattr("tools.bench_loads._available_bytes", lambda: 2 * 10**5)
     assert warm_page_cache([small, large]) == [large]
+
+
+def test_before_a_run_the_other_files_and_a_file_too_large_to_cache_are_dropped_and_the_rest_read(
+    tmp_path, monkeypatch
+):
+    small, large, other = tmp_path / "small", tmp_path / "large", tmp_path / "other"
+    small.write_bytes(b"x" * 1000)
+    other.write_bytes(b"y" * 1000)
+    with open(large, "wb") as handle:
+        handle.truncate(10**6)  # sparse
+    dropped, read = [], []
+    monkeypatch.setattr("tools.bench_loads._available_bytes", lambda: 2 * 10**5)
+    monkeypatch.setattr("tools.bench_loads.drop_from_page_cache", dropped.append)
+    monkeypatch.setattr("tools.bench_loads.warm_page_cache", read.append)
+    settle_page_cache([small, large], [small, large, other, tmp_path / "absent"])
+    assert dropped == [large, other] and read == [[small, large]]  # (warm_page_cache leaves the large one out)
