@@ -25,6 +25,10 @@ class InvalidSizeError(DeviceControlError, ValueError):
     """A memory size or budget string could not be parsed, or is out of range."""
 
 
+class InvalidAllocationError(DeviceControlError, ValueError):
+    """An allocation of one model over several devices could not be parsed, or cannot hold the model."""
+
+
 class ModelFileError(DeviceControlError, ValueError):
     """A model file is missing, damaged, or of a format we do not read."""
 
@@ -49,6 +53,7 @@ for _error in (
     InvalidDeviceSpecError,
     DeviceNotFoundError,
     InvalidSizeError,
+    InvalidAllocationError,
     ModelFileError,
     UnsafePickleError,
     UnknownModelError,

@@ -91,6 +91,10 @@ class SimulatedBackend(DeviceBackend):
     ) -> torch.Tensor:
         # The device shares host storage: a copy that will be changed (patched) must not be the stored weight,
         # and a copy of part of a weight (a row slice) is booked for its own bytes, not the whole storage's.
+        # From another simulated device (an activation between the parts of a split model) the copy goes through
+        # the host, leaving the source where it is.
+        if isinstance(tensor, SimTensor) and tensor.sim_device is not target:
+            tensor = tensor.cpu()
         source = tensor.detach().clone() if copy else _own_storage(tensor.detach())
         return target.place(source, host_waits=not non_blocking)
 

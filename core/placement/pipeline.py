@@ -1,0 +1,102 @@
+"""A split model in ``pipeline`` mode: each block computes on the device that holds it, and only activations move.
+
+:func:`place_split` moves every layer's tensors to the device of its part (:mod:`core.placement.split`);
+:func:`attach_hops` makes the model run there. Before a layer or a block runs, the tensors it is given that are on
+another device are copied to its own (the hidden state leaving one run of blocks, and what the model computed
+once at its start and hands every block: a Flux model's ``vec`` and ``pe``, a UNet's ``emb`` and ``context``);
+the model's output is copied back to its *home*, the device its caller's inputs are on. Weights never move while
+the model runs.
+
+A copy between two accelerators goes straight from one to the other where the backend can (torch orders it
+after the work that produced the tensor); between two simulated GPUs it goes through the host. Operations that
+a host model runs between its blocks on tensors of different parts (a UNet's skip connections, joined to the
+hidden state outside any block) are the host application's to route: the node layer does it through ComfyUI's
+own patch points.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..devices.backends import backend_of, target_of
+from ..devices.tensors import Target, count_copy, move_own, own_tensors, tensor_bytes
+from .split import Split
+
+
+def place_split(split: Split, targets: Mapping[str, Target]) -> None:
+    """Move each layer's own tensors to the target of its part (``targets`` by device name, ``"gpu:0"``).
+
+    Raises:
+        torch.OutOfMemoryError: a device had no room (the layers moved so far stay where they went).
+    """
+    for part in split.parts:
+        target = targets[str(part.device)]
+        for block in part.blocks:
+            for layer in block.layers:
+                for name, _tensor, _is_param in list(own_tensors(layer.module)):
+                    move_own(layer.module, name, target)
+
+
+def hop(tensor: torch.Tensor, target: Target) -> torch.Tensor:
+    """``tensor`` on ``target``: itself when it is there, else a copy (booked as traffic)."""
+    backend = backend_of(target)
+    if backend.holds(tensor, target):
+        return tensor
+    count_copy(target_of(tensor), target, tensor_bytes(tensor))
+    return backend.copy_to(tensor, target)
+
+
+def _hopped(value: Any, target: Target) -> Any:
+    """``value`` with the tensors in it (directly, or in a list or tuple) on ``target``; dictionaries are left as
+    they are (a host application's options travel in them and are changed in place by its blocks)."""
+    if isinstance(value, torch.Tensor):
+        return hop(value, target)
+    if isinstance(value, (list, tuple)) and any(isinstance(item, torch.Tensor) for item in value):
+        items = [_hopped(item, target) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value
+
+
+@dataclass
+class Hops:
+    """The hooks that run a split model where its parts are; :meth:`remove` takes them all off."""
+
+    handles: list[torch.utils.hooks.RemovableHandle] = field(default_factory=list)
+
+    def remove(self) -> None:
+        """Take every hook off (the model then runs where its inputs are, as any model)."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
+def _to(target: Target) -> Callable[..., tuple[tuple, dict]]:
+    def before(_module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return _hopped(args, target), {key: _hopped(value, target) for key, value in kwargs.items()}
+
+    return before
+
+
+def attach_hops(root: torch.nn.Module, split: Split, targets: Mapping[str, Target], home: Target) -> Hops:
+    """Hooks on ``root`` (the module :func:`~core.placement.split.blocks_of` was given) that move what each block
+    and each layer is given to its device, and ``root``'s output to ``home``."""
+    hops = Hops()
+    for part in split.parts:
+        target = targets[str(part.device)]
+        before = _to(target)
+        for block in part.blocks:
+            modules = {id(layer.module): layer.module for layer in block.layers}
+            block_module = root.get_submodule(block.name)
+            modules.setdefault(id(block_module), block_module)
+            for module in modules.values():
+                hops.handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
+
+    def back_home(_module: torch.nn.Module, _args: tuple, output: Any) -> Any:
+        return _hopped(output, home)
+
+    hops.handles.append(root.register_forward_hook(back_home))
+    return hops
