@@ -67,10 +67,13 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
 
 @dataclass
 class Traffic:
-    """Bytes the product moved between host memory and one device, each way, and how many copies."""
+    """Bytes the product moved to one device (from host memory or another device), from it to host memory, and
+    from it to another device (``to_peer``: a split model's activations and streamed weights), and how many
+    copies arrived or left."""
 
     to_device: int = 0
     to_host: int = 0
+    to_peer: int = 0
     copies: int = 0
 
 
@@ -86,16 +89,20 @@ def traffic(target: Target) -> Traffic:
 
 
 def count_copy(source: Target, target: Target, nbytes: int) -> None:
-    """Book one copy of ``nbytes`` from ``source`` to ``target`` (on the device side of the move)."""
-    to_device = backend_of(source).is_host
-    device = target if to_device else source
+    """Book one copy of ``nbytes`` from ``source`` to ``target``: on the device it reaches, and for a copy between
+    two devices on the one it leaves too (``to_peer``)."""
+    from_host, to_host = backend_of(source).is_host, backend_of(target).is_host
     with _traffic_lock:
-        books = _traffic.setdefault(label_of(device), Traffic())
-        if to_device:
-            books.to_device += nbytes
-        else:
+        if to_host:
+            books = _traffic.setdefault(label_of(source), Traffic())
             books.to_host += nbytes
+            books.copies += 1
+            return
+        books = _traffic.setdefault(label_of(target), Traffic())
+        books.to_device += nbytes
         books.copies += 1
+        if not from_host:
+            _traffic.setdefault(label_of(source), Traffic()).to_peer += nbytes
 
 
 def _count(source: Target, target: Target, tensor: torch.Tensor) -> None:

@@ -12,37 +12,10 @@ from core.placement.allocation import AUTO, Entry, parse_allocation
 from core.placement.plan import layers_of
 from core.placement.split import auto_allocation, blocks_of, split_blocks
 from core.weights import ops
+from tests.core.split_net import FluxShaped
 
 KiB = 1024
 GPU0, GPU1, GPU2, CPU = DeviceSpec("gpu", 0), DeviceSpec("gpu", 1), DeviceSpec("gpu", 2), DeviceSpec("cpu")
-
-
-class DoubleBlock(torch.nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.attn = ops.Linear(width, width)
-        self.mlp = torch.nn.Sequential(ops.Linear(width, 2 * width), torch.nn.GELU(), ops.Linear(2 * width, width))
-        self.norm = ops.LayerNorm(width)
-
-
-class Embedder(torch.nn.Module):
-    """Two linear layers as attributes (Flux's ``MLPEmbedder``): not a sequence, so not a block of its own."""
-
-    def __init__(self, width_in: int, width: int) -> None:
-        super().__init__()
-        self.in_layer, self.out_layer = ops.Linear(width_in, width), ops.Linear(width, width)
-
-
-class FluxShaped(torch.nn.Module):
-    """Embeddings, two lists of blocks and a final layer, registered in the order they run (as Flux does)."""
-
-    def __init__(self, width: int = 32, double: int = 4, single: int = 4) -> None:
-        super().__init__()
-        self.img_in = ops.Linear(16, width)
-        self.time_in = Embedder(8, width)
-        self.double_blocks = torch.nn.ModuleList(DoubleBlock(width) for _ in range(double))
-        self.single_blocks = torch.nn.ModuleList(DoubleBlock(width) for _ in range(single))
-        self.final_layer = ops.Linear(width, 16)
 
 
 def _flux_blocks(**kwargs):
@@ -100,10 +73,8 @@ def test_blocks_are_the_outermost_list_items_with_the_small_layers_around_them()
     names = [block.name for block in blocks]
     assert names == [*(f"double_blocks.{i}" for i in range(4)), *(f"single_blocks.{i}" for i in range(4))]
     first = [layer.name for layer in blocks[0].layers]
-    assert (
-        first[:3] == ["img_in", "time_in.in_layer", "time_in.out_layer"] and "double_blocks.0.mlp.0" in first
-    )  # before it
-    assert blocks[-1].layers[-1].name == "final_layer"  # after the last block: with it
+    assert first[:2] == ["img_in", "time_in"] and "double_blocks.0.mlp.0" in first  # before it
+    assert blocks[-1].layers[-1].name == "final_layer.linear"  # after the last block: with it
     assert sum(block.nbytes for block in blocks) == sum(layer.nbytes for layer in layers_of(model))
 
 
@@ -161,7 +132,7 @@ def test_sizes_are_limits_and_each_device_holds_one_contiguous_run_in_model_orde
     ]
     assert all(part.nbytes <= part.allowed for part in split.parts[:2])  # within every size
     device_of = split.device_of()
-    assert device_of["img_in"] == GPU0 and device_of["final_layer"] == CPU
+    assert device_of["img_in"] == GPU0 and device_of["final_layer.linear"] == CPU
     assert split.total_bytes == sum(block.nbytes for block in blocks)
     assert split.summary().splitlines()[1].startswith("gpu:1: ") and "double_blocks.2 to single_blocks.0" in (
         split.summary()

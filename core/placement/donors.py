@@ -1,0 +1,70 @@
+"""A split model in ``stream`` mode: one device computes, the others (*donors*: another GPU, the CPU) hold the rest
+of the model and stream it to the computing device as each layer is reached, the next layers copied ahead while
+the current one computes.
+
+It is the streaming a budget already does (``core.placement.streaming``: a layer casts its weights to the input's
+device on each use), with the weights kept on the donor instead of in RAM: a second GPU's memory holds what does
+not fit on the first, and its copies cross the link between them. :func:`place_streamed` puts every part on its
+device and marks the donors' layers to stream to the computing one, with a :class:`~core.placement.prefetch.
+Lookahead` over them; a layer that cannot stream (it lacks the cast protocol) computes on the computing device,
+so it is moved there whatever its part.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ..devices.tensors import Target, move_own, own_tensors
+from .pipeline import place_split
+from .plan import STREAM_COPIES, Layer
+from .prefetch import Lookahead
+from .split import Split
+from .streaming import NO_HOOKS, LayerHooks, stream
+
+
+@dataclass
+class Streamed:
+    """What :func:`place_streamed` did: the layers streamed from donors, the layers that cannot stream and came
+    to the computing device from a donor's part, and the prefetch over the streamed ones."""
+
+    layers: list[Layer]
+    moved_in: list[Layer]
+    lookahead: Lookahead
+
+    @property
+    def reserve_bytes(self) -> int:
+        """Room the computing device needs for the copies in flight (the prefetch's room)."""
+        return self.lookahead.room
+
+    def release(self) -> None:
+        """Stop prefetching and drop the copies queued ahead (before the layers move again)."""
+        self.lookahead.detach()
+
+
+def place_streamed(split: Split, targets: Mapping[str, Target], compute: str, hooks: LayerHooks = NO_HOOKS) -> Streamed:
+    """Put each part of ``split`` on its device (``targets`` by device name) and stream the donors' layers to
+    ``compute`` (the name of the computing device), copying ahead within ``STREAM_COPIES`` of the largest.
+
+    Raises:
+        torch.OutOfMemoryError: a device had no room (the layers moved so far stay where they went).
+    """
+    place_split(split, targets)
+    target = targets[compute]
+    streamed, moved_in = [], []
+    for part in split.parts:
+        if str(part.device) == compute:
+            continue
+        for block in part.blocks:
+            for layer in block.layers:
+                if layer.streamable:
+                    stream(layer, target, hooks)
+                    streamed.append(layer)
+                else:
+                    for name, _tensor, _is_param in list(own_tensors(layer.module)):
+                        move_own(layer.module, name, target)
+                    moved_in.append(layer)
+    lookahead = Lookahead()
+    room = STREAM_COPIES * max((layer.nbytes for layer in streamed), default=0)
+    lookahead.attach([layer.module for layer in streamed], room)
+    return Streamed(streamed, moved_in, lookahead)
