@@ -106,6 +106,10 @@ def use_copy(queued: QueuedCopy, target: Target) -> torch.Tensor:
     return queued.moved
 
 
+#: True on a layer class whose cast copies its weights through the device's backend (:func:`to_target`), so they
+#: may live on any device: a split model's donor streams only such layers (``core.placement.donors``).
+CASTS_ANYWHERE = "device_control_casts_anywhere"
+
 #: The attribute a streamed layer carries while its model prefetches: a :class:`Prefetcher`
 #: (``core.placement.prefetch``); the cast layers (``core.weights.ops``) use it when it is there.
 LOOKAHEAD = "device_control_lookahead"

@@ -5,9 +5,12 @@ the current one computes.
 It is the streaming a budget already does (``core.placement.streaming``: a layer casts its weights to the input's
 device on each use), with the weights kept on the donor instead of in RAM: a second GPU's memory holds what does
 not fit on the first, and its copies cross the link between them. :func:`place_streamed` puts every part on its
-device and marks the donors' layers to stream to the computing one, with a :class:`~core.placement.prefetch.
-Lookahead` over them; a layer that cannot stream (it lacks the cast protocol) computes on the computing device,
-so it is moved there whatever its part.
+device and marks the donors' layers to stream to the computing one, with a prefetch (a ``Lookahead``) over them.
+Only the pack's own cast layers (``core.weights.ops``, marked ``CASTS_ANYWHERE``) stream from a donor: their copy
+goes through the device's backend, which knows where the weight is on every kind of device. A host application's
+layers cast with their own code (ComfyUI's ``cast_to`` compares torch devices, and a simulated GPU's tensors all
+report the host's), and a layer that cannot stream at all lacks the cast protocol: both compute on the computing
+device, so they are moved there whatever their part. They are the small ones (norms, embeddings' odd layers).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..devices.tensors import Target, move_own, own_tensors
+from ..devices.transfer import CASTS_ANYWHERE
 from .pipeline import place_split
 from .plan import STREAM_COPIES, Layer
 from .prefetch import Lookahead
@@ -57,7 +61,7 @@ def place_streamed(split: Split, targets: Mapping[str, Target], compute: str, ho
             continue
         for block in part.blocks:
             for layer in block.layers:
-                if layer.streamable:
+                if layer.streamable and getattr(layer.module, CASTS_ANYWHERE, False):
                     stream(layer, target, hooks)
                     streamed.append(layer)
                 else:

@@ -50,6 +50,12 @@ def hop(tensor: torch.Tensor, target: Target) -> torch.Tensor:
     return backend.copy_to(tensor, target)
 
 
+def hop_beside(tensor: torch.Tensor, beside: torch.Tensor) -> torch.Tensor:
+    """``tensor`` on the device of ``beside``: for a host model's join of tensors from two parts outside any block
+    (a UNet's skip connection and its hidden state), through the host application's patch point."""
+    return hop(tensor, target_of(beside))
+
+
 def _hopped(value: Any, target: Target) -> Any:
     """``value`` with the tensors in it (directly, or in a list or tuple) on ``target``; dictionaries are left as
     they are (a host application's options travel in them and are changed in place by its blocks)."""

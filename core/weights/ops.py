@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn import functional as F  # noqa: N812 - the name every torch user knows
 
-from ..devices.transfer import compute_target
+from ..devices.transfer import CASTS_ANYWHERE, compute_target
 from ..progress import ProgressCallback
 from .casting import cast_weight_bias, forward_in_slices
 
@@ -43,6 +43,9 @@ class CastLayer:
     comfy_cast_weights = False
     weight_function: list = []  # noqa: RUF012 - class-level defaults, as ComfyUI's layers have; set per instance
     bias_function: list = []  # noqa: RUF012
+
+
+setattr(CastLayer, CASTS_ANYWHERE, True)  # its cast goes through to_target (core.weights.casting)
 
 
 class Linear(CastLayer, torch.nn.Linear):
