@@ -9,6 +9,7 @@ from .load_vae import LoadVAEWithDevice
 from .move_to_gpu import MoveToGPU
 from .offload_to_cpu import OffloadToCPU
 from .panel import register_routes
+from .split_model import SplitModel
 from .surface import ComfyExtension, io
 from .vram_report import VRAMReport
 
@@ -33,4 +34,5 @@ class DeviceControlExtension(ComfyExtension):
             MoveToGPU,
             OffloadToCPU,
             VRAMReport,
+            SplitModel,
         ]

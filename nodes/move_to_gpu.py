@@ -9,7 +9,7 @@ from ..core.devices.inventory import parse_device_spec
 from ..core.errors import InvalidDeviceSpecError
 from . import panel, surface
 from .bridge.books import displacements
-from .bridge.moves import move
+from .bridge.moves import MoveResult, move
 from .state import device_options, inventory
 
 log = logging.getLogger("device_control")
@@ -124,6 +124,10 @@ class MoveToGPU(surface.io.ComfyNode):
 
     @classmethod
     def execute(cls, model: Any, device: str, vram_budget: str, keep_resident: bool, trigger: Any = None) -> Any:
-        result = move(model, device, vram_budget, keep_resident, inventory)
-        panel.announce()
-        return surface.io.NodeOutput(result.value, trigger, result.text, ui={"text": (result.text,)})
+        return placed_output(move(model, device, vram_budget, keep_resident, inventory), trigger)
+
+
+def placed_output(result: MoveResult, trigger: Any) -> Any:
+    """A placing node's outputs (the model, the trigger, the summary, also shown on the node); the panel is told."""
+    panel.announce()
+    return surface.io.NodeOutput(result.value, trigger, result.text, ui={"text": (result.text,)})

@@ -1,4 +1,4 @@
-"""Write the example workflows of Move To GPU and Offload To CPU (UI format, as the frontend saves them).
+"""Write the example workflows of our nodes (UI format, as the frontend saves them).
 
 The graphs are described here in a few lines each and laid out as the frontend stores them (node inputs,
 outputs, links, widget values), against a running ComfyUI's ``/object_info``; the browser tests then check
@@ -127,6 +127,19 @@ def two_checkpoints() -> list[Node]:
     ]
 
 
+def split_across_gpus() -> list[Node]:
+    """One diffusion model over two GPUs in pipeline mode (on a machine without them, it stays in RAM, warned)."""
+    return [
+        loader(1, SD15_CHECKPOINT, (20, 80)),
+        Node(2, "DeviceControl_SplitModel", ["gpu:0=50%, gpu:1=*", "pipeline"], {"model": (1, 0)}, (460, 80)),
+        report(3, "split over two GPUs", (2, 0), (460, 640)),
+        *sampling(4, (1, 1), (3, 0), 840),
+        report(8, "after sampling", (7, 0), (1140, 640)),
+        Node(9, "VAEDecode", [], {"samples": (8, 0), "vae": (1, 2)}, (1580, 80)),
+        Node(10, "SaveImage", ["sd15_split_across_two_gpus"], {"images": (9, 0)}, (1960, 80)),
+    ]
+
+
 def split_files() -> list[Node]:
     """A model shipped as separate files: the diffusion model loaded straight onto the GPU by our loader, the
     text encoder and the VAE by ComfyUI's own loaders, in RAM."""
@@ -178,6 +191,7 @@ WORKFLOWS = {
     "sd15_split_files_diffusion_model_on_gpu.json": split_files,
     "sd15_low_vram_lora_budget.json": low_vram_lora,
     "two_checkpoints_offload_between.json": two_checkpoints,
+    "sd15_split_across_two_gpus.json": split_across_gpus,
     **{f"{family.stem}.json": partial(family_split_files, family) for family in FAMILIES},
 }
 

@@ -82,14 +82,21 @@ class Hops:
 
 def _to(target: Target) -> Callable[..., tuple[tuple, dict]]:
     def before(_module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return _hopped(args, target), {key: _hopped(value, target) for key, value in kwargs.items()}
+        return hop_inputs(args, kwargs, target)
 
     return before
 
 
-def attach_hops(root: torch.nn.Module, split: Split, targets: Mapping[str, Target], home: Target) -> Hops:
+def attach_hops(
+    root: torch.nn.Module,
+    split: Split,
+    targets: Mapping[str, Target],
+    home: Target,
+    entry: torch.nn.Module | None = None,
+) -> Hops:
     """Hooks on ``root`` (the module :func:`~core.placement.split.blocks_of` was given) that move what each block
-    and each layer is given to its device, and ``root``'s output to ``home``."""
+    and each layer is given to its device, and the output of ``entry`` (the module its caller calls; default
+    ``root``) to ``home``."""
     hops = Hops()
     for part in split.parts:
         target = targets[str(part.device)]
@@ -101,8 +108,22 @@ def attach_hops(root: torch.nn.Module, split: Split, targets: Mapping[str, Targe
             for module in modules.values():
                 hops.handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
 
+    hops.handles.append((entry or root).register_forward_hook(_back(home)))
+    return hops
+
+
+def _back(home: Target) -> Callable[..., Any]:
     def back_home(_module: torch.nn.Module, _args: tuple, output: Any) -> Any:
         return _hopped(output, home)
 
-    hops.handles.append(root.register_forward_hook(back_home))
-    return hops
+    return back_home
+
+
+def hop_inputs(args: tuple, kwargs: dict, target: Target) -> tuple[tuple, dict]:
+    """A call's tensors (directly, or in lists and tuples) on ``target``."""
+    return _hopped(args, target), {key: _hopped(value, target) for key, value in kwargs.items()}
+
+
+def send_home(home: Target) -> Callable[..., Any]:
+    """A forward hook that sends a module's output to ``home``."""
+    return _back(home)

@@ -26,6 +26,7 @@ from ...core.devices.tensors import HOST, Target, label_of, same_target
 from ...core.placement.budget import Placement
 from ...core.placement.engine import engine_of
 from ...core.placement.eviction import Eviction, make_room
+from ...core.placement.split_model import split_of
 from ...core.units import format_bytes
 from .. import surface
 from .subjects import model_label
@@ -132,7 +133,11 @@ def where(entry: Any) -> Target | None:
 
 
 def resident_on(patcher: Any, target: Target) -> int:
-    """Bytes of ``patcher``'s model on ``target``: what is there (our engine), else ComfyUI's figure."""
+    """Bytes of ``patcher``'s model on ``target``: what is there (our engine, or our split), else ComfyUI's
+    figure."""
+    held = split_of(patcher.model)
+    if held is not None:
+        return held.resident_bytes(target)
     engine = engine_of(patcher.model)
     if engine is not None and engine.target is not None:
         return engine.resident_bytes(target) if same_target(engine.target, target) else 0
@@ -162,6 +167,9 @@ class ComfyEntry:
         if patcher is None:
             return 0
         if target is None:  # wherever it is; in host memory it holds no device memory
+            held = split_of(patcher.model)
+            if held is not None:
+                return held.device_bytes()
             here = where(self.entry)
             return 0 if here is None or same_target(here, HOST) else resident_on(patcher, here)
         return resident_on(patcher, target)

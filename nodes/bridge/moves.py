@@ -133,6 +133,7 @@ def placed_clone(subject: Subject, placement: Placement) -> Subject:
     moved = clone_subject(subject)
     patcher = moved.patcher
     patcher.device_control_placement = placement
+    patcher.device_control_split = None  # a split the input carried ends here
     target = placement.target
     patcher.load_device = backend_of(target).comfy_device(target)
     if moved.kind == "VAE":

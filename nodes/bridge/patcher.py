@@ -22,7 +22,6 @@ device is made here, from ComfyUI's own list, least recently used first.
 from __future__ import annotations
 
 import logging
-import math
 from collections import namedtuple
 from typing import Any
 
@@ -30,12 +29,10 @@ import torch
 
 from ...core.devices.backends import backend_of
 from ...core.devices.memory import free_bytes
-from ...core.devices.slices import ROW_QUANTUM
-from ...core.devices.tensors import Target, label_of, own_tensors, same_target
+from ...core.devices.tensors import Target, label_of, same_target
 from ...core.placement.budget import Placement
 from ...core.placement.engine import LoadReport, partial_model_of
 from ...core.placement.plan import RESIDENT_MARK
-from ...core.placement.streaming import LayerHooks
 from ...core.units import format_bytes
 from ...core.weights.patch_math import calculate_weight
 from ...core.weights.patching import OnTheFlyPatch, get_weight, key_seed, round_to, set_weight
@@ -49,9 +46,11 @@ from .books import (
     note_loaded,
     placement_of,
 )
+from .layer_hooks import PatcherHooks
 from .layers import give_back_layers, take_layers
 from .lora_coverage import report_coverage
 from .patches import check_added, check_present, describe, lora_file
+from .splits import SplitPlacement, load_split_into, release_split, split_in_force, split_placement_of
 from .subjects import model_label
 
 log = logging.getLogger("device_control")
@@ -67,80 +66,6 @@ HEADROOM = 256 * 1024**2
 def last_load(patcher: Any) -> LoadReport | None:
     """What the last load of this patcher's model did (shared by its clones), or ``None``."""
     return getattr(patcher.model, "device_control_last_load", None)
-
-
-class _Hooks(LayerHooks):
-    """The patcher's side of the engine: patch, restore and stream its layers the way ComfyUI expects."""
-
-    def __init__(self, patcher: DeviceControlPatcher, compute: torch.device | None, force: bool) -> None:
-        self.patcher = patcher
-        self.compute = compute
-        self.force = force
-
-    def _keys(self, layer: Any) -> list[tuple[str, str]]:
-        prefix = f"{layer.name}." if layer.name else ""
-        return [(name, prefix + name) for name, _t, is_param in own_tensors(layer.module) if is_param]
-
-    def before_resident(self, layer: Any, target: Target) -> None:
-        module = layer.module
-        if getattr(module, "comfy_patched_weights", False):
-            return
-        patcher = self.patcher
-        for _name, key in self._keys(layer):
-            if key in patcher.patches:
-                patcher.patch_weight_to_device(key, device_to=self.compute)
-        _add_wrappers(patcher, layer)
-        module.comfy_patched_weights = True
-
-    def before_leaving(self, layer: Any) -> None:
-        patcher = self.patcher
-        for _name, key in self._keys(layer):
-            backup = patcher.backup.pop(key, None)
-            if backup is None:
-                continue
-            if backup.inplace_update:
-                get_weight(patcher.model, key).data.copy_(backup.weight)
-            else:
-                set_weight(patcher.model, key, backup.weight)
-        if "comfy_patched_weights" in layer.module.__dict__:
-            layer.module.comfy_patched_weights = False
-
-    def on_streamed(self, layer: Any) -> None:
-        patcher = self.patcher
-        module = layer.module
-        for name, key in self._keys(layer):
-            if key not in patcher.patches:
-                continue
-            if self.force:
-                patcher.patch_weight_to_device(key)
-                continue
-            functions = module.weight_function if name == "weight" else module.bias_function
-            if name in ("weight", "bias"):
-                functions.append(patcher.on_the_fly(key, getattr(module, name)))
-        _add_wrappers(patcher, layer)
-
-    def slice_multiple(self, layer: Any) -> int | None:
-        """Row slices of a streamed weight keep to the 64-row multiples, and to what its LoRA or other patch
-        needs (``OnTheFlyPatch.slice_multiple``); ComfyUI's weight wrappers are functions of the whole weight."""
-        patcher, module = self.patcher, layer.module
-        key = f"{layer.name}.weight" if layer.name else "weight"
-        if getattr(patcher, "weight_wrapper_patches", {}).get(key):
-            return None
-        if self.force or key not in patcher.patches:  # forced patches are in the stored weight: none on the fly
-            return ROW_QUANTUM
-        multiple = patcher.on_the_fly(key, module.weight).slice_multiple(tuple(module.weight.shape))
-        return None if multiple is None else math.lcm(ROW_QUANTUM, multiple)
-
-
-def _add_wrappers(patcher: Any, layer: Any) -> None:
-    """ComfyUI's weight wrappers (``weight_wrapper_patches``) go on every layer, resident or streamed."""
-    wrappers = getattr(patcher, "weight_wrapper_patches", {})
-    prefix = f"{layer.name}." if layer.name else ""
-    for name in ("weight", "bias"):
-        extra = wrappers.get(prefix + name)
-        if extra:
-            attribute = f"{name}_function"
-            setattr(layer.module, attribute, [*getattr(layer.module, attribute, []), *extra])
 
 
 def _keep_embeddings_resident(model: torch.nn.Module, engine: Any) -> None:
@@ -179,6 +104,8 @@ class DeviceControlPatcher(surface.model_patcher_class()):
 
     #: Class-level default, so a ComfyUI patcher adopted by class change (no ``__init__``) has one.
     device_control_placement: Placement | None = None
+    #: The same for a model split over several devices (Split Model Across Devices).
+    device_control_split: SplitPlacement | None = None
 
     def add_patches(self, patches: Any, strength_patch: float = 1.0, strength_model: float = 1.0) -> Any:
         """ComfyUI's, after refusing a patch we cannot apply or one with NaN values (``bridge.patches``); then
@@ -194,6 +121,7 @@ class DeviceControlPatcher(surface.model_patcher_class()):
         n = super().clone(*args, **kwargs)
         if isinstance(n, DeviceControlPatcher):
             n.device_control_placement = self.device_control_placement
+            n.device_control_split = self.device_control_split
         return n
 
     # -- loading -----------------------------------------------------------------------------------
@@ -205,29 +133,40 @@ class DeviceControlPatcher(surface.model_patcher_class()):
         force_patch_weights: bool = False,
         full_load: bool = False,
     ) -> None:
-        placement = placement_of(self)
         device_to = device_to if device_to is not None else self.load_device
-        target = placement.target if placement is not None else device_to
-        engine = partial_model_of(self.model)
-        _keep_embeddings_resident(self.model, engine)
-        take_layers(self.model, engine)  # ComfyUI's standard layers stream in row slices too
-        budget = self._budget(target, lowvram_model_memory if not full_load else 0)
-        compute = device_to if isinstance(device_to, torch.device) and device_to.type != "cpu" else None
-        hooks = _Hooks(self, compute, force_patch_weights)
+        split = split_placement_of(self)
         with self.use_ejected():
             self.unpatch_hooks()
-            try:
-                report = engine.load(target, budget, hooks=hooks, progress=_interrupt_check)
-            except BaseException as exc:
-                _log_stopped(self, target, exc)
-                raise
-            finally:
-                self._sync_books(device_to)
-            self.model.device_control_last_load = report
-            note_loaded(self.model, placement)
+            if split is not None:
+                load_split_into(self, split, device_to, PatcherHooks(self, None, force_patch_weights))
+            else:
+                self._load_placed(device_to, lowvram_model_memory if not full_load else 0, force_patch_weights)
             for callback in self.get_all_callbacks(surface.on_load_callback_kind()):
                 callback(self, device_to, lowvram_model_memory, force_patch_weights, full_load)
             self.apply_hooks(self.forced_hooks, force_apply=True)
+
+    def _load_placed(self, device_to: Any, free_for_it: int, force_patch_weights: bool) -> None:
+        """The engine's load onto one device, under this patcher's placement (ComfyUI's choice without one)."""
+        placement = placement_of(self)
+        target = placement.target if placement is not None else device_to
+        engine = partial_model_of(self.model)
+        if release_split(self.model, PatcherHooks(self, None, False)):
+            note_displacement()
+        _keep_embeddings_resident(self.model, engine)
+        take_layers(self.model, engine)  # ComfyUI's standard layers stream in row slices too
+        budget = self._budget(target, free_for_it)
+        compute = device_to if isinstance(device_to, torch.device) and device_to.type != "cpu" else None
+        try:
+            report = engine.load(
+                target, budget, hooks=PatcherHooks(self, compute, force_patch_weights), progress=_interrupt_check
+            )
+        except BaseException as exc:
+            _log_stopped(self, target, exc)
+            raise
+        finally:
+            self._sync_books(device_to)
+        self.model.device_control_last_load = report
+        note_loaded(self.model, placement)
         log.info(
             "[Device Control] loaded %s: %s; on-the-fly patches: %d",
             model_label(self),
@@ -248,6 +187,13 @@ class DeviceControlPatcher(surface.model_patcher_class()):
         return max(0, min(budget, free_bytes(target) + engine.resident_bytes(target) - HEADROOM))
 
     def partially_load(self, device_to: Any, extra_memory: int = 0, force_patch_weights: bool = False) -> int:
+        if split_placement_of(self) is not None:
+            if not split_in_force(self):
+                release_split(self.model, PatcherHooks(self, None, False))
+                self._take_over(holding_of(self.model))
+            return super().partially_load(device_to, extra_memory, force_patch_weights)
+        if release_split(self.model, PatcherHooks(self, None, False)):
+            note_displacement()
         placement = placement_of(self)
         wanted = placement.target if placement is not None else device_to
         holding = holding_of(self.model)
@@ -274,7 +220,8 @@ class DeviceControlPatcher(surface.model_patcher_class()):
     def partially_unload(self, device_to: Any, memory_to_free: int = 0, force_patch_weights: bool = False) -> int:
         engine = partial_model_of(self.model)
         with self.use_ejected():
-            freed = engine.unload(int(memory_to_free), hooks=_Hooks(self, None, force_patch_weights))
+            freed = release_split(self.model, PatcherHooks(self, None, force_patch_weights))
+            freed += engine.unload(int(memory_to_free), hooks=PatcherHooks(self, None, force_patch_weights))
             self._sync_books(self.model.device if engine.target is not None else device_to)
         if freed:
             note_displacement()
@@ -283,7 +230,8 @@ class DeviceControlPatcher(surface.model_patcher_class()):
     def unpatch_model(self, device_to: Any = None, unpatch_weights: bool = True) -> None:
         if unpatch_weights:
             engine = partial_model_of(self.model)
-            if engine.unload_all(hooks=_Hooks(self, None, False)):
+            hooks = PatcherHooks(self, None, False)
+            if release_split(self.model, hooks) + engine.unload_all(hooks=hooks):
                 note_displacement()
             give_back_layers(self.model, engine)
             forget_loaded(self.model)

@@ -18,6 +18,8 @@ from ...core.devices.inventory import InventorySnapshot
 from ...core.devices.tensors import label_of
 from ...core.monitor.report import MemoryMode, ModelResidency
 from ...core.placement.engine import engine_of
+from ...core.placement.split_model import SplitModel, split_of
+from ...core.units import format_bytes
 from .. import surface
 from .books import holding_of, placement_of
 from .subjects import component_of, model_label
@@ -54,8 +56,12 @@ def target_id(target: Any, snapshot: InventorySnapshot) -> str:
 
 
 def residency_of(patcher: Any, snapshot: InventorySnapshot, *, in_use: bool = True) -> ModelResidency:
-    """Describe one ModelPatcher: size, bytes on its compute device and on its offload device."""
+    """Describe one ModelPatcher: size, bytes on its compute device and on its offload device (on every device
+    of a split model)."""
     model = patcher.model
+    held = split_of(model)
+    if held is not None:
+        return _split_residency(patcher, held, snapshot, in_use)
     component = component_of(model)
     total = int(patcher.model_size())
     loaded = int(patcher.loaded_size())
@@ -90,6 +96,36 @@ def residency_of(patcher: Any, snapshot: InventorySnapshot, *, in_use: bool = Tr
         budget=str(placement.budget) if placement is not None else None,
         note=_pending_note(patcher, holding, loaded),
     )
+
+
+def _split_residency(patcher: Any, held: SplitModel, snapshot: InventorySnapshot, in_use: bool) -> ModelResidency:
+    """A model split over devices: the bytes on each device of the split (the rest in RAM), computing on the first."""
+    total = int(patcher.model_size())
+    resident = _split_bytes(held, snapshot, total)
+    on_host = dict(resident).get("cpu", 0)
+    dtype = _storage_dtype(patcher)
+    return ModelResidency(
+        name=model_label(patcher, with_class=False),
+        component=component_of(patcher.model),
+        model_class=type(patcher.model).__name__,
+        total_bytes=total,
+        resident=tuple(resident),
+        compute_device=target_id(next(iter(held.targets.values())), snapshot),
+        partial=held.mode == "stream" or on_host > 0,
+        dtype=str(dtype).replace("torch.", "") if dtype is not None else None,
+        managed_by="Device Control",
+        in_use=in_use,
+        key=model_key(patcher),
+        budget=f"split ({held.mode}): {', '.join(f'{d} {format_bytes(n)}' for d, n in resident)}",
+    )
+
+
+def _split_bytes(held: SplitModel, snapshot: InventorySnapshot, total: int) -> list[tuple[str, int]]:
+    """``(device, bytes)`` of a split model: each device holding some of it, then RAM for the rest."""
+    on_devices = [(target_id(t, snapshot), held.resident_bytes(t)) for t in held.targets.values()]
+    resident = [(device, n) for device, n in on_devices if n and device != "cpu"]
+    on_host = total - sum(n for _device, n in resident)
+    return resident + ([("cpu", on_host)] if on_host > 0 else [])
 
 
 def _manager(patcher: Any, holding: Any) -> str:

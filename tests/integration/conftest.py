@@ -184,5 +184,6 @@ def api() -> SimpleNamespace:
             "DeviceControl_LoadVAE": "Load VAE With Device",
             "DeviceControl_MoveToGPU": "Move To GPU",
             "DeviceControl_OffloadToCPU": "Offload To CPU",
+            "DeviceControl_SplitModel": "Split Model Across Devices",
         },
     )

@@ -1,0 +1,89 @@
+"""The patcher's side of the loading engine (``core.placement.streaming.LayerHooks``): how a layer's weights are
+patched when it becomes resident, restored when it leaves, and patched on the fly while it streams, the way
+ComfyUI's ModelPatcher expects (its backups, its ``weight_function`` lists, its weight wrappers)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ...core.devices.slices import ROW_QUANTUM
+from ...core.devices.tensors import Target, own_tensors
+from ...core.placement.streaming import LayerHooks
+from ...core.weights.patching import get_weight, set_weight
+
+
+class PatcherHooks(LayerHooks):
+    """The patcher's side of the engine: patch, restore and stream its layers the way ComfyUI expects."""
+
+    def __init__(self, patcher: Any, compute: torch.device | None, force: bool) -> None:
+        self.patcher = patcher
+        self.compute = compute
+        self.force = force
+
+    def _keys(self, layer: Any) -> list[tuple[str, str]]:
+        prefix = f"{layer.name}." if layer.name else ""
+        return [(name, prefix + name) for name, _t, is_param in own_tensors(layer.module) if is_param]
+
+    def before_resident(self, layer: Any, target: Target) -> None:
+        module = layer.module
+        if getattr(module, "comfy_patched_weights", False):
+            return
+        patcher = self.patcher
+        for _name, key in self._keys(layer):
+            if key in patcher.patches:
+                patcher.patch_weight_to_device(key, device_to=self.compute)
+        _add_wrappers(patcher, layer)
+        module.comfy_patched_weights = True
+
+    def before_leaving(self, layer: Any) -> None:
+        patcher = self.patcher
+        for _name, key in self._keys(layer):
+            backup = patcher.backup.pop(key, None)
+            if backup is None:
+                continue
+            if backup.inplace_update:
+                get_weight(patcher.model, key).data.copy_(backup.weight)
+            else:
+                set_weight(patcher.model, key, backup.weight)
+        if "comfy_patched_weights" in layer.module.__dict__:
+            layer.module.comfy_patched_weights = False
+
+    def on_streamed(self, layer: Any) -> None:
+        patcher = self.patcher
+        module = layer.module
+        for name, key in self._keys(layer):
+            if key not in patcher.patches:
+                continue
+            if self.force:
+                patcher.patch_weight_to_device(key)
+                continue
+            functions = module.weight_function if name == "weight" else module.bias_function
+            if name in ("weight", "bias"):
+                functions.append(patcher.on_the_fly(key, getattr(module, name)))
+        _add_wrappers(patcher, layer)
+
+    def slice_multiple(self, layer: Any) -> int | None:
+        """Row slices of a streamed weight keep to the 64-row multiples, and to what its LoRA or other patch
+        needs (``OnTheFlyPatch.slice_multiple``); ComfyUI's weight wrappers are functions of the whole weight."""
+        patcher, module = self.patcher, layer.module
+        key = f"{layer.name}.weight" if layer.name else "weight"
+        if getattr(patcher, "weight_wrapper_patches", {}).get(key):
+            return None
+        if self.force or key not in patcher.patches:  # forced patches are in the stored weight: none on the fly
+            return ROW_QUANTUM
+        multiple = patcher.on_the_fly(key, module.weight).slice_multiple(tuple(module.weight.shape))
+        return None if multiple is None else math.lcm(ROW_QUANTUM, multiple)
+
+
+def _add_wrappers(patcher: Any, layer: Any) -> None:
+    """ComfyUI's weight wrappers (``weight_wrapper_patches``) go on every layer, resident or streamed."""
+    wrappers = getattr(patcher, "weight_wrapper_patches", {})
+    prefix = f"{layer.name}." if layer.name else ""
+    for name in ("weight", "bias"):
+        extra = wrappers.get(prefix + name)
+        if extra:
+            attribute = f"{name}_function"
+            setattr(layer.module, attribute, [*getattr(layer.module, attribute, []), *extra])

@@ -1,0 +1,260 @@
+"""Split Model Across Devices on ComfyUI's MODEL: one diffusion model over several devices.
+
+The node works on a clone (as Move To GPU does): the clone's patcher carries a :class:`SplitPlacement` (the
+allocation resolved on this machine and the mode) and ComfyUI's ``load_models_gpu`` puts it in place through
+:class:`~nodes.bridge.patcher.DeviceControlPatcher`, which calls :func:`load_split_of`. ComfyUI's books then
+hold one entry for the model, on the first device of the allocation (where the sampler's tensors are); the bytes
+on each device are read from the weights (:func:`split_bytes_on`), which the eviction, the VRAM Report and the
+panel use. Only the diffusion model is shared out: the layers ComfyUI's model uses outside it (its sampling
+schedule) stay on the first device, beside the sampler's tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...core.devices.inventory import DeviceInventory, DeviceSpec, InventorySnapshot, parse_device_spec
+from ...core.devices.tensors import HOST, Target, same_target
+from ...core.errors import DeviceControlError, DeviceNotFoundError, InvalidAllocationError
+from ...core.placement.allocation import Allocation, Entry, parse_allocation
+from ...core.placement.engine import partial_model_of
+from ...core.placement.pipeline import hop_beside
+from ...core.placement.split import Split, auto_allocation
+from ...core.placement.split_model import MODES, SplitModel, SplitRequest, load_split, plan_split, split_of
+from ...core.placement.streaming import LayerHooks
+from ...core.units import format_bytes
+from .books import forget_loaded, make_room_for
+from .layers import take_layers
+from .subjects import Subject, model_label
+
+log = logging.getLogger("device_control")
+
+#: Room left on every accelerator for activations when the allocation is ``auto``.
+AUTO_RESERVE = 512 * 1024**2
+
+#: Room made on every device of a split beyond its part, for activations (as ComfyUI leaves some on its devices).
+ACTIVATIONS = 256 * 1024**2
+
+#: The module of ComfyUI's model that is shared out (its diffusion model); the rest stays beside the caller.
+SHARED = "diffusion_model."
+
+
+@dataclass(frozen=True)
+class SplitPlacement:
+    """What a split clone carries: the allocation as resolved here, the mode, each device's target, and what the
+    user wrote (shown back in summaries and reports)."""
+
+    allocation: Allocation
+    mode: str
+    targets: tuple[tuple[str, Target], ...]
+    text: str
+
+    @property
+    def first(self) -> Target:
+        """The first device: it computes in ``stream`` mode and receives the sampler's tensors."""
+        return self.targets[0][1]
+
+    def __str__(self) -> str:
+        return f"{self.mode}, {self.allocation}"
+
+
+def split_placement_of(patcher: Any) -> SplitPlacement | None:
+    """The split a patcher carries, or ``None``."""
+    return getattr(patcher, "device_control_split", None)
+
+
+def resolve_allocation(
+    text: str, mode: str, inventory: DeviceInventory, snapshot: InventorySnapshot
+) -> tuple[SplitPlacement, list[str]]:
+    """``text`` parsed and its devices found on this machine; warnings for devices it lacks (left out, so a
+    workflow from another machine still runs; RAM takes what no device is left to hold).
+
+    Raises:
+        InvalidAllocationError: malformed, a device named twice (also as two names of one device), or an
+            unknown mode.
+    """
+    if mode not in MODES:
+        raise InvalidAllocationError(f"unknown mode '{mode}': choose 'pipeline' or 'stream'.")
+    allocation = parse_allocation(text)
+    if allocation.is_auto:
+        allocation = auto_allocation(_free_memory(inventory, snapshot), AUTO_RESERVE)
+    entries, warnings = _entries_here(allocation, text, inventory, snapshot)
+    seen = {str(entry.device) for entry in entries}
+    if not entries or (warnings and not _soft_end(entries)):
+        if "cpu" in seen:
+            raise InvalidAllocationError(f"devices of '{text}' are missing here: {'; '.join(warnings)}")
+        entries.append(Entry(DeviceSpec("cpu")))
+        warnings.append("what the missing devices would hold stays in RAM (cpu=*)")
+    targets = tuple((str(e.device), inventory.target(str(e.device), snapshot)) for e in entries)
+    return SplitPlacement(Allocation(tuple(entries)), mode, targets, text), warnings
+
+
+def _entries_here(
+    allocation: Allocation, text: str, inventory: DeviceInventory, snapshot: InventorySnapshot
+) -> tuple[list[Entry], list[str]]:
+    """The allocation's entries for the devices this machine has (named by their ids), and a warning for each
+    device it lacks."""
+    entries: list[Entry] = []
+    warnings: list[str] = []
+    for entry in allocation.entries:
+        try:
+            found = inventory.resolve(str(entry.device), snapshot=snapshot).device.id
+        except DeviceNotFoundError as exc:
+            warnings.append(f"{exc} Left out of the split.")
+            continue
+        if any(str(e.device) == found for e in entries):
+            raise InvalidAllocationError(f"'{entry.device}' is {found}, named twice in '{text}': name it once.")
+        entries.append(Entry(parse_device_spec(found), entry.size, entry.share))
+    return entries, warnings
+
+
+def _soft_end(entries: list[Entry]) -> bool:
+    """Whether the entries' last device takes whatever is left."""
+    return entries[-1].takes_rest
+
+
+def _free_memory(inventory: DeviceInventory, snapshot: InventorySnapshot) -> dict[DeviceSpec, int]:
+    """Free bytes on every usable device (``auto``'s order), the CPU included."""
+    free = {}
+    for info in snapshot.devices:
+        if info.id and info.error is None and info.free is not None:
+            free[parse_device_spec(info.id)] = int(info.free)
+    return free
+
+
+def request_of(patcher: Any, placement: SplitPlacement) -> SplitRequest:
+    """What to share out of ``patcher``'s model: its diffusion model's layers; the others stay at home."""
+    root = patcher.model
+    entry = getattr(root, SHARED.rstrip("."), None)
+    if entry is None:
+        raise DeviceControlError(
+            f"{type(root).__name__} has no diffusion model to split: connect the MODEL output of a loader."
+        )
+    layers = partial_model_of(root).layers()
+    return SplitRequest(
+        root=root,
+        entry=entry,
+        layers=[layer for layer in layers if layer.name.startswith(SHARED)],
+        allocation=placement.allocation,
+        mode=placement.mode,
+        home=_home(patcher),
+        home_layers=[layer for layer in layers if not layer.name.startswith(SHARED)],
+        key=(placement, patcher.patches_uuid),
+    )
+
+
+def _home(patcher: Any) -> Target:
+    """Where ComfyUI puts the sampler's tensors for this model (its load device)."""
+    device = patcher.load_device
+    return device if isinstance(device, torch.device) else HOST
+
+
+def check_fits(split: Split, placement: SplitPlacement, snapshot: InventorySnapshot) -> None:
+    """Refuse, before anything moves, a part larger than its whole device.
+
+    Raises:
+        InvalidAllocationError: with the device, the part and what it has.
+    """
+    ids = dict(placement.targets)
+    for part in split.parts:
+        info = snapshot.get(str(part.device))
+        if info is None or info.total is None or same_target(ids[str(part.device)], HOST):
+            continue
+        if part.nbytes > info.total:
+            raise InvalidAllocationError(
+                f"{part.device} has {format_bytes(info.total)} in all, and its part of this model is "
+                f"{format_bytes(part.nbytes)}: give it a smaller size or share, or add another device."
+            )
+
+
+def split_bytes_on(root: Any, target: Target | None) -> int | None:
+    """Bytes of a split model on ``target`` (on every device but the host for ``None``); ``None`` when
+    ``root`` is not held split."""
+    held = split_of(root)
+    if held is None:
+        return None
+    return held.device_bytes() if target is None else held.resident_bytes(target)
+
+
+def join_skip(h: torch.Tensor, skip: torch.Tensor, _options: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """ComfyUI's ``output_block_patch``: a UNet's skip connection joins the hidden state on its device."""
+    return h, hop_beside(skip, h)
+
+
+def split_in_force(patcher: Any) -> bool:
+    """Whether ``patcher``'s model is held split as ``patcher`` says, with its patches."""
+    placement = split_placement_of(patcher)
+    held = split_of(patcher.model)
+    return placement is not None and held is not None and held.key == (placement, patcher.patches_uuid)
+
+
+def load_split_into(patcher: Any, placement: SplitPlacement, device_to: Any, hooks: LayerHooks) -> SplitModel:
+    """Put ``patcher``'s model in place as ``placement`` says (nothing moves when it is already), making room on
+    each device from other models first; ComfyUI's books for it are set from the weights afterwards.
+
+    Raises:
+        InvalidAllocationError: the allocation cannot hold it (nothing moved).
+        DeviceControlError: a device ran out of memory (everything back in RAM).
+    """
+    root = patcher.model
+    engine = partial_model_of(root)
+    try:
+        if split_in_force(patcher):
+            return split_of(root)
+        release_split(root, hooks)
+        if engine.target is not None:  # placed on one device before: that placement ends here
+            engine.unload_all(hooks=hooks)
+            forget_loaded(root)
+        take_layers(root, engine)
+        request = request_of(patcher, placement)
+        split = plan_split(request)
+        for part in split.parts:
+            target = dict(placement.targets)[str(part.device)]
+            if not same_target(target, HOST):
+                make_room_for(patcher, target, part.nbytes + ACTIVATIONS)
+        log.info("[Device Control] splitting %s (%s):\n%s", model_label(patcher), placement, split.summary())
+        return load_split(request, split, dict(placement.targets), hooks)
+    finally:
+        _sync_books(patcher, device_to)
+
+
+def _sync_books(patcher: Any, device: Any) -> None:
+    """ComfyUI's books for a split model, from where its tensors are: loaded bytes are those on devices."""
+    model = patcher.model
+    held = split_of(model)
+    streams = held is not None and held.streamed is not None and bool(held.streamed.layers)
+    model.model_lowvram = streams
+    model.lowvram_patch_counter = 0
+    model.model_loaded_weight_memory = min(held.device_bytes(), patcher.model_size()) if held is not None else 0
+    if hasattr(model, "model_offload_buffer_memory"):
+        model.model_offload_buffer_memory = held.streamed.reserve_bytes if streams else 0
+    model.device = device
+    model.current_weight_patches_uuid = patcher.patches_uuid if held is not None else None
+
+
+def release_split(root: Any, hooks: LayerHooks) -> int:
+    """Undo a split of ``root`` (held or not: stale hooks come off too); bytes freed on devices."""
+    held = root.__dict__.get("_device_control_split")
+    return held.release(hooks) if held is not None else 0
+
+
+def kind_check(subject: Subject) -> None:
+    """Only a MODEL is shared out.
+
+    Raises:
+        DeviceControlError: a VAE or a CLIP, with what to do instead.
+    """
+    if subject.kind == "VAE":
+        raise DeviceControlError(
+            "a VAE cannot be split: it decodes one image in one piece and is small; put it on one device with "
+            "Move To GPU (or Load VAE With Device)."
+        )
+    if subject.kind != "MODEL":
+        raise DeviceControlError(
+            "Split Model Across Devices shares out a MODEL (a diffusion model); put a text encoder on one device "
+            "with Move To GPU (a budget streams what does not fit)."
+        )

@@ -1,0 +1,87 @@
+"""Split Model Across Devices: one diffusion model over several GPUs (and the CPU), for models larger than any one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..core.errors import InvalidAllocationError
+from ..core.placement.allocation import parse_allocation
+from . import surface
+from .bridge.books import displacements
+from .bridge.split_moves import split_model
+from .move_to_gpu import placed_output, trigger_input, trigger_output
+from .state import inventory
+
+
+class SplitModel(surface.io.ComfyNode):
+    """Thin node: the split itself is ``bridge.split_moves.split_model`` over ``core.placement``."""
+
+    @classmethod
+    def define_schema(cls) -> Any:
+        io = surface.io
+        return io.Schema(
+            node_id="DeviceControl_SplitModel",
+            display_name="Split Model Across Devices",
+            category="device_control",
+            description=(
+                "Shares one diffusion model out over several devices, in whole blocks and in model order, so a "
+                "model larger than any one GPU runs. pipeline: each block computes on the device that holds it "
+                "and only activations cross between devices. stream: the first device computes and the others "
+                "hold the rest, streamed to it ahead of use."
+            ),
+            inputs=[
+                io.MultiType.Input(
+                    "model",
+                    types=[io.Model, io.Clip, io.Vae],
+                    tooltip=(
+                        "The diffusion model (MODEL) from any loader. A text encoder or a VAE is refused with what "
+                        "to do instead (Move To GPU puts it on one device)."
+                    ),
+                ),
+                io.String.Input(
+                    "allocation",
+                    default="auto",
+                    tooltip=(
+                        "Which device holds how much, in the order the model's blocks fill them: "
+                        "'gpu:0=10GB, gpu:1=12GB, cpu=*' (sizes; '*' takes the rest), 'gpu:0=40%, gpu:1=60%' "
+                        "(shares of the model) or 'auto' (devices in order of free memory, the rest in RAM). "
+                        "A device this machine lacks is left out with a warning."
+                    ),
+                ),
+                io.Combo.Input(
+                    "mode",
+                    options=["pipeline", "stream"],
+                    default="pipeline",
+                    tooltip=(
+                        "pipeline: every block computes where it lives (several GPUs; weights never move). "
+                        "stream: the first device computes, the others' blocks are copied to it ahead of use "
+                        "(one GPU plus RAM or a small second GPU)."
+                    ),
+                ),
+                trigger_input(),
+            ],
+            outputs=[
+                io.Model.Output("split", display_name="model", tooltip="The same model (a clone carrying the split)."),
+                trigger_output(),
+                io.String.Output(
+                    "summary", display_name="summary", tooltip="Which blocks went where, bytes per device."
+                ),
+            ],
+        )
+
+    @classmethod
+    def validate_inputs(cls, allocation: str) -> bool | str:
+        try:
+            parse_allocation(allocation)
+        except InvalidAllocationError as exc:
+            return str(exc)
+        return True
+
+    @classmethod
+    def fingerprint_inputs(cls, **kwargs: Any) -> int:
+        # As Move To GPU's: cached while nothing left a device since it ran, so the split is in force downstream.
+        return displacements()
+
+    @classmethod
+    def execute(cls, model: Any, allocation: str, mode: str, trigger: Any = None) -> Any:
+        return placed_output(split_model(model, allocation, mode, inventory), trigger)

@@ -1,0 +1,123 @@
+"""A model held split (``core.placement.split_model``): put in place in both modes with its patches applied,
+read per device from the tensors, let go of when someone else moves it, released with every weight restored; a
+device out of memory gives everything back. Then the same on two real GPUs (skipped without them)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from core.devices.simulated import SimulatedDevice
+from core.devices.tensors import HOST
+from core.errors import DeviceControlError
+from core.placement.allocation import parse_allocation
+from core.placement.plan import layers_of
+from core.placement.split_model import SplitRequest, load_split, plan_split, split_of
+from core.placement.streaming import LayerHooks
+from tests.core.split_net import FluxShaped, inputs
+
+
+class Doubling(LayerHooks):
+    """A stand-in owner's patch: doubles every weight before it becomes resident, restores it when it leaves."""
+
+    def __init__(self) -> None:
+        self.backup: dict[int, torch.Tensor] = {}
+
+    def before_resident(self, layer, target) -> None:
+        weight = getattr(layer.module, "weight", None)
+        if weight is not None and id(layer.module) not in self.backup:
+            self.backup[id(layer.module)] = weight.data.clone()
+            weight.data.mul_(2)
+
+    def before_leaving(self, layer) -> None:
+        saved = self.backup.pop(id(layer.module), None)
+        if saved is not None:
+            layer.module.weight.data.copy_(saved)
+
+
+def _request(net: torch.nn.Module, mode: str, text: str = "gpu:0=40%, gpu:1=40%, cpu=*") -> SplitRequest:
+    return SplitRequest(net, net, layers_of(net), parse_allocation(text), mode, HOST)
+
+
+def _doubled(net: torch.nn.Module) -> torch.nn.Module:
+    twin = FluxShaped()
+    with torch.no_grad():
+        for module in twin.modules():
+            if getattr(module, "weight", None) is not None:
+                module.weight.mul_(2)
+    return twin
+
+
+@pytest.mark.parametrize("mode", ["pipeline", "stream"])
+def test_a_split_holds_its_parts_computes_the_patched_result_and_releases_everything(mode):
+    net = FluxShaped()
+    img, t = inputs()
+    pristine = {name: tensor.clone() for name, tensor in net.state_dict().items()}
+    with torch.no_grad():
+        expected = _doubled(net)(img, t)
+    gpus = SimulatedDevice(1 << 30, ordinal=0), SimulatedDevice(1 << 30, ordinal=1)
+    targets = {"gpu:0": gpus[0], "gpu:1": gpus[1], "cpu": HOST}
+    request = _request(net, mode)
+    hooks = Doubling()
+    held = load_split(request, plan_split(request), targets, hooks)
+    assert split_of(net) is held
+    per_device = dict(held.per_device())
+    assert per_device["gpu:1"] == gpus[1].allocated() > 0 and per_device["gpu:0"] == gpus[0].allocated() > 0
+    assert sum(per_device.values()) == sum(layer.nbytes for layer in layers_of(net))
+    with torch.no_grad():
+        out = net(img, t)  # the caller's tensors are in RAM (home); the output comes back there
+    assert torch.equal(out.cpu(), expected)
+    del out
+    gc.collect()
+    assert held.release(hooks) == per_device["gpu:0"] + per_device["gpu:1"]
+    assert gpus[0].allocated() == 0 and gpus[1].allocated() == 0 and split_of(net) is None
+    assert all(torch.equal(net.state_dict()[name], value) for name, value in pristine.items())  # restored
+    with torch.no_grad():
+        assert torch.equal(net(img, t), FluxShaped()(img, t))  # no hook left behind
+
+
+def test_a_split_moved_by_someone_else_is_let_go_of_and_the_model_runs_where_it_is():
+    net = FluxShaped()
+    img, t = inputs()
+    gpus = SimulatedDevice(1 << 30, ordinal=0), SimulatedDevice(1 << 30, ordinal=1)
+    request = _request(net, "pipeline", "gpu:0=50%, gpu:1=*")
+    load_split(request, plan_split(request), {"gpu:0": gpus[0], "gpu:1": gpus[1]})
+    net.to("cpu")  # another loader takes every weight back to RAM
+    assert split_of(net) is None
+    with torch.no_grad():
+        out = net(img, t)
+    assert not hasattr(out, "sim_device") and torch.equal(out, FluxShaped()(img, t))
+    assert not net._forward_pre_hooks and not net.double_blocks[0]._forward_pre_hooks  # the hooks came off
+
+
+def test_a_device_out_of_memory_gives_every_layer_back_to_ram():
+    net = FluxShaped()
+    total = sum(layer.nbytes for layer in layers_of(net))
+    small = SimulatedDevice(total // 10, ordinal=1)
+    request = _request(net, "pipeline", "gpu:0=50%, gpu:1=*")
+    big = SimulatedDevice(1 << 30, ordinal=0)
+    with pytest.raises(DeviceControlError, match="gpu:1 ran out of memory"):
+        load_split(request, plan_split(request), {"gpu:0": big, "gpu:1": small})
+    assert big.allocated() == 0 and small.allocated() == 0 and split_of(net) is None
+
+
+@pytest.mark.gpu(count=2, proves="pipeline and stream over two real GPUs give the one-GPU output, each GPU its part")
+@pytest.mark.parametrize("mode", ["pipeline", "stream"])
+def test_two_real_gpus_hold_their_parts_and_compute_the_one_gpu_result(mode):
+    cuda = torch.device("cuda", 0), torch.device("cuda", 1)
+    img, t = (x.to(cuda[0]) for x in inputs())
+    with torch.no_grad():
+        expected = FluxShaped().to(cuda[0])(img, t).cpu()
+    net = FluxShaped()
+    before = [torch.cuda.memory_allocated(device) for device in cuda]
+    request = SplitRequest(net, net, layers_of(net), parse_allocation("gpu:0=50%, gpu:1=*"), mode, cuda[0])
+    held = load_split(request, plan_split(request), {"gpu:0": cuda[0], "gpu:1": cuda[1]})
+    for device, was, (_name, part) in zip(cuda, before, held.per_device(), strict=True):
+        assert torch.cuda.memory_allocated(device) - was >= part > 0
+    with torch.no_grad():
+        out = net(img, t)
+    assert out.device == cuda[0] and torch.allclose(out.cpu(), expected, rtol=1e-5, atol=1e-6)
+    held.release()
+    assert torch.cuda.memory_allocated(cuda[1]) == before[1]

@@ -1,0 +1,202 @@
+"""Split Model Across Devices in a real ComfyUI on three simulated GPUs (4 GiB, 4 GiB, 2 GiB): the image of
+ComfyUI's own nodes in both modes, with a LoRA; each device's bytes read from its books and from the VRAM Report;
+the next sampler keeps the split; Offload To CPU and Move To GPU undo it; bad input refused before a weight moves.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tools.comfy_server import ComfyError
+from tools.make_fixtures import SD15_CHECKPOINT, SD15_CHECKPOINT_B, SD15_LORA
+
+GiB = 1024**3
+EXAMPLE = Path(__file__).resolve().parents[2] / "workflows" / "sd15_split_across_two_gpus.json"
+ALLOCATION = "gpu:0=40%, gpu:1=30%, gpu:2=*"
+
+
+def _prompt(split: dict | None, *, lora: bool = False, after: list[dict] | None = None) -> dict:
+    """Checkpoint (ComfyUI's loader) -> [LoRA] -> [Split] -> KSampler -> decode -> save, with VRAM Reports after
+    the split ("20") and after sampling ("21"); ``after`` adds nodes taking the sampled latent's trigger."""
+    model = ["1", 0]
+    prompt: dict = {
+        "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": SD15_CHECKPOINT}},
+        "2": {"class_type": "CLIPTextEncode", "inputs": {"text": "a lighthouse", "clip": ["1", 1]}},
+        "3": {"class_type": "CLIPTextEncode", "inputs": {"text": "", "clip": ["1", 1]}},
+        "4": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+    }
+    if lora:
+        prompt["5"] = {
+            "class_type": "LoraLoaderModelOnly",
+            "inputs": {"model": model, "lora_name": SD15_LORA, "strength_model": 1.0},
+        }
+        model = ["5", 0]
+    if split is not None:
+        prompt["6"] = {"class_type": "DeviceControl_SplitModel", "inputs": {"model": model, **split}}
+        prompt["20"] = {
+            "class_type": "DeviceControl_VRAMReport",
+            "inputs": {"label": "split", "devices": "all", "value": ["6", 1]},
+        }
+        model = ["6", 0]
+    prompt["7"] = {
+        "class_type": "KSampler",
+        "inputs": {
+            "model": model,
+            "seed": 7,
+            "steps": 2,
+            "cfg": 5.0,
+            "sampler_name": "euler",
+            "scheduler": "normal",
+            "positive": ["2", 0],
+            "negative": ["3", 0],
+            "latent_image": ["4", 0],
+            "denoise": 1.0,
+        },
+    }
+    prompt["8"] = {"class_type": "VAEDecode", "inputs": {"samples": ["7", 0], "vae": ["1", 2]}}
+    prompt["9"] = {"class_type": "SaveImage", "inputs": {"images": ["8", 0], "filename_prefix": "split"}}
+    prompt["21"] = {
+        "class_type": "DeviceControl_VRAMReport",
+        "inputs": {"label": "sampled", "devices": "all", "value": ["8", 0]},
+    }
+    for index, node in enumerate(after or []):
+        prompt[str(30 + index)] = node
+    return prompt
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers("split-3gpu", SIMULATE_GPU="4GiB,4GiB,2GiB")
+
+
+def _move_to_gpu(model: list, device: str) -> dict:
+    """A Move To GPU of ``model`` after the image is decoded."""
+    inputs = {"model": model, "device": device, "vram_budget": "all", "keep_resident": False, "trigger": ["8", 0]}
+    return {"class_type": "DeviceControl_MoveToGPU", "inputs": inputs}
+
+
+def _report(label: str, value: list) -> dict:
+    return {"class_type": "DeviceControl_VRAMReport", "inputs": {"label": label, "devices": "all", "value": value}}
+
+
+def _model(entry: dict, api, node: str) -> dict:
+    return next(m for m in api.report_json(entry, node)["models"] if m["component"] == "MODEL")
+
+
+def _allocated(entry: dict, api, node: str) -> dict[str, int]:
+    return {d["id"]: d["torch_allocated"] for d in api.report_json(entry, node)["devices"] if d["id"] != "cpu"}
+
+
+@pytest.mark.parametrize("mode", ["pipeline", "stream"])
+def test_a_split_gives_comfyuis_image_and_each_device_holds_its_part(server, api, mode):
+    stock = api.image_of(server, server.run(_prompt(None)))  # ComfyUI loads the model first, its own way
+    entry = server.run(_prompt({"allocation": ALLOCATION, "mode": mode}))
+    assert np.array_equal(api.image_of(server, entry), stock), f"{mode}: not the image of ComfyUI's own nodes"
+    split, sampled = _model(entry, api, "20"), _model(entry, api, "21")
+    total = split["total_bytes"]
+    resident = split["resident"]
+    assert sum(resident.values()) == total
+    # The sampling schedule (a few KiB) stays beside the sampler's tensors, in RAM for a simulated GPU.
+    assert resident.pop("cpu", 0) < 2**20 and set(resident) == {"gpu:0", "gpu:1", "gpu:2"}, resident
+    assert abs(resident["gpu:0"] - 0.4 * total) < 0.1 * total and abs(resident["gpu:1"] - 0.3 * total) < 0.1 * total
+    assert {d: n for d, n in sampled["resident"].items() if d != "cpu"} == resident, "the sampler moved the split"
+    allocated = _allocated(entry, api, "20")
+    assert all(allocated[d] >= resident[d] for d in resident), (allocated, resident)  # the devices' own books
+    summary = entry["outputs"]["6"]["text"][0]
+    assert f"{mode} over gpu:0, gpu:1, gpu:2" in summary and "before:" in summary
+    # ComfyUI's own nodes on the same model afterwards: the split is given back, the image is theirs again.
+    again = server.run(_prompt(None))
+    assert np.array_equal(api.image_of(server, again), stock)
+    assert all(v == 0 for v in _allocated(again, api, "21").values()), "the split stayed behind"
+
+
+def test_a_lora_gives_comfyuis_image_on_a_split_model(server, api):
+    stock = api.image_of(server, server.run(_prompt(None, lora=True)))
+    entry = server.run(_prompt({"allocation": ALLOCATION, "mode": "pipeline"}, lora=True))
+    assert np.array_equal(api.image_of(server, entry), stock)
+
+
+def test_offload_to_cpu_gives_every_device_back(server, api):
+    offload = {
+        "class_type": "DeviceControl_OffloadToCPU",
+        "inputs": {"model": ["6", 0], "mode": "full", "free_amount": "2GB", "empty_cache": True, "trigger": ["8", 0]},
+    }
+    report = {
+        "class_type": "DeviceControl_VRAMReport",
+        "inputs": {"label": "off", "devices": "all", "value": ["30", 0]},
+    }
+    entry = server.run(_prompt({"allocation": ALLOCATION, "mode": "pipeline"}, after=[offload, report]))
+    before = _allocated(entry, api, "20")
+    after = _allocated(entry, api, "31")
+    assert all(before[d] > 0 for d in before) and all(after[d] == 0 for d in after), (before, after)
+    assert not any(m["component"] == "MODEL" for m in api.report_json(entry, "31")["models"])
+
+
+def test_a_missing_device_is_left_out_with_a_warning(server, api):
+    entry = server.run(_prompt({"allocation": "gpu:0=50%, gpu:7=*", "mode": "pipeline"}))
+    summary = entry["outputs"]["6"]["text"][0]
+    assert "warning: device 'gpu:7' does not exist" in summary
+    resident = _model(entry, api, "20")["resident"]
+    assert set(resident) == {"gpu:0", "cpu"} and resident["cpu"] > 2**20, resident
+
+
+@pytest.mark.parametrize(
+    ("allocation", "words"),
+    [
+        ("gpu:0=1GB, gpu:1=1GB", "short"),
+        ("gpu:2=3GB, gpu:0=*", "gpu:2 has 2.00 GiB in all"),
+        ("gpu:0=50%, gpu:0=50%", "names gpu:0 twice"),
+        ("gpu:0=120%", "at most 100%"),
+        ("gpu:0 10GB", "write it as"),
+    ],
+)
+def test_bad_allocations_are_refused_before_a_weight_moves(server, api, allocation, words):
+    before = _allocated(server.run(api.report_prompt()), api, "1")
+    with pytest.raises(ComfyError) as caught:
+        server.run(_prompt({"allocation": allocation, "mode": "pipeline"}))
+    assert words in str(caught.value)
+    assert _allocated(server.run(api.report_prompt()), api, "1") == before, "a refused split moved weights"
+
+
+def test_a_vae_is_refused_with_what_to_do_instead(server, api):
+    prompt = _prompt({"allocation": ALLOCATION, "mode": "pipeline"})
+    prompt["6"]["inputs"]["model"] = ["1", 2]
+    prompt["7"]["inputs"]["model"] = ["1", 0]
+    with pytest.raises(ComfyError) as caught:
+        server.run(prompt)
+    assert "a VAE cannot be split" in str(caught.value) and "Move To GPU" in str(caught.value)
+
+
+def test_the_example_workflow_splits_over_two_gpus(server, api):
+    prompt = api.load_prompt(server, EXAMPLE)
+    entry = server.run(prompt)
+    report = _model(entry, api, "3")
+    resident, total = dict(report["resident"]), report["total_bytes"]
+    resident.pop("cpu", 0)
+    assert set(resident) == {"gpu:0", "gpu:1"} and sum(resident.values()) > total - 2**20, resident
+    assert abs(resident["gpu:0"] - total / 2) < 0.1 * total
+    assert {d: n for d, n in _model(entry, api, "8")["resident"].items() if d != "cpu"} == resident
+
+
+def test_move_to_gpu_ends_a_split_and_places_the_model_on_one_device(server, api):
+    after = [_move_to_gpu(["6", 0], "gpu:0"), _report("moved", ["30", 0])]
+    entry = server.run(_prompt({"allocation": ALLOCATION, "mode": "stream"}, after=after))
+    moved = _model(entry, api, "31")
+    assert moved["resident"] == {"gpu:0": moved["total_bytes"]}
+    allocated = _allocated(entry, api, "31")
+    assert allocated["gpu:1"] == 0 and allocated["gpu:2"] == 0, allocated
+
+
+def test_another_model_needing_a_gpu_evicts_the_split(server, api):
+    second = {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": SD15_CHECKPOINT_B}}
+    after = [second, _move_to_gpu(["30", 0], "gpu:1"), _report("evicted", ["31", 0])]
+    entry = server.run(_prompt({"allocation": ALLOCATION, "mode": "pipeline"}, after=after))
+    assert _allocated(entry, api, "20")["gpu:1"] > 0
+    models = api.report_json(entry, "32")["models"]
+    on_gpu1 = [m for m in models if m["resident"].get("gpu:1")]
+    assert len(on_gpu1) == 1 and on_gpu1[0]["resident"]["gpu:1"] == on_gpu1[0]["total_bytes"], models
+    assert "made room: 3.20 GiB from SD15 diffusion model" in entry["outputs"]["31"]["text"][0]
+    assert _allocated(entry, api, "32")["gpu:0"] == 0, "the evicted split left a part behind"
