@@ -41,3 +41,16 @@ def test_the_surface_check_refuses_a_folder_that_is_not_comfyui(tmp_path):
         [sys.executable, "-m", "tools.surface_check", str(tmp_path)], cwd=REPO, capture_output=True, text=True
     )
     assert done.returncode == 2 and "is not a ComfyUI folder" in done.stderr
+
+
+def test_the_split_benchmark_table_gives_medians_and_the_floor():
+    from tools.bench_split import ROWS, table
+
+    def run(compute: float) -> dict:
+        rows = {name: {"step_s": 2 * compute, "moved": 2 * 1024**3, "transfer_s": 1.0} for name, *_ in ROWS}
+        rows[ROWS[0][0]] = {"step_s": compute, "moved": 0, "transfer_s": 0.0}
+        return {"links": {"7GB/s": rows}}
+
+    text = table([run(3.0), run(4.0), run(5.0)])
+    assert "| 7GB/s | one device, everything resident | 0.00 GiB | 0.00 s | 4.00 s (3.00-5.00) | 4.00 s |" in text
+    assert "| 7GB/s | pipeline gpu:0=50%, gpu:1=* | 2.00 GiB | 1.00 s | 8.00 s (6.00-10.00) | 4.00 s | 2.00x" in text

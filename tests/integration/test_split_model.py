@@ -82,6 +82,11 @@ def _report(label: str, value: list) -> dict:
     return {"class_type": "DeviceControl_VRAMReport", "inputs": {"label": label, "devices": "all", "value": value}}
 
 
+def _offload_all() -> dict:
+    """Offload To CPU's inputs that give every device back, after the image is decoded."""
+    return {"mode": "all models", "free_amount": "2GB", "empty_cache": True, "trigger": ["8", 0]}
+
+
 def _model(entry: dict, api, node: str) -> dict:
     return next(m for m in api.report_json(entry, node)["models"] if m["component"] == "MODEL")
 
@@ -200,3 +205,11 @@ def test_another_model_needing_a_gpu_evicts_the_split(server, api):
     assert len(on_gpu1) == 1 and on_gpu1[0]["resident"]["gpu:1"] == on_gpu1[0]["total_bytes"], models
     assert "made room: 3.20 GiB from SD15 diffusion model" in entry["outputs"]["31"]["text"][0]
     assert _allocated(entry, api, "32")["gpu:0"] == 0, "the evicted split left a part behind"
+
+
+def test_auto_fills_the_gpus_with_most_free_memory_first(server, api):
+    server.run(_prompt(None, after=[{"class_type": "DeviceControl_OffloadToCPU", "inputs": _offload_all()}]))
+    entry = server.run(_prompt({"allocation": "auto", "mode": "pipeline"}))
+    resident = dict(_model(entry, api, "20")["resident"])
+    assert resident.pop("cpu", 0) < 2**20, resident  # 3.20 GiB fit on one 4 GiB GPU with 512 MiB kept free
+    assert list(resident) == ["gpu:0"], resident
