@@ -36,6 +36,7 @@ from PIL import Image
 
 from tools.family_workflows import FAMILIES, Family
 from tools.make_family_fixtures import DIFFUSION_FIXTURES
+from tools.runtime import DEFAULT_VERSION, NEWEST_VERSION
 from tools.stress import run_coroutine
 
 REPO = Path(__file__).resolve().parents[2]
@@ -180,7 +181,22 @@ def _gpu(api, entry: dict[str, Any], node: str) -> dict[str, Any]:
     return next(d for d in api.report_json(entry, node)["devices"] if d["id"] == "gpu:0")
 
 
-@pytest.mark.parametrize("family", FAMILIES, ids=[f.stem for f in FAMILIES])
+#: SDXL's UNet is ComfyUI's SD1.5 class (openaimodel) at a larger size, which the SD1.5 family and the LoRA tests
+#: stream in every version's pass; its budget test, the longest of the pass, runs once, in the newest version's.
+BUDGET_CASES = [
+    pytest.param(
+        f,
+        id=f.stem,
+        marks=pytest.mark.skipif(
+            f.stem.startswith("sdxl") and DEFAULT_VERSION != NEWEST_VERSION,
+            reason="runs once, in the newest version's pass",
+        ),
+    )
+    for f in FAMILIES
+]
+
+
+@pytest.mark.parametrize("family", BUDGET_CASES)
 def test_a_budget_below_the_model_with_a_stock_lora_streams_the_rest_and_offload_gives_it_back(
     server, api, synthetic_models, family: Family
 ):
