@@ -126,6 +126,18 @@ def test_a_lora_gives_comfyuis_image_on_a_split_model(server, api):
     stock = api.image_of(server, server.run(_prompt(None, lora=True)))
     entry = server.run(_prompt({"allocation": ALLOCATION, "mode": "pipeline"}, lora=True))
     assert np.array_equal(api.image_of(server, entry), stock)
+    # The LoRA loaded after the split: the sampler's clone carries other patches, so the split is made again
+    # with them, on the same devices.
+    after = _prompt({"allocation": ALLOCATION, "mode": "stream"})
+    after["5"] = {
+        "class_type": "LoraLoaderModelOnly",
+        "inputs": {"model": ["6", 0], "lora_name": SD15_LORA, "strength_model": 1.0},
+    }
+    after["7"]["inputs"]["model"] = ["5", 0]
+    entry = server.run(after)
+    assert np.array_equal(api.image_of(server, entry), stock)
+    resident = _model(entry, api, "21")["resident"]
+    assert {"gpu:0", "gpu:1", "gpu:2"} <= set(resident), resident
 
 
 def test_offload_to_cpu_gives_every_device_back(server, api):
