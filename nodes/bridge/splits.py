@@ -2,10 +2,10 @@
 
 The node works on a clone (as Move To GPU does): the clone's patcher carries a :class:`SplitPlacement` (the
 allocation resolved on this machine and the mode) and ComfyUI's ``load_models_gpu`` puts it in place through
-:class:`~nodes.bridge.patcher.DeviceControlPatcher`, which calls :func:`load_split_of`. ComfyUI's books then
+:class:`~nodes.bridge.patcher.DeviceControlPatcher`, which calls :func:`load_split_into`. ComfyUI's books then
 hold one entry for the model, on the first device of the allocation (where the sampler's tensors are); the bytes
-on each device are read from the weights (:func:`split_bytes_on`), which the eviction, the VRAM Report and the
-panel use. Only the diffusion model is shared out: the layers ComfyUI's model uses outside it (its sampling
+on each device are read from the weights (``core.placement.split_model``), which the eviction, the VRAM Report
+and the panel use. Only the diffusion model is shared out: the layers ComfyUI's model uses outside it (its sampling
 schedule) stay on the first device, beside the sampler's tensors.
 """
 
@@ -83,9 +83,8 @@ def resolve_allocation(
     if allocation.is_auto:
         allocation = auto_allocation(_free_memory(inventory, snapshot), AUTO_RESERVE)
     entries, warnings = _entries_here(allocation, text, inventory, snapshot)
-    seen = {str(entry.device) for entry in entries}
-    if not entries or (warnings and not _soft_end(entries)):
-        if "cpu" in seen:
+    if not entries or (warnings and not entries[-1].takes_rest):
+        if any(str(entry.device) == "cpu" for entry in entries):
             raise InvalidAllocationError(f"devices of '{text}' are missing here: {'; '.join(warnings)}")
         entries.append(Entry(DeviceSpec("cpu")))
         warnings.append("what the missing devices would hold stays in RAM (cpu=*)")
@@ -110,11 +109,6 @@ def _entries_here(
             raise InvalidAllocationError(f"'{entry.device}' is {found}, named twice in '{text}': name it once.")
         entries.append(Entry(parse_device_spec(found), entry.size, entry.share))
     return entries, warnings
-
-
-def _soft_end(entries: list[Entry]) -> bool:
-    """Whether the entries' last device takes whatever is left."""
-    return entries[-1].takes_rest
 
 
 def _free_memory(inventory: DeviceInventory, snapshot: InventorySnapshot) -> dict[DeviceSpec, int]:
@@ -169,15 +163,6 @@ def check_fits(split: Split, placement: SplitPlacement, snapshot: InventorySnaps
                 f"{part.device} has {format_bytes(info.total)} in all, and its part of this model is "
                 f"{format_bytes(part.nbytes)}: give it a smaller size or share, or add another device."
             )
-
-
-def split_bytes_on(root: Any, target: Target | None) -> int | None:
-    """Bytes of a split model on ``target`` (on every device but the host for ``None``); ``None`` when
-    ``root`` is not held split."""
-    held = split_of(root)
-    if held is None:
-        return None
-    return held.device_bytes() if target is None else held.resident_bytes(target)
 
 
 def join_skip(h: torch.Tensor, skip: torch.Tensor, _options: dict) -> tuple[torch.Tensor, torch.Tensor]:
