@@ -128,15 +128,48 @@ def two_checkpoints() -> list[Node]:
 
 
 def split_across_gpus() -> list[Node]:
-    """One diffusion model over two GPUs in pipeline mode (on a machine without them, it stays in RAM, warned)."""
+    """Flux's diffusion model over two GPUs in pipeline mode (on a machine without them, it stays in RAM, warned);
+    its text encoder in RAM, the VAE on ``gpu:0``."""
+    flux = next(family for family in FAMILIES if family.stem.startswith("flux"))
     return [
-        loader(1, SD15_CHECKPOINT, (20, 80)),
-        Node(2, "DeviceControl_SplitModel", ["gpu:0=50%, gpu:1=*", "pipeline"], {"model": (1, 0)}, (460, 80)),
-        report(3, "split over two GPUs", (2, 0), (460, 640)),
-        *sampling(4, (1, 1), (3, 0), 840),
-        report(8, "after sampling", (7, 0), (1140, 640)),
-        Node(9, "VAEDecode", [], {"samples": (8, 0), "vae": (1, 2)}, (1580, 80)),
-        Node(10, "SaveImage", ["sd15_split_across_two_gpus"], {"images": (9, 0)}, (1960, 80)),
+        Node(1, "DeviceControl_LoadDiffusionModel", [flux.unet, "cpu", flux.dtype], {}, (20, 80)),
+        Node(2, "DeviceControl_SplitModel", ["gpu:0=50%, gpu:1=*", "pipeline"], {"model": (1, 0)}, (20, 420)),
+        report(3, "split over two GPUs", (2, 0), (20, 720)),
+        Node(
+            4,
+            "DeviceControl_LoadTextEncoders",
+            [*flux.text_encoders, "none", "none", "none", flux.clip_type, "cpu", "auto"],
+            {},
+            (460, 80),
+        ),
+        Node(5, "CLIPTextEncode", [PROMPT], {"clip": (4, 0)}, (840, 80)),
+        Node(6, "CLIPTextEncode", ["blurry"], {"clip": (4, 0)}, (840, 300)),
+        Node(7, "FluxGuidance", [3.5], {"conditioning": (5, 0)}, (840, 720)),
+        Node(8, *flux.latent, {}, (840, 520)),
+        Node(
+            9,
+            "KSampler",
+            [42, "fixed", 1, 1, *flux.sampler, 1],
+            {"model": (3, 0), "positive": (7, 0), "negative": (6, 0), "latent_image": (8, 0)},
+            (1220, 80),
+        ),
+        report(10, "after sampling", (9, 0), (1220, 720)),
+        Node(11, "DeviceControl_LoadVAE", [flux.vae, "gpu:0", "auto"], {}, (1220, 520)),
+        Node(12, "VAEDecode", [], {"samples": (10, 0), "vae": (11, 0)}, (1600, 80)),
+        Node(13, "SaveImage", ["flux_split_across_two_gpus"], {"images": (12, 0)}, (1960, 80)),
+        Node(
+            14,
+            "Note",
+            [
+                "Flux.1 dev over two GPUs. With the released files: flux1-dev (11.1 GiB in fp8) in diffusion_models "
+                "is split half and half over gpu:0 and gpu:1 (two 8 GB cards), each half computing where it lives; "
+                "clip_l and t5xxl as clip_name1-2 with type flux, on the CPU; ae.safetensors as the VAE. On one GPU "
+                "and RAM, write 'gpu:0=6GB, cpu=*' and choose stream."
+            ],
+            {},
+            (460, 420),
+            title="With the released files",
+        ),
     ]
 
 
@@ -191,7 +224,7 @@ WORKFLOWS = {
     "sd15_split_files_diffusion_model_on_gpu.json": split_files,
     "sd15_low_vram_lora_budget.json": low_vram_lora,
     "two_checkpoints_offload_between.json": two_checkpoints,
-    "sd15_split_across_two_gpus.json": split_across_gpus,
+    "flux_split_across_two_gpus.json": split_across_gpus,
     **{f"{family.stem}.json": partial(family_split_files, family) for family in FAMILIES},
 }
 

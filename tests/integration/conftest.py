@@ -87,6 +87,7 @@ def moves_hold(entry: dict[str, Any], prompt: dict[str, Any]) -> list[str]:
 #: Our nodes that only pass a value on (output slot -> the input it passes): gone in a stock equivalent.
 PASSTHROUGH = {
     "DeviceControl_MoveToGPU": {0: "model", 1: "trigger"},
+    "DeviceControl_SplitModel": {0: "model", 1: "trigger"},
     "DeviceControl_OffloadToCPU": {0: "trigger"},
     "DeviceControl_VRAMReport": {0: "value"},
 }

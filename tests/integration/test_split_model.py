@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from tools.comfy_server import ComfyError
 from tools.make_fixtures import SD15_CHECKPOINT, SD15_CHECKPOINT_B, SD15_LORA
@@ -18,7 +19,8 @@ GiB = 1024**3
 #: Tests of what the node decides before ComfyUI loads anything (the allocation's text, its devices, the input's
 #: kind): the same code in every ComfyUI version, so they run once, in the newest version's pass.
 ONCE = pytest.mark.skipif(DEFAULT_VERSION != NEWEST_VERSION, reason="runs once, in the newest version's pass")
-EXAMPLE = Path(__file__).resolve().parents[2] / "workflows" / "sd15_split_across_two_gpus.json"
+WORKFLOWS = Path(__file__).resolve().parents[2] / "workflows"
+EXAMPLE = WORKFLOWS / "flux_split_across_two_gpus.json"
 ALLOCATION = "gpu:0=40%, gpu:1=30%, gpu:2=*"
 
 
@@ -194,15 +196,59 @@ def test_a_vae_is_refused_with_what_to_do_instead(server, api):
     assert "a VAE cannot be split" in str(caught.value) and "Move To GPU" in str(caught.value)
 
 
-def test_the_example_workflow_splits_over_two_gpus(server, api):
+def test_the_example_workflow_splits_flux_over_two_gpus_with_the_stock_image(server, api):
     prompt = api.load_prompt(server, EXAMPLE)
+    server.free()
     entry = server.run(prompt)
     report = _model(entry, api, "3")
+    assert "Flux" in report["name"], report["name"]
     resident, total = dict(report["resident"]), report["total_bytes"]
     resident.pop("cpu", 0)
     assert set(resident) == {"gpu:0", "gpu:1"} and sum(resident.values()) > total - 2**20, resident
+    # Half and half within a block: this small Flux has one double and one single block (and its embeddings).
+    assert min(resident.values()) > 0.2 * total, resident
+    assert {d: n for d, n in _model(entry, api, "10")["resident"].items() if d != "cpu"} == resident
+    server.free()
+    stock = server.run(api.stock_equivalent(prompt))
+    assert np.array_equal(api.image_of(server, entry), api.image_of(server, stock))
+
+
+def _saved(server, entry: dict, node: str) -> np.ndarray:
+    image = entry["outputs"][node]["images"][0]
+    with Image.open(server.base / "output" / image["subfolder"] / image["filename"]) as picture:
+        return np.asarray(picture.convert("RGB"), dtype=np.int16)
+
+
+@ONCE
+def test_sdxl_larger_than_any_gpu_splits_over_two_of_them_and_over_one_and_ram(server, api):
+    """SDXL's UNet in fp16 (4.8 GiB) is larger than each simulated GPU: half and half over gpu:0 and gpu:1
+    (pipeline), then 1.5 GB on gpu:2 and the rest in RAM (stream); both give the stock graph's image. The same
+    code in every ComfyUI version as SD1.5's UNet (ComfyUI's openaimodel), so it runs once."""
+    prompt = api.load_prompt(server, WORKFLOWS / "sdxl_split_files_unet_on_gpu.json")
+    split = {"allocation": "gpu:0=50%, gpu:1=*", "mode": "pipeline"}
+    prompt["2"] = {"class_type": "DeviceControl_SplitModel", "inputs": {"model": ["1", 0], **split}}
+    again = {"allocation": "gpu:2=1.5GB, cpu=*", "mode": "stream", "trigger": ["11", 0]}
+    prompt["40"] = {"class_type": "DeviceControl_SplitModel", "inputs": {"model": ["1", 0], **again}}
+    prompt["41"] = _report("ram", ["40", 0])
+    prompt["42"] = {"class_type": "KSampler", "inputs": {**prompt["9"]["inputs"], "model": ["41", 0]}}
+    prompt["43"] = {"class_type": "VAEDecode", "inputs": {**prompt["11"]["inputs"], "samples": ["42", 0]}}
+    prompt["44"] = {"class_type": "SaveImage", "inputs": {"images": ["43", 0], "filename_prefix": "sdxl_ram"}}
+    server.free()
+    entry = server.run(prompt)
+    two = _model(entry, api, "3")
+    total = two["total_bytes"]
+    assert total > 4 * GiB and "SDXL" in two["name"], (total, two["name"])
+    resident = dict(two["resident"])
+    assert resident.pop("cpu", 0) < 2**20 and set(resident) == {"gpu:0", "gpu:1"}, resident
     assert abs(resident["gpu:0"] - total / 2) < 0.1 * total
-    assert {d: n for d, n in _model(entry, api, "8")["resident"].items() if d != "cpu"} == resident
+    ram = _model(entry, api, "41")["resident"]
+    assert 0 < ram["gpu:2"] <= 1.5e9 and ram["cpu"] == total - ram["gpu:2"], ram
+    assert _allocated(entry, api, "41")["gpu:1"] == 0, "the first split stayed behind"  # (the VAE is on gpu:0)
+    server.free()
+    stock = server.run(api.stock_equivalent(prompt))
+    expected = _saved(server, stock, "13")
+    assert np.array_equal(_saved(server, entry, "13"), expected), "pipeline over two GPUs"
+    assert np.array_equal(_saved(server, entry, "44"), expected), "stream from RAM"
 
 
 def test_move_to_gpu_ends_a_split_and_places_the_model_on_one_device(server, api):
