@@ -1,4 +1,5 @@
-"""Split Model Across Devices: one diffusion model over several GPUs (and the CPU), for models larger than any one."""
+"""Split Model Across Devices: one diffusion model or text encoder over several GPUs (and the CPU), for models larger
+than any one."""
 
 from __future__ import annotations
 
@@ -24,18 +25,18 @@ class SplitModel(surface.io.ComfyNode):
             display_name="Split Model Across Devices",
             category="device_control",
             description=(
-                "Shares one diffusion model out over several devices, in whole blocks and in model order, so a "
-                "model larger than any one GPU runs. pipeline: each block computes on the device that holds it "
-                "and only activations cross between devices. stream: the first device computes and the others "
-                "hold the rest, streamed to it ahead of use."
+                "Shares one diffusion model (MODEL) or text encoder (CLIP) out over several devices, in whole "
+                "blocks and in model order, so a model larger than any one GPU runs. pipeline: each block computes "
+                "on the device that holds it and only activations cross between devices. stream: the first device "
+                "computes and the others hold the rest, streamed to it ahead of use."
             ),
             inputs=[
                 io.MultiType.Input(
                     "model",
                     types=[io.Model, io.Clip, io.Vae],
                     tooltip=(
-                        "The diffusion model (MODEL) from any loader. A text encoder or a VAE is refused with what "
-                        "to do instead (Move To GPU puts it on one device)."
+                        "The diffusion model (MODEL) or the text encoders (CLIP) from any loader. A VAE is refused "
+                        "with what to do instead (Move To GPU puts it on one device)."
                     ),
                 ),
                 io.String.Input(
@@ -61,7 +62,9 @@ class SplitModel(surface.io.ComfyNode):
                 trigger_input(),
             ],
             outputs=[
-                io.Model.Output("split", display_name="model", tooltip="The same model (a clone carrying the split)."),
+                io.Custom("MODEL,CLIP").Output(
+                    "split", display_name="model", tooltip="The same model (a clone carrying the split)."
+                ),
                 trigger_output(),
                 io.String.Output(
                     "summary", display_name="summary", tooltip="Which blocks went where, bytes per device."

@@ -127,7 +127,7 @@ class Bench:
         split_model = m["core.placement.split_model"]
         layers = m["core.placement.plan"].layers_of(self.unet)
         allocation = m["core.placement.allocation"].parse_allocation(how)
-        request = split_model.SplitRequest(self.unet, self.unet, layers, allocation, setting, gpus[0])
+        request = split_model.SplitRequest(self.unet, (self.unet,), layers, allocation, setting, gpus[0])
         targets = {"gpu:0": gpus[0], "gpu:1": gpus[1], "cpu": m["core.devices.tensors"].HOST}
         held = split_model.load_split(request, split_model.plan_split(request), targets)
         return held.release

@@ -91,12 +91,12 @@ def attach_hops(
     root: torch.nn.Module,
     split: Split,
     targets: Mapping[str, Target],
-    home: Target,
+    home: Target | None = None,
     entry: torch.nn.Module | None = None,
 ) -> Hops:
     """Hooks on ``root`` (the module :func:`~core.placement.split.blocks_of` was given) that move what each block
-    and each layer is given to its device, and the output of ``entry`` (the module its caller calls; default
-    ``root``) to ``home``."""
+    and each layer is given to its device; with a ``home``, the output of ``entry`` (the module its caller calls;
+    default ``root``) goes there too."""
     hops = Hops()
     for part in split.parts:
         target = targets[str(part.device)]
@@ -107,9 +107,39 @@ def attach_hops(
             modules.setdefault(id(block_module), block_module)
             for module in modules.values():
                 hops.handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
-
-    hops.handles.append((entry or root).register_forward_hook(_back(home)))
+    if home is not None:
+        hops.handles.append((entry or root).register_forward_hook(_back(home)))
     return hops
+
+
+def return_to_caller(module: torch.nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
+    """Hooks that send ``module``'s output back to the device of the first tensor its call is given (a text
+    encoder's transformer: its caller builds the attention mask beside the embeddings, and joins the two after).
+    The first of ``module``'s pre-hooks, so it sees the call before any other hook moves it."""
+    origins: list[Target | None] = []
+
+    def remember(_module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        origins.append(next((target_of(t) for t in _tensors(args, kwargs)), None))
+
+    def back(_module: torch.nn.Module, _args: tuple, output: Any) -> Any:
+        origin = origins.pop() if origins else None
+        return output if origin is None or output is None else _hopped(output, origin)
+
+    return [
+        module.register_forward_pre_hook(remember, with_kwargs=True, prepend=True),
+        module.register_forward_hook(back, always_call=True),
+    ]
+
+
+def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors a call is given directly or in lists and tuples, in order."""
+    found: list[torch.Tensor] = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found.extend(item for item in value if isinstance(item, torch.Tensor))
+    return found
 
 
 def _back(home: Target) -> Callable[..., Any]:

@@ -22,7 +22,7 @@ from ..errors import DeviceControlError
 from ..units import format_bytes
 from .allocation import Allocation
 from .donors import Streamed, place_streamed
-from .pipeline import Hops, attach_hops, hop_inputs, place_split, send_home
+from .pipeline import Hops, attach_hops, hop_inputs, place_split, return_to_caller, send_home
 from .plan import Layer
 from .split import Split, blocks_of, split_blocks
 from .streaming import NO_HOOKS, LayerHooks, reset_flags, to_host
@@ -117,17 +117,22 @@ def split_of(root: torch.nn.Module) -> SplitModel | None:
 
 @dataclass(frozen=True)
 class SplitRequest:
-    """What to split: the module whose blocks are shared out (``entry``: the one its host calls), the layers to
-    share, the layers to keep beside the caller, the allocation, the mode and where the caller's tensors are."""
+    """What to split: the module whose blocks are shared out, the modules its host calls (``entries``: a diffusion
+    model, or each text encoder), the layers to share, the layers to keep beside the caller, the allocation, the
+    mode and where the caller's tensors are (``home``). Each entry's output goes home, unless modules are named
+    in ``to_caller``: then the output of each of those goes back to the device of the tensors its call was given
+    (a text encoder's transformer: its caller builds the embeddings and masks where the embedding layer is, and
+    joins them with the output)."""
 
     root: torch.nn.Module
-    entry: torch.nn.Module
+    entries: Sequence[torch.nn.Module]
     layers: Sequence[Layer]
     allocation: Allocation
     mode: str
     home: Target
     home_layers: Sequence[Layer] = ()
     key: object = None
+    to_caller: Sequence[torch.nn.Module] = ()
 
 
 def plan_split(request: SplitRequest) -> Split:
@@ -158,7 +163,7 @@ def load_split(
         for layer in held.home_layers:
             for name, _tensor, _is_param in list(own_tensors(layer.module)):
                 move_own(layer.module, name, request.home)
-        _place(held, request.entry)
+        _place(held, request)
     except torch.OutOfMemoryError as exc:
         where = next((name for name, t in targets.items() if _short_on(held, t)), "a device")
         held.release(hooks)
@@ -174,17 +179,22 @@ def load_split(
     return held
 
 
-def _place(held: SplitModel, entry: torch.nn.Module) -> None:
+def _place(held: SplitModel, request: SplitRequest) -> None:
     """Move the parts and attach what runs them: the hops of ``pipeline``, the streams of ``stream``; and, first
-    on ``entry``, a guard that lets go of the split when someone else moved the tree since (a clone loaded by
-    the host application's own loader), so the model then runs where its weights are."""
-    held.hops.handles.append(entry.register_forward_pre_hook(_guard(held), with_kwargs=True))
+    on each entry, a guard that lets go of the split when someone else moved the tree since (a clone loaded by
+    the host application's own loader), so the model then runs where its weights are; last, what sends each
+    entry's output back (home, or to its caller's device)."""
+    for entry in request.entries:
+        held.hops.handles.append(entry.register_forward_pre_hook(_guard(held), with_kwargs=True))
+        if not request.to_caller:
+            held.hops.handles.append(entry.register_forward_hook(send_home(held.home)))
+    for module in request.to_caller:
+        held.hops.handles += return_to_caller(module)
     if held.mode == "pipeline":
         place_split(held.split, held.targets)
-        held.hops.handles += attach_hops(held.root, held.split, held.targets, held.home, entry=entry).handles
-        return
-    held.streamed = place_streamed(held.split, held.targets, held.compute)
-    held.hops.handles.append(entry.register_forward_hook(send_home(held.home)))
+        held.hops.handles += attach_hops(held.root, held.split, held.targets).handles
+    else:
+        held.streamed = place_streamed(held.split, held.targets, held.compute)
 
 
 def _guard(held: SplitModel) -> Callable[..., tuple[tuple, dict] | None]:

@@ -25,11 +25,12 @@ log = logging.getLogger("device_control")
 
 
 def split_model(value: Any, allocation: str, mode: str, inventory: DeviceInventory) -> MoveResult:
-    """Share ``value``'s diffusion model out over the devices of ``allocation``, in ``mode``, now.
+    """Share ``value``'s diffusion model (a MODEL) or text encoders (a CLIP) out over the devices of
+    ``allocation``, in ``mode``, now.
 
     Raises:
         InvalidAllocationError: malformed, a device named twice, totals or a part that cannot hold the model.
-        DeviceControlError: not a MODEL, a device out of memory, or a load that did not go through Device
+        DeviceControlError: a VAE, a device out of memory, or a load that did not go through Device
             Control.
     """
     subject = require_subject(value)
@@ -46,7 +47,7 @@ def split_model(value: Any, allocation: str, mode: str, inventory: DeviceInvento
     patcher.patches_uuid = uuid.uuid4()
     patcher.load_device = backend_of(placement.first).comfy_device(placement.first)
     check_fits(plan_split(request_of(patcher, placement)), placement, snapshot)  # before any weight moves
-    if mode == "pipeline" and hasattr(patcher.model.diffusion_model, "output_blocks"):
+    if mode == "pipeline" and hasattr(getattr(patcher.model, "diffusion_model", None), "output_blocks"):
         patcher.set_model_output_block_patch(join_skip)  # a UNet's skip connections join on the hidden state's device
     log.info("[Device Control] Split Model Across Devices: %s, %s", moved.name, placement)
     surface.load_models_gpu([patcher])

@@ -6,7 +6,8 @@ allocation resolved on this machine and the mode) and ComfyUI's ``load_models_gp
 hold one entry for the model, on the first device of the allocation (where the sampler's tensors are); the bytes
 on each device are read from the weights (``core.placement.split_model``), which the eviction, the VRAM Report
 and the panel use. Only the diffusion model is shared out: the layers ComfyUI's model uses outside it (its sampling
-schedule) stay on the first device, beside the sampler's tensors.
+schedule) stay on the first device, beside the sampler's tensors. A CLIP's text encoders are shared out whole (the
+transformer of each, in order); each one's output goes back where its caller made its embeddings.
 """
 
 from __future__ import annotations
@@ -121,24 +122,48 @@ def _free_memory(inventory: DeviceInventory, snapshot: InventorySnapshot) -> dic
 
 
 def request_of(patcher: Any, placement: SplitPlacement) -> SplitRequest:
-    """What to share out of ``patcher``'s model: its diffusion model's layers; the others stay at home."""
+    """What to share out of ``patcher``'s model: a diffusion model's layers, or those of each text encoder of a
+    CLIP (whose transformers give their output back where their caller is); the others stay at home."""
     root = patcher.model
-    entry = getattr(root, SHARED.rstrip("."), None)
-    if entry is None:
-        raise DeviceControlError(
-            f"{type(root).__name__} has no diffusion model to split: connect the MODEL output of a loader."
-        )
+    entries = _entries(root)
+    inside = tuple(f"{name}." for name in entries)
     layers = partial_model_of(root).layers()
+    encoders = [] if SHARED in inside else [module.transformer for module in entries.values()]
     return SplitRequest(
         root=root,
-        entry=entry,
-        layers=[layer for layer in layers if layer.name.startswith(SHARED)],
+        entries=tuple(entries.values()),
+        layers=[layer for layer in layers if layer.name.startswith(inside)],
         allocation=placement.allocation,
         mode=placement.mode,
         home=_home(patcher),
-        home_layers=[layer for layer in layers if not layer.name.startswith(SHARED)],
+        home_layers=[layer for layer in layers if not layer.name.startswith(inside)],
         key=(placement, patcher.patches_uuid),
+        to_caller=tuple(encoders),
     )
+
+
+def _entries(root: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The modules of ``root`` that are shared out, by module path: its diffusion model, or its text encoders
+    (ComfyUI's ``SDClipModel`` and its kin: a module with ``encode_token_weights`` that runs its
+    ``transformer``, in model order).
+
+    Raises:
+        DeviceControlError: it has neither.
+    """
+    diffusion_model = getattr(root, SHARED.rstrip("."), None)
+    if diffusion_model is not None:
+        return {SHARED.rstrip("."): diffusion_model}
+    found = {name: module for name, module in root.named_modules() if name and _is_text_encoder(module)}
+    if not found:
+        raise DeviceControlError(
+            f"{type(root).__name__} has neither a diffusion model nor a text encoder to split: connect the MODEL "
+            "output of a diffusion-model loader or the CLIP output of a text-encoder loader."
+        )
+    return found
+
+
+def _is_text_encoder(module: torch.nn.Module) -> bool:
+    return hasattr(module, "encode_token_weights") and isinstance(getattr(module, "transformer", None), torch.nn.Module)
 
 
 def _home(patcher: Any) -> Target:
@@ -228,18 +253,13 @@ def release_split(root: Any, hooks: LayerHooks) -> int:
 
 
 def kind_check(subject: Subject) -> None:
-    """Only a MODEL is shared out.
+    """A MODEL or a CLIP is shared out.
 
     Raises:
-        DeviceControlError: a VAE or a CLIP, with what to do instead.
+        DeviceControlError: a VAE, with what to do instead.
     """
     if subject.kind == "VAE":
         raise DeviceControlError(
             "a VAE cannot be split: it decodes one image in one piece and is small; put it on one device with "
             "Move To GPU (or Load VAE With Device)."
-        )
-    if subject.kind != "MODEL":
-        raise DeviceControlError(
-            "Split Model Across Devices shares out a MODEL (a diffusion model); put a text encoder on one device "
-            "with Move To GPU (a budget streams what does not fit)."
         )

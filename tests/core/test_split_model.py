@@ -13,6 +13,7 @@ from core.devices.simulated import SimulatedDevice
 from core.devices.tensors import HOST
 from core.errors import DeviceControlError
 from core.placement.allocation import parse_allocation
+from core.placement.pipeline import hop
 from core.placement.plan import layers_of
 from core.placement.split_model import SplitRequest, load_split, plan_split, split_of
 from core.placement.streaming import LayerHooks
@@ -38,7 +39,7 @@ class Doubling(LayerHooks):
 
 
 def _request(net: torch.nn.Module, mode: str, text: str = "gpu:0=40%, gpu:1=40%, cpu=*") -> SplitRequest:
-    return SplitRequest(net, net, layers_of(net), parse_allocation(text), mode, HOST)
+    return SplitRequest(net, (net,), layers_of(net), parse_allocation(text), mode, HOST)
 
 
 def _doubled(net: torch.nn.Module) -> torch.nn.Module:
@@ -103,6 +104,57 @@ def test_a_device_out_of_memory_gives_every_layer_back_to_ram():
     assert big.allocated() == 0 and small.allocated() == 0 and split_of(net) is None
 
 
+class Transformer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class TextEncoderShaped(torch.nn.Module):
+    """A text encoder's shape (ComfyUI's ``SDClipModel``): the caller's embeddings and mask are on one device, its
+    transformer runs, and the output is joined with the mask outside the transformer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.transformer = Transformer()
+
+    def forward(self, embeds: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.transformer(embeds) * mask
+
+
+@pytest.mark.parametrize("mode", ["pipeline", "stream"])
+def test_a_text_encoder_split_gives_its_output_back_beside_the_callers_mask(mode):
+    encoder = TextEncoderShaped()
+    embeds, mask = torch.randn(2, 5, 32), (torch.rand(2, 5, 1) > 0.3).float()
+    with torch.no_grad():
+        expected = encoder(embeds, mask)
+    gpus = SimulatedDevice(1 << 30, ordinal=0), SimulatedDevice(1 << 30, ordinal=1)
+    targets = {"gpu:0": gpus[0], "gpu:1": gpus[1]}
+    allocation = parse_allocation("gpu:0=50%, gpu:1=*")
+    on_gpu0 = hop(embeds, gpus[0]), hop(mask, gpus[0])  # where the caller builds them
+    if mode == "pipeline":  # without giving the transformer's output back, it stays on gpu:1, away from the mask
+        without = SplitRequest(encoder, (encoder,), layers_of(encoder), allocation, mode, gpus[0])
+        held = load_split(without, plan_split(without), targets)
+        with torch.no_grad(), pytest.raises(RuntimeError, match="same device"):
+            encoder(*on_gpu0)
+        held.release()
+    request = SplitRequest(
+        encoder, (encoder,), layers_of(encoder), allocation, mode, gpus[0], to_caller=(encoder.transformer,)
+    )
+    held = load_split(request, plan_split(request), targets)
+    assert sum(n for _d, n in held.per_device()) == sum(layer.nbytes for layer in layers_of(encoder))
+    with torch.no_grad():
+        out = encoder(*on_gpu0)
+    assert out.sim_device is gpus[0] and torch.equal(out.cpu(), expected)
+    held.release()
+
+
 @pytest.mark.gpu(count=2, proves="pipeline and stream over two real GPUs give the one-GPU output, each GPU its part")
 @pytest.mark.parametrize("mode", ["pipeline", "stream"])
 def test_two_real_gpus_hold_their_parts_and_compute_the_one_gpu_result(mode):
@@ -112,7 +164,7 @@ def test_two_real_gpus_hold_their_parts_and_compute_the_one_gpu_result(mode):
         expected = FluxShaped().to(cuda[0])(img, t).cpu()
     net = FluxShaped()
     before = [torch.cuda.memory_allocated(device) for device in cuda]
-    request = SplitRequest(net, net, layers_of(net), parse_allocation("gpu:0=50%, gpu:1=*"), mode, cuda[0])
+    request = SplitRequest(net, (net,), layers_of(net), parse_allocation("gpu:0=50%, gpu:1=*"), mode, cuda[0])
     held = load_split(request, plan_split(request), {"gpu:0": cuda[0], "gpu:1": cuda[1]})
     for device, was, (_name, part) in zip(cuda, before, held.per_device(), strict=True):
         assert torch.cuda.memory_allocated(device) - was >= part > 0

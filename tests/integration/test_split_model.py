@@ -124,6 +124,49 @@ def test_a_split_gives_comfyuis_image_and_each_device_holds_its_part(server, api
     assert all(v == 0 for v in _allocated(again, api, "21").values()), "the split stayed behind"
 
 
+def _clip_prompt(lora: bool) -> dict:
+    """The graph of :func:`_prompt`, with ComfyUI's stock LoRA loader on the model and the text encoder."""
+    prompt = _prompt(None, lora=lora)
+    if lora:
+        prompt["5"]["class_type"] = "LoraLoader"
+        prompt["5"]["inputs"].update(clip=["1", 1], strength_clip=1.0)
+        for node in ("2", "3"):
+            prompt[node]["inputs"]["clip"] = ["5", 1]
+    return prompt
+
+
+def _split_clip(prompt: dict, allocation: str, mode: str) -> dict:
+    """``prompt`` with its text encoder split ("60", reported by "61") before both prompts are encoded."""
+    clip = prompt["2"]["inputs"]["clip"]
+    prompt["60"] = {
+        "class_type": "DeviceControl_SplitModel",
+        "inputs": {"model": clip, "allocation": allocation, "mode": mode},
+    }
+    prompt["61"] = _report("clip split", ["60", 0])
+    for node in ("2", "3"):
+        prompt[node]["inputs"]["clip"] = ["61", 0]
+    return prompt
+
+
+@pytest.mark.parametrize(("mode", "lora"), [("pipeline", False), ("stream", True)], ids=["pipeline", "stream-lora"])
+def test_a_text_encoder_split_gives_comfyuis_image_and_each_device_holds_its_part(server, api, mode, lora):
+    stock = api.image_of(server, server.run(_clip_prompt(lora)))
+    entry = server.run(_split_clip(_clip_prompt(lora), "gpu:1=50%, gpu:2=*", mode))
+    assert np.array_equal(api.image_of(server, entry), stock), f"{mode}: not the image of ComfyUI's own nodes"
+    clip = next(m for m in api.report_json(entry, "61")["models"] if m["component"] == "CLIP")
+    resident, total = dict(clip["resident"]), clip["total_bytes"]
+    # What is outside the encoder's transformer (a scalar) stays beside the caller, in RAM for a simulated GPU.
+    assert resident.pop("cpu", 0) < 2**20 and set(resident) == {"gpu:1", "gpu:2"}, resident
+    assert sum(resident.values()) > total - 2**20 and min(resident.values()) > 0.3 * total, resident
+    assert f"{mode} over gpu:1, gpu:2" in entry["outputs"]["60"]["text"][0]
+    allocated = _allocated(entry, api, "61")
+    assert all(allocated[d] >= resident[d] for d in resident), (allocated, resident)
+    # ComfyUI's own nodes on the same text encoder afterwards: the split is given back, the image is theirs.
+    again = server.run(_clip_prompt(lora))
+    assert np.array_equal(api.image_of(server, again), stock)
+    assert all(v == 0 for v in _allocated(again, api, "21").values()), "the split stayed behind"
+
+
 def test_a_lora_gives_comfyuis_image_on_a_split_model(server, api):
     stock = api.image_of(server, server.run(_prompt(None, lora=True)))
     entry = server.run(_prompt({"allocation": ALLOCATION, "mode": "pipeline"}, lora=True))
