@@ -1,8 +1,9 @@
 """One model over two simulated GPUs and the CPU, in this process, with ComfyUI's own model classes: SD1.5's UNet,
-SD3.5's MMDiT (four joint blocks), Flux (one block of each kind, full width) and Wan 2.1 (small). In ``pipeline``
-mode (each part computes where it lives) and in ``stream`` mode (the first GPU computes, the second GPU and the
-CPU stream their parts to it), one forward pass is bit for bit the forward on one device, its output is on the
-caller's device, and every device holds its part's bytes.
+SD3.5's MMDiT (four joint blocks), Flux (one block of each kind, full width) and Wan 2.1 (small); and ComfyUI's T5
+text encoder (small), shared out as the node shares a CLIP. In ``pipeline`` mode (each part computes where it
+lives) and in ``stream`` mode (the first GPU computes, the second GPU and the CPU stream their parts to it), one
+forward pass is bit for bit the forward on one device, its output is on the caller's device, and every device
+holds its part's bytes.
 
 The models are loaded by ComfyUI's ``load_diffusion_model`` in fp32 and their standard layers made the pack's cast
 layers, as Move To GPU makes them. A UNet joins each skip connection to the hidden state outside any block: the
@@ -101,3 +102,74 @@ def test_a_comfyui_model_split_over_two_gpus_and_the_cpu_computes_the_one_device
 
 def _modules(split: Any, index: int) -> list[torch.nn.Module]:
     return [layer.module for block in split.parts[index].blocks for layer in block.layers]
+
+
+#: A T5 encoder of ComfyUI's class at a small size: what Flux, SD3.5 and Chroma encode their prompts with.
+T5_CONFIG = {
+    "d_ff": 64,
+    "d_kv": 8,
+    "d_model": 32,
+    "dense_act_fn": "gelu_pytorch_tanh",
+    "is_gated_act": True,
+    "layer_norm_epsilon": 1e-06,
+    "model_type": "t5",
+    "num_heads": 4,
+    "num_layers": 6,
+    "relative_attention_num_buckets": 32,
+    "vocab_size": 128,
+}
+
+
+def _t5_clip(tmp_path: Any, module: Any) -> torch.nn.Module:
+    """ComfyUI's ``SD1ClipModel`` holding ComfyUI's T5 (``SDClipModel`` with ``t5.T5``, attention masks on and the
+    padding zeroed, as the families that mask do), seeded, its standard layers made the pack's cast layers."""
+    import json
+
+    sd1_clip, t5 = importlib.import_module("comfy.sd1_clip"), importlib.import_module("comfy.text_encoders.t5")
+    config = tmp_path / "t5_small.json"
+    config.write_text(json.dumps(T5_CONFIG))
+
+    def encoder(**kwargs: Any) -> torch.nn.Module:
+        options = {"special_tokens": {"end": 1, "pad": 0}, "enable_attention_masks": True, "zero_out_masked": True}
+        return sd1_clip.SDClipModel(textmodel_json_config=str(config), model_class=t5.T5, **options, **kwargs)
+
+    clip = sd1_clip.SD1ClipModel(dtype=torch.float32, clip_name="t5xxl", clip_model=encoder)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in clip.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    standard = module("nodes.surface").standard_layer_classes()
+    module("core.weights.ops").convert(clip, accept=lambda cls: cls in standard)
+    return clip
+
+
+@pytest.mark.parametrize("mode", ["pipeline", "stream"])
+def test_comfyuis_t5_text_encoder_split_over_two_gpus_and_the_cpu_encodes_as_on_one_device(comfy, tmp_path, mode):
+    _comfy_sd, module = comfy
+    clip = _t5_clip(tmp_path, module)
+    tokens = {"t5xxl": [[(token, 1.0) for token in (5, 17, 33, 90, 1, 0, 0, 0)]]}
+    with torch.no_grad():
+        expected = clip.encode_token_weights(tokens)
+    assert expected[0][0, :5].std() > 0 and not expected[0][0, 5:].any()  # the padding is zeroed by the mask
+
+    patcher = importlib.import_module("comfy.model_patcher").ModelPatcher(
+        clip, torch.device("cpu"), torch.device("cpu")
+    )
+    splits, tensors, simulated = (
+        module(name) for name in ("nodes.bridge.splits", "core.devices.tensors", "core.devices.simulated")
+    )
+    gpus = simulated.SimulatedDevice(1 << 30, ordinal=0), simulated.SimulatedDevice(1 << 30, ordinal=1)
+    targets = (("gpu:0", gpus[0]), ("gpu:1", gpus[1]), ("cpu", tensors.HOST))
+    allocation = module("core.placement.allocation").parse_allocation(ALLOCATION)
+    request = splits.request_of(patcher, splits.SplitPlacement(allocation, mode, targets, ALLOCATION))
+    split_model = module("core.placement.split_model")
+    split = split_model.plan_split(request)
+    assert split.parts[1].blocks[0].name.startswith("clip_t5xxl.transformer.encoder.block."), split.summary()
+    held = split_model.load_split(request, split, dict(targets))
+    assert gpus[1].allocated() > 0 and gpus[0].allocated() > 0, split.summary()
+    with torch.no_grad():
+        out = clip.encode_token_weights(tokens)
+    assert not hasattr(out[0], "sim_device"), "the conditioning is not on ComfyUI's intermediate device"
+    assert torch.equal(out[0], expected[0]), f"{mode}: not the one-device encoding"
+    held.release()
+    assert gpus[0].allocated() == 0 and gpus[1].allocated() == 0
