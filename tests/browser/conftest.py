@@ -92,13 +92,15 @@ def frontend_version(request) -> str:
 
 
 @pytest.fixture(scope="module")
-def browser_server(synthetic_models, comfy_factory, tmp_path_factory, frontend_version) -> Iterator[Any]:
-    """A ComfyUI with a simulated 8 GiB GPU, so the page shows a GPU placement on any machine."""
+def browser_server(request, synthetic_models, comfy_factory, tmp_path_factory, frontend_version) -> Iterator[Any]:
+    """A ComfyUI with a simulated 8 GiB GPU, so the page shows a GPU placement on any machine (a module's
+    ``SIMULATE_GPU`` asks for other simulated GPUs)."""
     extra: tuple[str, ...] = ()
     if frontend_version != PINNED:
         extra = ("--front-end-root", str(frontend_root(frontend_version)))
+    gpus = getattr(request.module, "SIMULATE_GPU", "8GiB")
     server = comfy_factory(
-        tmp_path_factory.mktemp("browser-base"), env={"DEVICE_CONTROL_SIMULATE_GPU": "8GiB"}, extra_args=extra
+        tmp_path_factory.mktemp("browser-base"), env={"DEVICE_CONTROL_SIMULATE_GPU": gpus}, extra_args=extra
     )
     # First-run dialogs (templates, tutorial) would cover the canvas; a returning user has dismissed them.
     server.post("/settings/Comfy.TutorialCompleted", True)

@@ -31,6 +31,14 @@ function button(label, className, onClick, title) {
   return node;
 }
 
+/** The colours of a split model's parts in its bar, one per device in the order the split fills them. */
+const PART_COLORS = ["#2196f3", "#9c27b0", "#00bcd4", "#795548"];
+
+/** The devices other than the CPU that hold some of ``model``, in the order the report lists them. */
+function devicesHolding(model) {
+  return Object.entries(model.resident).filter(([id, size]) => id !== "cpu" && size > 0);
+}
+
 function bar(segments) {
   const outer = element("div", "dc-bar");
   Object.assign(outer.style, {
@@ -178,15 +186,23 @@ export class PanelView {
         .join(", ");
       const head = element("div", "dc-model-name", `${model.component} ${model.name}, ${bytes(model.total_bytes)}`);
       head.style.fontWeight = "600";
-      const share = model.total_bytes ? onDevice / model.total_bytes : 0;
+      const parts = devicesHolding(model);
+      row.dataset.parts = JSON.stringify(Object.fromEntries(parts));
       const line = element("div", "dc-model-text", `${where || "nothing resident"} [${flags}]`);
       const controls = element("div", "dc-model-actions");
-      const resident = percent(onDevice, model.total_bytes);
+      const shares = parts.length > 1 ? parts : [[model.compute_device, onDevice]];
+      const shareText = shares.map(([id, size]) => `${percent(size, model.total_bytes)} on ${id}`).join(", ");
       controls.append(
-        element("span", "dc-model-share", `${resident} on ${model.compute_device} `),
+        element("span", "dc-model-share", `${parts.length > 1 ? "split: " : ""}${shareText} `),
         button("Offload", "dc-offload", () => this.actions.offload(model.key, model.name), "Move it back to RAM"),
       );
-      row.append(head, bar([["dc-resident", share, "#2196f3"]]), line);
+      const segments = shares.map(([id, size], i) => [
+        i ? "dc-resident-part" : "dc-resident",
+        model.total_bytes ? size / model.total_bytes : 0,
+        PART_COLORS[i % PART_COLORS.length],
+      ]);
+      segments.forEach((segment, i) => (segment[0] += ` dc-on-${shares[i][0].replace(":", "-")}`));
+      row.append(head, bar(segments), line);
       if (model.note) row.append(element("div", "dc-model-note", model.note));
       row.append(controls);
       row.style.marginBottom = "8px";
