@@ -22,7 +22,7 @@ import torch
 
 from ..errors import InvalidSizeError
 from .backends import Target, backend_of, label_of, target_of
-from .tensors import count_copy, tensor_bytes
+from .tensors import HOST, count_copy, same_target, tensor_bytes
 
 log = logging.getLogger("device_control")
 
@@ -80,8 +80,8 @@ def queue_copy(
     tensor: torch.Tensor, target: Target, *, copy: bool = False, rows: tuple[int, int] | None = None
 ) -> QueuedCopy:
     """Queue a copy of ``tensor`` (elsewhere; its ``rows`` only, when given) to ``target`` on its side stream; the
-    host waits only when the backend has no streams or the host memory is not pinned. ``copy``: the result must
-    not share memory with ``tensor`` (it will be changed, by a patch)."""
+    host waits only when the backend has no streams or the tensor is in host memory that is not pinned. ``copy``:
+    the result must not share memory with ``tensor`` (it will be changed, by a patch)."""
     backend = backend_of(target)
     source = _rows_of(tensor, rows)
     count_copy(target_of(tensor), target, tensor_bytes(source))
@@ -89,8 +89,11 @@ def queue_copy(
     if stream is None:
         moved = backend.copy_to(source, target, copy=copy)
         return QueuedCopy(tensor, _version(tensor), target, moved, None, copy, rows)
+    # From pinned host memory or from another device's memory (a split model's donor GPU) the copy needs no
+    # host work: only a copy from pageable host memory makes the host wait.
+    from_device = not same_target(target_of(source), HOST)
     with backend.on_stream(stream):
-        moved = backend.copy_to(source, target, non_blocking=backend.is_pinned(source), copy=copy)
+        moved = backend.copy_to(source, target, non_blocking=from_device or backend.is_pinned(source), copy=copy)
     return QueuedCopy(tensor, _version(tensor), target, moved, backend.record(stream), copy, rows)
 
 

@@ -5,12 +5,15 @@ device out of memory gives everything back. Then the same on two real GPUs (skip
 from __future__ import annotations
 
 import gc
+import time
 
 import pytest
 import torch
 
+from core.devices.simlink import LinkCost
 from core.devices.simulated import SimulatedDevice
 from core.devices.tensors import HOST
+from core.devices.transfer import queue_copy, use_copy
 from core.errors import DeviceControlError
 from core.placement.allocation import parse_allocation
 from core.placement.pipeline import hop
@@ -173,3 +176,20 @@ def test_two_real_gpus_hold_their_parts_and_compute_the_one_gpu_result(mode):
     assert out.device == cuda[0] and torch.allclose(out.cpu(), expected, rtol=1e-5, atol=1e-6)
     held.release()
     assert torch.cuda.memory_allocated(cuda[1]) == before[1]
+
+
+def test_a_donor_gpus_weight_queued_ahead_leaves_the_host_free_and_an_activation_gets_memory_of_its_own():
+    """A copy between two GPUs needs no host work (as on CUDA, where it is a copy on the devices' streams): a
+    donor's weight queued ahead returns before its copy ends; a blocking copy (an activation hop) is the data
+    again in memory of its own, which the next block may change in place."""
+    link = LinkCost.parse("1GB/s,0us")
+    gpus = SimulatedDevice(1 << 30, ordinal=0, link=link), SimulatedDevice(1 << 30, ordinal=1, link=link)
+    weight = gpus[1].place(torch.randn(64 * 1024**2 // 4))  # 64 MiB: 67 ms on this link
+    queued = queue_copy(weight, gpus[0])
+    assert time.monotonic() < queued.event.ready_at, "the host waited for a copy between two GPUs"
+    moved = use_copy(queued, gpus[0])
+    assert moved.sim_device is gpus[0] and torch.equal(moved.cpu(), weight.cpu())
+    assert gpus[0].allocated() == 64 * 1024**2 and gpus[1].allocated() == 64 * 1024**2
+    hopped = hop(weight, gpus[0])
+    hopped.add_(1)
+    assert not torch.equal(hopped.cpu(), weight.cpu())

@@ -91,10 +91,16 @@ class SimulatedBackend(DeviceBackend):
     ) -> torch.Tensor:
         # The device shares host storage: a copy that will be changed (patched) must not be the stored weight,
         # and a copy of part of a weight (a row slice) is booked for its own bytes, not the whole storage's.
-        # From another simulated device (an activation between the parts of a split model) the copy goes through
-        # the host, leaving the source where it is.
+        # From another simulated device the source stays where it is. A blocking copy (an activation between the
+        # parts of a split model, which the next block may change in place) gets memory of its own; a queued one
+        # (a donor GPU's weight streamed ahead, only read) shares the host memory, as a copy between two GPUs
+        # costs the host nothing: its cost is the link's time.
         if isinstance(tensor, SimTensor) and tensor.sim_device is not target:
-            tensor = tensor.cpu()
+            if non_blocking and not copy:
+                with torch._C.DisableTorchFunctionSubclass():
+                    tensor = tensor.detach().as_subclass(torch.Tensor)
+            else:
+                tensor = tensor.cpu()
         source = tensor.detach().clone() if copy else _own_storage(tensor.detach())
         return target.place(source, host_waits=not non_blocking)
 
