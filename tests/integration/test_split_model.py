@@ -256,6 +256,24 @@ def test_the_example_workflow_splits_flux_over_two_gpus_with_the_stock_image(ser
     assert np.array_equal(api.image_of(server, entry), api.image_of(server, stock))
 
 
+@ONCE
+def test_flux_with_a_stock_lora_streamed_from_a_second_gpu_gives_the_stock_image(server, api, synthetic_models):
+    """The example's DiT with a LoRA from ComfyUI's stock loader, in stream mode (gpu:0 computes, gpu:1 lends):
+    the LoRA is applied once to the stored weights, those streamed from gpu:1 too."""
+    prompt = api.load_prompt(server, EXAMPLE)
+    lora = {"model": ["1", 0], "lora_name": synthetic_models["lora_flux"].name, "strength_model": 1.0}
+    prompt["20"] = {"class_type": "LoraLoaderModelOnly", "inputs": lora}
+    prompt["2"]["inputs"].update(model=["20", 0], mode="stream")
+    server.free()
+    entry = server.run(prompt)
+    resident = _model(entry, api, "10")["resident"]
+    assert resident.get("gpu:0", 0) > 0 and resident.get("gpu:1", 0) > 0, resident
+    assert "stream over gpu:0, gpu:1" in entry["outputs"]["2"]["text"][0]
+    server.free()
+    stock = server.run(api.stock_equivalent(prompt))
+    assert np.array_equal(api.image_of(server, entry), api.image_of(server, stock))
+
+
 def _saved(server, entry: dict, node: str) -> np.ndarray:
     image = entry["outputs"][node]["images"][0]
     with Image.open(server.base / "output" / image["subfolder"] / image["filename"]) as picture:
@@ -263,15 +281,18 @@ def _saved(server, entry: dict, node: str) -> np.ndarray:
 
 
 @ONCE
-def test_sdxl_larger_than_any_gpu_splits_over_two_of_them_and_over_one_and_ram(server, api):
-    """SDXL's UNet in fp16 (4.8 GiB) is larger than each simulated GPU: half and half over gpu:0 and gpu:1
-    (pipeline), then 1.5 GB on gpu:2 and the rest in RAM (stream); both give the stock graph's image. The same
-    code in every ComfyUI version as SD1.5's UNet (ComfyUI's openaimodel), so it runs once."""
+def test_sdxl_larger_than_any_gpu_splits_over_two_of_them_and_over_one_and_ram(server, api, synthetic_models):
+    """SDXL's UNet in fp16 (4.8 GiB) with a LoRA from ComfyUI's stock loader is larger than each simulated GPU:
+    half and half over gpu:0 and gpu:1 (pipeline), then 1.5 GB on gpu:2 and the rest in RAM (stream); both give
+    the image of the same model in RAM. The same code in every ComfyUI version as SD1.5's UNet (ComfyUI's
+    openaimodel), so it runs once."""
     prompt = api.load_prompt(server, WORKFLOWS / "sdxl_split_files_unet_on_gpu.json")
+    lora = {"model": ["1", 0], "lora_name": synthetic_models["lora_sdxl"].name, "strength_model": 1.0}
+    prompt["39"] = {"class_type": "LoraLoaderModelOnly", "inputs": lora}
     split = {"allocation": "gpu:0=50%, gpu:1=*", "mode": "pipeline"}
-    prompt["2"] = {"class_type": "DeviceControl_SplitModel", "inputs": {"model": ["1", 0], **split}}
+    prompt["2"] = {"class_type": "DeviceControl_SplitModel", "inputs": {"model": ["39", 0], **split}}
     again = {"allocation": "gpu:2=1.5GB, cpu=*", "mode": "stream", "trigger": ["11", 0]}
-    prompt["40"] = {"class_type": "DeviceControl_SplitModel", "inputs": {"model": ["1", 0], **again}}
+    prompt["40"] = {"class_type": "DeviceControl_SplitModel", "inputs": {"model": ["39", 0], **again}}
     prompt["41"] = _report("ram", ["40", 0])
     prompt["42"] = {"class_type": "KSampler", "inputs": {**prompt["9"]["inputs"], "model": ["41", 0]}}
     prompt["43"] = {"class_type": "VAEDecode", "inputs": {**prompt["11"]["inputs"], "samples": ["42", 0]}}
@@ -287,9 +308,15 @@ def test_sdxl_larger_than_any_gpu_splits_over_two_of_them_and_over_one_and_ram(s
     ram = _model(entry, api, "41")["resident"]
     assert 0 < ram["gpu:2"] <= 1.5e9 and ram["cpu"] == total - ram["gpu:2"], ram
     assert _allocated(entry, api, "41")["gpu:1"] == 0, "the first split stayed behind"  # (the VAE is on gpu:0)
+    # The same graph without the splits: the same fp16 weights, patched the same way, all in RAM. (ComfyUI's
+    # stock loader would store them in fp32 on a CPU, where the patched weights round differently.)
+    unsplit = {key: node for key, node in prompt.items() if key not in ("2", "40")}
+    for report in ("3", "41"):
+        unsplit[report]["inputs"]["value"] = ["39", 0]
     server.free()
-    stock = server.run(api.stock_equivalent(prompt))
-    expected = _saved(server, stock, "13")
+    one = server.run(unsplit)
+    expected = _saved(server, one, "13")
+    assert np.array_equal(_saved(server, one, "44"), expected)
     assert np.array_equal(_saved(server, entry, "13"), expected), "pipeline over two GPUs"
     assert np.array_equal(_saved(server, entry, "44"), expected), "stream from RAM"
 
