@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 import torch
 
+from tools.runtime import DEFAULT_VERSION, NEWEST_VERSION
+
 KINDS = ("unet", "sd35", "flux", "wan21")
 ALLOCATION = "gpu:0=40%, gpu:1=30%, cpu=*"
 
@@ -104,7 +106,8 @@ def _modules(split: Any, index: int) -> list[torch.nn.Module]:
     return [layer.module for block in split.parts[index].blocks for layer in block.layers]
 
 
-#: A T5 encoder of ComfyUI's class at a small size: what Flux, SD3.5 and Chroma encode their prompts with.
+#: A T5 encoder of ComfyUI's class at a small size: what Flux, SD3.5 and Chroma encode their prompts with. Its test
+#: runs once, in the newest version's pass: the node's own text-encoder split runs in every pass.
 T5_CONFIG = {
     "d_ff": 64,
     "d_kv": 8,
@@ -143,6 +146,7 @@ def _t5_clip(tmp_path: Any, module: Any) -> torch.nn.Module:
     return clip
 
 
+@pytest.mark.skipif(DEFAULT_VERSION != NEWEST_VERSION, reason="runs once, in the newest version's pass")
 @pytest.mark.parametrize("mode", ["pipeline", "stream"])
 def test_comfyuis_t5_text_encoder_split_over_two_gpus_and_the_cpu_encodes_as_on_one_device(comfy, tmp_path, mode):
     _comfy_sd, module = comfy

@@ -148,7 +148,11 @@ def _split_clip(prompt: dict, allocation: str, mode: str) -> dict:
     return prompt
 
 
-@pytest.mark.parametrize(("mode", "lora"), [("pipeline", False), ("stream", True)], ids=["pipeline", "stream-lora"])
+@pytest.mark.parametrize(
+    ("mode", "lora"),
+    [("pipeline", False), pytest.param("stream", True, id="stream-lora", marks=ONCE)],
+    ids=["pipeline", "stream-lora"],
+)
 def test_a_text_encoder_split_gives_comfyuis_image_and_each_device_holds_its_part(server, api, mode, lora):
     stock = api.image_of(server, server.run(_clip_prompt(lora)))
     entry = server.run(_split_clip(_clip_prompt(lora), "gpu:1=50%, gpu:2=*", mode))
