@@ -122,12 +122,13 @@ def return_to_caller(module: torch.nn.Module) -> list[torch.utils.hooks.Removabl
         origins.append(next((target_of(t) for t in _tensors(args, kwargs)), None))
 
     def back(_module: torch.nn.Module, _args: tuple, output: Any) -> Any:
+        # Last in, first out: a call that raised leaves its origin behind, and the next call still finds its own.
         origin = origins.pop() if origins else None
-        return output if origin is None or output is None else _hopped(output, origin)
+        return output if origin is None else _hopped(output, origin)
 
     return [
         module.register_forward_pre_hook(remember, with_kwargs=True, prepend=True),
-        module.register_forward_hook(back, always_call=True),
+        module.register_forward_hook(back),
     ]
 
 

@@ -153,7 +153,10 @@ def _entries(root: torch.nn.Module) -> dict[str, torch.nn.Module]:
     diffusion_model = getattr(root, SHARED.rstrip("."), None)
     if diffusion_model is not None:
         return {SHARED.rstrip("."): diffusion_model}
-    found = {name: module for name, module in root.named_modules() if name and _is_text_encoder(module)}
+    found: dict[str, torch.nn.Module] = {}
+    for name, module in root.named_modules():  # parents come first: an encoder inside another is the other's
+        if name and _is_text_encoder(module) and not name.startswith(tuple(f"{n}." for n in found)):
+            found[name] = module
     if not found:
         raise DeviceControlError(
             f"{type(root).__name__} has neither a diffusion model nor a text encoder to split: connect the MODEL "
