@@ -49,9 +49,11 @@ def report_json(entry: dict[str, Any], node_id: str = "1") -> dict[str, Any]:
     return json.loads(entry["outputs"][node_id]["device_control_report"][0])
 
 
-def image_of(server: ComfyServer, entry: dict[str, Any]) -> np.ndarray:
-    """The first image a finished prompt saved, as RGB pixels (int16, so differences do not wrap)."""
-    image = next(v for v in entry["outputs"].values() if "images" in v)["images"][0]
+def image_of(server: ComfyServer, entry: dict[str, Any], node: str | None = None) -> np.ndarray:
+    """The first image a finished prompt saved (that ``node`` saved, when given), as RGB pixels (int16, so
+    differences do not wrap)."""
+    saved = entry["outputs"][node] if node else next(v for v in entry["outputs"].values() if "images" in v)
+    image = saved["images"][0]
     with Image.open(server.base / "output" / image["subfolder"] / image["filename"]) as picture:
         return np.asarray(picture.convert("RGB"), dtype=np.int16)
 

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
 
 from tools.comfy_server import ComfyError
 from tools.make_fixtures import SD15_CHECKPOINT, SD15_CHECKPOINT_B, SD15_LORA
@@ -278,12 +277,6 @@ def test_flux_with_a_stock_lora_streamed_from_a_second_gpu_gives_the_stock_image
     assert np.array_equal(api.image_of(server, entry), api.image_of(server, stock))
 
 
-def _saved(server, entry: dict, node: str) -> np.ndarray:
-    image = entry["outputs"][node]["images"][0]
-    with Image.open(server.base / "output" / image["subfolder"] / image["filename"]) as picture:
-        return np.asarray(picture.convert("RGB"), dtype=np.int16)
-
-
 @ONCE
 def test_sdxl_larger_than_any_gpu_splits_over_two_of_them_and_over_one_and_ram(server, api, synthetic_models):
     """SDXL's UNet in fp16 (4.8 GiB) with a LoRA from ComfyUI's stock loader is larger than each simulated GPU:
@@ -319,10 +312,10 @@ def test_sdxl_larger_than_any_gpu_splits_over_two_of_them_and_over_one_and_ram(s
         unsplit[report]["inputs"]["value"] = ["39", 0]
     server.free()
     one = server.run(unsplit)
-    expected = _saved(server, one, "13")
-    assert np.array_equal(_saved(server, one, "44"), expected)
-    assert np.array_equal(_saved(server, entry, "13"), expected), "pipeline over two GPUs"
-    assert np.array_equal(_saved(server, entry, "44"), expected), "stream from RAM"
+    expected = api.image_of(server, one, "13")
+    assert np.array_equal(api.image_of(server, one, "44"), expected)
+    assert np.array_equal(api.image_of(server, entry, "13"), expected), "pipeline over two GPUs"
+    assert np.array_equal(api.image_of(server, entry, "44"), expected), "stream from RAM"
 
 
 def test_move_to_gpu_ends_a_split_and_places_the_model_on_one_device(server, api):
