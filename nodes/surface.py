@@ -69,6 +69,7 @@ COMFY_SYMBOLS: dict[str, tuple[str, ...]] = {
         "DISABLE_SMART_MEMORY",
         "LoadedModel",
         "TOTAL_PINNED_MEMORY",
+        "cleanup_models",
         "cpu_state",
         "current_loaded_models",
         "get_torch_device",
@@ -114,6 +115,8 @@ COMFY_ATTRIBUTES: dict[str, tuple[str, ...]] = {
         "apply_hooks",
         "backup",
         "clone",
+        "clone_base_uuid",
+        "current_loaded_device",
         "detach",
         "forced_hooks",
         "get_all_callbacks",
@@ -124,6 +127,7 @@ COMFY_ATTRIBUTES: dict[str, tuple[str, ...]] = {
         "loaded_size",
         "model",
         "model_dtype",
+        "model_patches_to",
         "model_size",
         "offload_device",
         "partially_load",
@@ -145,7 +149,14 @@ COMFY_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     ),
     "comfy.model_patcher:ModelPatcherDynamic": ("get_non_dynamic_delegate",),
     "comfy.model_base:BaseModel": ("get_dtype", "load_model_weights", "manual_cast_dtype", "model_config"),
-    "comfy.model_management:LoadedModel": ("currently_used", "device", "model", "model_unload"),
+    "comfy.model_management:LoadedModel": (
+        "currently_used",
+        "device",
+        "model",
+        "model_finalizer",
+        "model_unload",
+        "real_model",
+    ),
     "comfy.sd:CLIP": ("clone", "cond_stage_model", "load_sd", "patcher"),
     "comfy.sd:VAE": ("device", "first_stage_model", "patcher", "throw_exception_if_invalid", "vae_dtype"),
     "comfy.supported_models:SD15": ("clip_target",),  # each family defines its own: SD15 stands for them
@@ -171,6 +182,7 @@ OPTIONAL: frozenset[str] = frozenset(
         "comfy.model_management.TOTAL_PINNED_MEMORY",
         "comfy.utils.convert_old_quants",
         "comfy.model_patcher:ModelPatcherDynamic.get_non_dynamic_delegate",
+        "comfy.model_patcher:ModelPatcher.clone_base_uuid",
         "comfy.model_patcher:ModelPatcher.is_dynamic",
         "comfy.model_patcher:ModelPatcher.model.model_offload_buffer_memory",
         "comfy.patcher_extension.CallbacksMP",
@@ -284,6 +296,12 @@ def loaded_models() -> list[Any]:
 def loaded_model_list() -> list[Any]:
     """ComfyUI's ``current_loaded_models`` itself (to remove an entry exactly when ComfyUI would)."""
     return model_management().current_loaded_models
+
+
+def cleanup_models() -> None:
+    """``comfy.model_management.cleanup_models``: drop the entries whose model was freed (what ComfyUI's own
+    finalizers call)."""
+    model_management().cleanup_models()
 
 
 def loaded_model_class() -> type:

@@ -29,6 +29,7 @@ from ...core.placement.eviction import Eviction, make_room
 from ...core.placement.split_model import split_of
 from ...core.units import format_bytes
 from .. import surface
+from .split_books import drop_ended_parts, is_part
 from .subjects import model_label
 
 log = logging.getLogger("device_control")
@@ -186,8 +187,13 @@ class ComfyEntry:
 
 
 def entries() -> list[Any]:
-    """ComfyUI's loaded-model entries whose models are still alive, most recently used first."""
-    return [entry for entry in surface.loaded_models() if getattr(entry, "model", None) is not None]
+    """ComfyUI's loaded-model entries whose models are still alive, most recently used first; a split model's
+    entries for its other devices are left out (its own entry counts every device: ``bridge.split_books``)."""
+    return [entry for entry in surface.loaded_models() if _counted(getattr(entry, "model", None))]
+
+
+def _counted(patcher: Any) -> bool:
+    return patcher is not None and not is_part(patcher)
 
 
 def make_room_for(patcher: Any, target: Target, needed: int, *, include_kept: bool = False) -> Eviction:
@@ -248,4 +254,5 @@ def unload_entries(chosen: list[Any]) -> dict[Target | None, int]:
             if entry in live:
                 live.remove(entry)
             freed[target] = freed.get(target, 0) + before
+    drop_ended_parts()
     return freed

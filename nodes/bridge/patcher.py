@@ -50,6 +50,7 @@ from .layer_hooks import PatcherHooks
 from .layers import give_back_layers, take_layers
 from .lora_coverage import report_coverage
 from .patches import check_added, check_present, describe, lora_file
+from .split_books import book_parts
 from .splits import SplitPlacement, load_split_into, release_split, split_in_force, split_placement_of
 from .subjects import model_label
 
@@ -139,6 +140,7 @@ class DeviceControlPatcher(surface.model_patcher_class()):
             self.unpatch_hooks()
             if split is not None:
                 load_split_into(self, split, device_to, PatcherHooks(self, None, force_patch_weights))
+                book_parts(self)
             else:
                 self._load_placed(device_to, lowvram_model_memory if not full_load else 0, force_patch_weights)
             for callback in self.get_all_callbacks(surface.on_load_callback_kind()):
@@ -191,7 +193,9 @@ class DeviceControlPatcher(surface.model_patcher_class()):
             if not split_in_force(self):
                 release_split(self.model, PatcherHooks(self, None, False))
                 self._take_over(holding_of(self.model))
-            return super().partially_load(device_to, extra_memory, force_patch_weights)
+            loaded = super().partially_load(device_to, extra_memory, force_patch_weights)
+            book_parts(self)
+            return loaded
         if release_split(self.model, PatcherHooks(self, None, False)):
             note_displacement()
         placement = placement_of(self)

@@ -22,6 +22,7 @@ from ...core.placement.split_model import SplitModel, split_of
 from ...core.units import format_bytes
 from .. import surface
 from .books import holding_of, placement_of
+from .split_books import is_part
 from .subjects import component_of, model_label
 
 _VRAM_STATES = {
@@ -199,6 +200,8 @@ def loaded_models(
         patcher = getattr(entry, "model", None)
         if patcher is None:
             notes.append("a model in ComfyUI's list was freed while the report was being made; it is not listed")
+            continue
+        if is_part(patcher):  # the split model's own entry lists this device's bytes too
             continue
         if id(patcher.model) in seen:  # two entries for clones of one model: its memory is listed once
             continue
