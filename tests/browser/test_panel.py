@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from tests.browser.conftest import PINNED, FrontendPage
+from tests.passes import ONCE
 from tools.runtime import DEFAULT_VERSION, NEWEST_FRONTEND, RELEASES
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,8 +24,11 @@ GPU_ROW = f'{PANEL} .dc-device[data-device="gpu:0"]'
 # The tab's button: 1.32.9 gives it a class named after the tab, newer frontends only its tooltip as label.
 TAB_BUTTON = '.device-control-tab-button, .side-bar-button[aria-label^="Device Control"]'
 
-# Every test runs on the frontend the ComfyUI under test pins and on the newest comfyui-frontend-package.
-pytestmark = pytest.mark.parametrize("frontend_version", [PINNED, NEWEST_FRONTEND], indirect=True, scope="module")
+# Every test runs on the frontend the ComfyUI under test pins (each pass), and on the newest comfyui-frontend-package,
+# which is the same in every pass, with the newest ComfyUI (once).
+pytestmark = pytest.mark.parametrize(
+    "frontend_version", [PINNED, pytest.param(NEWEST_FRONTEND, marks=ONCE)], indirect=True, scope="module"
+)
 
 
 def open_panel(frontend: FrontendPage) -> Any:

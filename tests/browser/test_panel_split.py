@@ -7,10 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from tests.browser.test_panel import PANEL, open_panel, run_workflow
-from tools.runtime import DEFAULT_VERSION, NEWEST_VERSION
+from tests.passes import ONCE
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "workflows" / "flux_split_across_two_gpus.json"
@@ -18,7 +16,7 @@ EXAMPLE = REPO / "workflows" / "flux_split_across_two_gpus.json"
 SIMULATE_GPU = "4GiB,4GiB"
 MiB = 1024**2
 #: The panel's code is the same on every ComfyUI; the frontends each version pins run the single-GPU panel tests.
-pytestmark = pytest.mark.skipif(DEFAULT_VERSION != NEWEST_VERSION, reason="runs once, in the newest version's pass")
+pytestmark = ONCE
 
 
 def _own(page: Any, device: str) -> int:

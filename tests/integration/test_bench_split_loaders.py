@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+from tests.passes import ONCE
 from tools.bench import aggregate, worker
 from tools.bench_loads import LOAD_RULE, SplitModel, split_loaders
-from tools.runtime import DEFAULT_VERSION, NEWEST_VERSION
 
 #: Small stand-ins for the benchmark's rows, with conversions on the way (fp16 -> fp8, fp32 -> fp16).
 SMALL = (
@@ -20,7 +20,7 @@ SMALL = (
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(DEFAULT_VERSION != NEWEST_VERSION, reason="runs once, in the newest version's pass")
+@ONCE
 def test_the_split_loaders_section_runs_on_small_files_and_makes_its_table(synthetic_models):
     raw, table = split_loaders(1, synthetic_models, worker, aggregate, models=SMALL)
     lines = table.splitlines()

@@ -11,17 +11,16 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
-
+from tests.passes import ONCE
 from tools.comfy_server import ComfyServer
-from tools.runtime import DEFAULT_VERSION, NEWEST_VERSION, REPO, comfyui_dir
+from tools.runtime import DEFAULT_VERSION, REPO, comfyui_dir
 
 
 def test_the_server_runs_the_comfyui_under_test(comfy_server):
     assert comfy_server.get("/system_stats")["system"]["comfyui_version"] == DEFAULT_VERSION
 
 
-@pytest.mark.skipif(DEFAULT_VERSION != NEWEST_VERSION, reason="runs once, in the newest version's pass")
+@ONCE
 def test_a_comfyui_without_the_v3_node_api_gets_one_clear_line_and_no_nodes(tmp_path):
     server = ComfyServer(tmp_path, version="pre-v3")
     try:

@@ -35,9 +35,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from tests.passes import ONCE
 from tools.family_workflows import FAMILIES, Family
 from tools.make_family_fixtures import DIFFUSION_FIXTURES
-from tools.runtime import DEFAULT_VERSION, NEWEST_VERSION
 from tools.stress import run_coroutine
 
 REPO = Path(__file__).resolve().parents[2]
@@ -105,10 +105,7 @@ ONCE_FOR_SDXL = [
     pytest.param(
         f,
         id=f.stem,
-        marks=pytest.mark.skipif(
-            f.stem.startswith("sdxl") and DEFAULT_VERSION != NEWEST_VERSION,
-            reason="runs once, in the newest version's pass",
-        ),
+        marks=[ONCE] if f.stem.startswith("sdxl") else [],
     )
     for f in FAMILIES
 ]

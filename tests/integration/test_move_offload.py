@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.passes import NEWEST_PASS
 from tools.comfy_server import ComfyError
 from tools.make_fixtures import SD15_CHECKPOINT
-from tools.runtime import DEFAULT_VERSION, NEWEST_VERSION
 
 REPO = Path(__file__).resolve().parents[2]
 MOVE = REPO / "workflows" / "sd15_move_to_gpu_and_offload.json"
@@ -23,7 +23,7 @@ GiB = 1024**3
 REPORT = {"label": "", "devices": "all"}
 #: Move/offload cycles per prompt of the drift test: 100 in the newest ComfyUI's pass, 25 in the others (the same
 #: code of ours runs in each; the other versions check ComfyUI's side of the books, and CI keeps within its hour).
-CYCLES = 100 if DEFAULT_VERSION == NEWEST_VERSION else 25
+CYCLES = 100 if NEWEST_PASS else 25
 
 
 def gpu(entry: dict, api, node: str) -> dict:

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from tools.runtime import DEFAULT_VERSION, NEWEST_VERSION
+from tests.passes import ONCE
 
 KINDS = ("unet", "sd35", "flux", "wan21")
 ALLOCATION = "gpu:0=40%, gpu:1=30%, cpu=*"
@@ -146,7 +146,7 @@ def _t5_clip(tmp_path: Any, module: Any) -> torch.nn.Module:
     return clip
 
 
-@pytest.mark.skipif(DEFAULT_VERSION != NEWEST_VERSION, reason="runs once, in the newest version's pass")
+@ONCE
 @pytest.mark.parametrize("mode", ["pipeline", "stream"])
 def test_comfyuis_t5_text_encoder_split_over_two_gpus_and_the_cpu_encodes_as_on_one_device(comfy, tmp_path, mode):
     _comfy_sd, module = comfy

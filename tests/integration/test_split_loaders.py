@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import gc
 import importlib
-import os
 
 import pytest
 import torch
 
+from tests.passes import NEWEST_PASS
 from tools.layouts import layouts, write_sparse_safetensors
 from tools.make_fixtures import SD15_CHECKPOINT, SD15_CLIP_L, SD15_UNET, SD15_VAE
-from tools.runtime import NEWEST_VERSION
 
 GiB = 1024**3
 DTYPES = {"auto": {}, "fp16": {"dtype": torch.float16}, "fp8_e4m3fn": {"dtype": torch.float8_e4m3fn}}
@@ -95,7 +94,7 @@ def test_the_same_text_encoder_as_comfyuis_clip_loader(comfy, clip_type, dtype):
 
 
 @pytest.mark.skipif(
-    os.environ.get("DEVICE_CONTROL_COMFYUI", NEWEST_VERSION) != NEWEST_VERSION,
+    not NEWEST_PASS,
     reason="two copies of T5-XXL take 9 GB and a minute and a half: checked on the newest ComfyUI tested only",
 )
 def test_flux_text_encoders_with_a_full_size_scaled_fp8_t5_are_comfyuis_class_and_layout(comfy):

@@ -10,14 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.passes import ONCE
 from tools.comfy_server import ComfyError
 from tools.make_fixtures import SD15_CHECKPOINT, SD15_CHECKPOINT_B, SD15_LORA
-from tools.runtime import DEFAULT_VERSION, NEWEST_VERSION
 
 GiB = 1024**3
 #: Tests of what the node decides before ComfyUI loads anything (the allocation's text, its devices, the input's
 #: kind): the same code in every ComfyUI version, so they run once, in the newest version's pass.
-ONCE = pytest.mark.skipif(DEFAULT_VERSION != NEWEST_VERSION, reason="runs once, in the newest version's pass")
 WORKFLOWS = Path(__file__).resolve().parents[2] / "workflows"
 EXAMPLE = WORKFLOWS / "flux_split_across_two_gpus.json"
 ALLOCATION = "gpu:0=40%, gpu:1=30%, gpu:2=*"
