@@ -140,9 +140,9 @@ class DeviceControlPatcher(surface.model_patcher_class()):
             self.unpatch_hooks()
             if split is not None:
                 load_split_into(self, split, device_to, PatcherHooks(self, None, force_patch_weights))
-                book_parts(self)
             else:
                 self._load_placed(device_to, lowvram_model_memory if not full_load else 0, force_patch_weights)
+            book_parts(self)  # a split's parts; those of a split this load ended leave ComfyUI's list
             for callback in self.get_all_callbacks(surface.on_load_callback_kind()):
                 callback(self, device_to, lowvram_model_memory, force_patch_weights, full_load)
             self.apply_hooks(self.forced_hooks, force_apply=True)

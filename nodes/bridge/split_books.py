@@ -55,10 +55,10 @@ class SplitPart(surface.model_patcher_class()):
     device_control_split_part = True
 
     def __init__(self, owner: Any, held: SplitModel, target: Target, device: torch.device) -> None:
-        super().__init__(_PartModule(), load_device=device, offload_device=HOST, size=held.resident_bytes(target))
-        self._owner = weakref.ref(owner)
-        self._root = weakref.ref(held.root)
+        self._root = weakref.ref(held.root)  # first: ComfyUI's constructor asks for the size
         self._held = weakref.ref(held)
+        super().__init__(_PartModule(), load_device=device, offload_device=HOST, size=held.resident_bytes(target))
+        self.owner = weakref.ref(owner)
         self.target = target
         if hasattr(owner, "clone_base_uuid"):  # ComfyUI 0.28+: unloading the model with its clones takes parts too
             self.clone_base_uuid = owner.clone_base_uuid
@@ -71,6 +71,9 @@ class SplitPart(surface.model_patcher_class()):
         """The split this part stands for, while it holds the model; ``None`` after it ended."""
         root, held = self._root(), self._held()
         return held if root is not None and held is not None and split_of(root) is held else None
+
+    def model_size(self) -> int:
+        return self.size if self.split() is not None else 0  # an ended split asks ComfyUI for no room
 
     def loaded_size(self) -> int:
         held = self.split()
@@ -105,7 +108,7 @@ class SplitPart(surface.model_patcher_class()):
         held = self.split()
         if held is None:
             return 0
-        owner = self._owner() or _live_patcher(held.root)
+        owner = self.owner() or _live_patcher(held.root)
         if owner is None:  # no patcher of the model is left to restore its weights: free the devices anyway
             return held.release()
         log.info(
@@ -123,10 +126,26 @@ class SplitPartEntry(surface.loaded_model_class()):
         super().__init__(part)
         self.real_model = weakref.ref(part)
         self.model_finalizer = weakref.finalize(part, surface.cleanup_models)
+        self.model_finalizer.atexit = False  # as ComfyUI's own: nothing to clean at exit
+
+    @property
+    def currently_used(self) -> bool:
+        """Never: callers that load ComfyUI's models in use again (``loaded_models(only_currently_used=True)``)
+        must not load a part on its own; its model's entry stands for it."""
+        return False
+
+    @currently_used.setter
+    def currently_used(self, _value: bool) -> None:
+        return None
 
     def model_unload(self, memory_to_free: int | None = None, unpatch_weights: bool = True) -> bool:
+        """Unload the whole split, unless its model is being loaded now: ``load_models_gpu`` takes the model's own
+        entry out of the list while it makes room on every device the load needs, and the split it is loading
+        must not leave a device for another model of the same load (it would be split again at once)."""
         del memory_to_free
         part = self.model
+        if part is not None and part.split() is not None and _live_patcher(part.root()) is None:
+            return False
         if part is not None and unpatch_weights:
             part.release()
         if self.model_finalizer is not None:
@@ -179,6 +198,8 @@ def _standing_parts(patcher: Any) -> tuple[SplitPart, ...]:
         drop_parts(root)
         parts = _new_parts(patcher, held)
         root.__dict__[_PARTS] = parts
+    for part in parts:  # the latest patcher to load the split restores its weights when a part is unloaded
+        part.owner = weakref.ref(patcher)
     return parts
 
 

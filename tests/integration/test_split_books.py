@@ -71,6 +71,13 @@ def _split_clone(module: Any, path: Any, gpus: tuple[Any, Any]) -> Any:
     return clone
 
 
+def _neighbour() -> Any:
+    """A model ComfyUI loads onto the second GPU that wants more room than there is (it has no weights)."""
+    return importlib.import_module("comfy.model_patcher").ModelPatcher(
+        torch.nn.Module(), SECOND, torch.device("cpu"), size=1 << 50
+    )
+
+
 def _on(mm: Any, device: torch.device) -> list[Any]:
     return [entry for entry in mm.current_loaded_models if entry.device == device]
 
@@ -97,10 +104,15 @@ def test_comfyui_making_room_on_the_second_gpu_unloads_the_split_and_restores_pa
     (part,) = _on(mm, SECOND)
     assert part.model_loaded_memory() == part.model_memory() == on_second
     assert [e.model for e in books.entries()] == [clone], "the pack's books count the split once"
+    assert mm.loaded_models(only_currently_used=True) == [clone], "a part is never loaded on its own"
     assert torch.equal(clone.model.state_dict()[key].cpu(), original + 0.25)
 
     mm.load_models_gpu([clone])  # the next sampler: nothing moves, nothing is booked twice
     assert split_of(clone.model) is held and len(_on(mm, SECOND)) == 1
+    # One load of the split model and of a model on the second GPU that wants all of it: ComfyUI makes room there
+    # while the split is being loaded, which keeps its part (it would be split again at once).
+    mm.load_models_gpu([clone, _neighbour()])
+    assert split_of(clone.model) is held and gpus[1].allocated() == on_second
 
     mm.free_memory(1e30, SECOND)  # ComfyUI makes room on the second GPU for another model
     assert gpus[0].allocated() == 0 and gpus[1].allocated() == 0 and split_of(clone.model) is None
@@ -112,7 +124,9 @@ def test_comfyui_making_room_on_the_second_gpu_unloads_the_split_and_restores_pa
     assert [e.model_loaded_memory() for e in _on(mm, SECOND)] == [on_second]
 
     mm.free_memory(1e30, torch.device("cpu"))  # ComfyUI unloads the model's own entry: every device is freed
-    assert gpus[1].allocated() == 0 and [e.model_loaded_memory() for e in _on(mm, SECOND)] == [0]
+    assert gpus[1].allocated() == 0 and [(e.model_loaded_memory(), e.model_memory()) for e in _on(mm, SECOND)] == [
+        (0, 0)
+    ], "a part of an ended split holds and asks for nothing"
     mm.load_models_gpu([clone])  # the part that held nothing gives way to the new split's
     assert [e.model_loaded_memory() for e in _on(mm, SECOND)] == [on_second]
 
@@ -130,7 +144,14 @@ def test_offload_and_freeing_the_model_leave_no_entry_of_a_split_behind(comfy, g
 
     mm.load_models_gpu([clone])
     assert len(_on(mm, SECOND)) == 1 and gpus[1].allocated() > 0
-    del clone
+    whole = clone.clone()  # the same model on one device (ComfyUI's choice here: RAM) ends the split
+    whole.device_control_split = None
+    mm.load_models_gpu([whole])
+    assert gpus[0].allocated() == 0 and gpus[1].allocated() == 0 and not _on(mm, SECOND)
+
+    mm.load_models_gpu([clone])
+    assert len(_on(mm, SECOND)) == 1 and gpus[1].allocated() > 0
+    del clone, whole
     gc.collect()  # the model is gone: ComfyUI's clean-up takes its entries, the part's with it
     mm.cleanup_models_gc()
     assert all(entry.model is not None for entry in mm.current_loaded_models)
