@@ -13,6 +13,13 @@ allocation names them. A size is a limit: the run ends before the block that wou
 ``*`` that is not last) is a target: the run ends at the block boundary nearest it, so the device holds its
 share within half a block. The last device takes the rest, within its size if it has one. Devices may end up
 with nothing (``cpu=*`` when the GPUs hold the whole model).
+
+**Spread.** Where the first device computes every block and the others only store theirs (``stream``), a donor's
+run in one piece at the end of the model would have its copies overlap only the compute of that run: the prefetch
+copies a layer ahead when the layer before it computes, so the first device's run would compute with the link
+idle. :func:`spread_split` keeps each device's bytes and deals its blocks out over the whole model instead, the
+first block to the computing device (a pass's first streamed layer waits for its copy), each next one to the
+device furthest behind its share at that point.
 """
 
 from __future__ import annotations
@@ -111,6 +118,7 @@ class Part:
     device: DeviceSpec
     allowed: int
     blocks: tuple[Block, ...]
+    spread: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -123,6 +131,8 @@ class Part:
         if not self.blocks:
             return f"{self.device}: nothing"
         first, last = self.blocks[0].name, self.blocks[-1].name
+        if self.spread and len(self.blocks) > 1:
+            return f"{self.device}: {share}, {len(self.blocks)} blocks spread from {first} to {last}"
         return f"{self.device}: {share}, {first}" + (f" to {last}" if last != first else "")
 
 
@@ -164,6 +174,68 @@ def split_blocks(blocks: Sequence[Block], allocation: Allocation) -> Split:
         parts.append(Part(device, allowed, run))
         start = end
     return Split(tuple(parts))
+
+
+def spread_split(split: Split) -> Split:
+    """``split`` with each device's blocks dealt out over the whole model (see the module's docstring): every
+    device holds about the bytes it held, never more than it may; ``split`` itself where one device holds
+    everything, or where the blocks cannot be dealt within those limits."""
+    shares = [part.nbytes for part in split.parts]
+    if sum(1 for share in shares if share) < 2:
+        return split
+    blocks = [block for part in split.parts for block in part.blocks]
+    dealt = _deal(blocks, shares, [max(part.allowed, part.nbytes) for part in split.parts])
+    if dealt is None:
+        return split
+    parts = zip(split.parts, dealt, strict=True)
+    return Split(tuple(Part(part.device, part.allowed, tuple(held), spread=True) for part, held in parts))
+
+
+def _deal(blocks: Sequence[Block], shares: Sequence[int], limits: Sequence[int]) -> list[list[Block]] | None:
+    """Each device's blocks, dealt in model order to the device furthest behind its share, within its limit and
+    so that the blocks after still fit; ``None`` where no device can take a block."""
+    room, held, done = list(limits), [0] * len(shares), 0
+    dealt: list[list[Block]] = [[] for _share in shares]
+    for index, block in enumerate(blocks):
+        done += block.nbytes
+        behind = _most_behind(shares, held, done, first=index == 0)
+        where = next((i for i in behind if _rest_fits(blocks[index + 1 :], room, i, block.nbytes)), None)
+        if where is None:
+            return None
+        room[where] -= block.nbytes
+        held[where] += block.nbytes
+        dealt[where].append(block)
+    return dealt
+
+
+def _most_behind(shares: Sequence[int], held: Sequence[int], done: int, *, first: bool) -> list[int]:
+    """The devices that hold something, furthest behind their share of the ``done`` bytes first; for the first
+    block, the computing device (the first) first."""
+    total = sum(shares)
+    devices = [i for i, share in enumerate(shares) if share]
+    return sorted(devices, key=lambda i: (first and i != 0, held[i] - shares[i] * done / total, i))
+
+
+def _rest_fits(rest: Sequence[Block], room: Sequence[int], where: int, size: int) -> bool:
+    """Whether, with ``size`` bytes more on device ``where``, the blocks of ``rest`` still fit in the ``room`` left:
+    filled in device order (as the runs were), or each to the device with the most room; a way found is a way
+    that exists."""
+    left = [free - (size if index == where else 0) for index, free in enumerate(room)]
+    return left[where] >= 0 and (_packs(rest, left, in_order=True) or _packs(rest, left, in_order=False))
+
+
+def _packs(blocks: Sequence[Block], room: Sequence[int], *, in_order: bool) -> bool:
+    left, device = list(room), 0
+    for block in blocks:
+        if in_order:
+            while device < len(left) and left[device] < block.nbytes:
+                device += 1
+        else:
+            device = max(range(len(left)), key=left.__getitem__)
+        if device == len(left) or left[device] < block.nbytes:
+            return False
+        left[device] -= block.nbytes
+    return True
 
 
 def _capacities(allocation: Allocation, total: int) -> list[tuple[DeviceSpec, int]]:

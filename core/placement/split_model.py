@@ -24,7 +24,7 @@ from .allocation import Allocation
 from .donors import Streamed, place_streamed
 from .pipeline import Hops, attach_hops, hop_inputs, place_split, return_to_caller, send_home
 from .plan import Layer
-from .split import Split, blocks_of, split_blocks
+from .split import Split, blocks_of, split_blocks, spread_split
 from .streaming import NO_HOOKS, LayerHooks, reset_flags, to_host
 
 #: The two ways a split model runs.
@@ -136,12 +136,14 @@ class SplitRequest:
 
 
 def plan_split(request: SplitRequest) -> Split:
-    """The split of ``request`` (nothing moves).
+    """The split of ``request`` (nothing moves): in ``stream`` mode, with the donors' blocks spread over the model
+    (:func:`~core.placement.split.spread_split`), so their copies overlap the whole pass.
 
     Raises:
         InvalidAllocationError: the allocation cannot hold the model in whole blocks (with the shortfall).
     """
-    return split_blocks(blocks_of(request.root, request.layers), request.allocation)
+    split = split_blocks(blocks_of(request.root, request.layers), request.allocation)
+    return spread_split(split) if request.mode == "stream" else split
 
 
 def load_split(

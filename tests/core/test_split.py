@@ -3,6 +3,8 @@ which whole blocks (a Flux-shaped model of ``core.weights.ops`` layers and a UNe
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ from core.devices.inventory import DeviceSpec
 from core.errors import InvalidAllocationError
 from core.placement.allocation import AUTO, Entry, parse_allocation
 from core.placement.plan import layers_of
-from core.placement.split import auto_allocation, blocks_of, split_blocks
+from core.placement.split import auto_allocation, blocks_of, split_blocks, spread_split
 from core.weights import ops
 from tests.core.split_net import FluxShaped
 
@@ -160,6 +162,45 @@ def test_the_whole_model_on_the_first_device_leaves_the_others_empty():
     split = split_blocks(blocks, parse_allocation("gpu:0=100GB, gpu:1=100GB, cpu=*"))
     assert [len(part.blocks) for part in split.parts] == [len(blocks), 0, 0]
     assert split.parts[1].describe(split.total_bytes) == "gpu:1: nothing"
+
+
+# --- spread (stream mode) ----------------------------------------------------------------------------------------
+
+
+def test_a_spread_deals_each_devices_blocks_over_the_whole_model_keeping_its_bytes():
+    _model, blocks = _flux_blocks(double=6, single=6)
+    runs = split_blocks(blocks, parse_allocation("gpu:0=50%, gpu:1=*"))
+    spread = spread_split(runs)
+    devices = {name: str(device) for name, device in spread.device_of().items()}
+    order = [devices[block.layers[0].name] for block in blocks]
+    assert order[0] == "gpu:0"  # the pass starts on the computing device: its first copy has nothing before it
+    assert max(len(list(run)) for _device, run in itertools.groupby(order)) <= 2, order  # alternating, about
+    assert order[1:3].count("gpu:1") and order[-3:].count("gpu:0"), order  # from start to end
+    assert sorted(block.name for part in spread.parts for block in part.blocks) == sorted(b.name for b in blocks)
+    largest = max(block.nbytes for block in blocks)
+    for dealt, run in zip(spread.parts, runs.parts, strict=True):
+        assert abs(dealt.nbytes - run.nbytes) <= largest and dealt.spread
+    assert spread.parts[1].describe(spread.total_bytes).startswith("gpu:1: ")
+    assert "blocks spread from double_blocks." in spread.summary()
+
+
+def test_a_spread_keeps_every_size_limit_and_leaves_a_split_it_cannot_deal_as_it_was():
+    _model, blocks = _flux_blocks(double=5, single=5)
+    size = blocks[1].nbytes
+    runs = split_blocks(blocks, parse_allocation(f"gpu:0={blocks[0].nbytes + 3 * size}B, gpu:1={2 * size}B, cpu=*"))
+    spread = spread_split(runs)
+    assert [part.nbytes for part in spread.parts] == [part.nbytes for part in runs.parts]  # same-sized blocks
+    assert all(part.nbytes <= part.allowed for part in spread.parts[:2])
+    assert len({str(part.device) for part in spread.parts if part.blocks}) == 3
+    whole = split_blocks(blocks, parse_allocation("gpu:0=100GB, cpu=*"))
+    assert spread_split(whole) is whole  # one device holds everything: nothing to deal
+    tight = split_blocks(blocks, parse_allocation(f"gpu:0={runs.parts[0].nbytes}B, gpu:1=*"))
+    tight_last = split_blocks(blocks, parse_allocation(f"gpu:0=*, gpu:1={blocks[-1].nbytes + size // 2}B"))
+    for split in (tight, tight_last):
+        dealt = spread_split(split)
+        assert all(
+            part.nbytes <= max(part.allowed, run.nbytes) for part, run in zip(dealt.parts, split.parts, strict=True)
+        )
 
 
 def test_an_allocation_smaller_than_the_model_is_refused_with_the_shortfall_and_a_fix():
