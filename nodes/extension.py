@@ -9,13 +9,14 @@ from .load_vae import LoadVAEWithDevice
 from .move_to_gpu import MoveToGPU
 from .offload_to_cpu import OffloadToCPU
 from .panel import register_routes
+from .profiling import install as install_profiling
 from .split_model import SplitModel
 from .surface import ComfyExtension, io
 from .vram_report import VRAMReport
 
 
 class DeviceControlExtension(ComfyExtension):
-    """Device Control's nodes, and the routes of its live panel.
+    """Device Control's nodes, the routes of its live panel, and the profile's listener and route.
 
     The routes are added when ComfyUI asks for the node list: ComfyUI 0.3.75 defines ``on_load`` but never
     calls it, and the list is asked for after the server exists and before it adds its routes.
@@ -23,9 +24,11 @@ class DeviceControlExtension(ComfyExtension):
 
     async def on_load(self) -> None:
         register_routes()
+        install_profiling()
 
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
         register_routes()
+        install_profiling()
         return [
             LoadCheckpointWithDevice,
             LoadDiffusionModelWithDevice,

@@ -54,6 +54,16 @@ def make_report(value: Any = None, label: str = "", devices: str = ALL_DEVICES) 
     return report
 
 
+def profile_so_far() -> str:
+    """The run's heaviest node so far, from the memory profile (or why there is none)."""
+    from .profiling import PROFILE_ENV, recorder, recording
+
+    if not recording():
+        return f"profile: off ({PROFILE_ENV}=off)"
+    latest = recorder.latest()
+    return "profile: no prompt recorded yet" if latest is None else latest.summary()
+
+
 class VRAMReport(io.ComfyNode):
     """Thin node: everything it shows comes from ``make_report``."""
 
@@ -92,6 +102,15 @@ class VRAMReport(io.ComfyNode):
                         "have is reported in the text, and all devices are shown."
                     ),
                 ),
+                io.Boolean.Input(
+                    "profile",
+                    default=False,
+                    optional=True,
+                    tooltip=(
+                        "End the report with the run's memory profile so far: the node that used the most memory "
+                        "before this one, how much and where."
+                    ),
+                ),
             ],
             outputs=[
                 io.AnyType.Output("passthrough", display_name="value", tooltip="The input value, unchanged."),
@@ -118,9 +137,13 @@ class VRAMReport(io.ComfyNode):
         return float("nan")  # never equal to itself: the report is made afresh on every run
 
     @classmethod
-    def execute(cls, label: str = "", devices: str = ALL_DEVICES, value: Any = None) -> io.NodeOutput:
+    def execute(
+        cls, label: str = "", devices: str = ALL_DEVICES, value: Any = None, profile: bool = False
+    ) -> io.NodeOutput:
         report = make_report(value, label, devices)
         inventory.reset_peaks()  # the next report's peaks are those since this one (a sampler's, say)
         text, as_json = report.to_text(), report.to_json()
+        if profile:
+            text += "\n" + profile_so_far()
         log.info("[Device Control] VRAM Report (node %s)\n%s", cls.hidden.unique_id if cls.hidden else "?", text)
         return io.NodeOutput(value, text, as_json, ui={"text": (text,), "device_control_report": (as_json,)})

@@ -46,7 +46,9 @@ class Node:
 
 def report(node_id: int, label: str, value: tuple[int, int], pos: tuple[int, int]) -> Node:
     """A VRAM Report on a wire."""
-    return Node(node_id, "DeviceControl_VRAMReport", [label, "all"], {"value": value}, pos, f"VRAM Report: {label}")
+    return Node(
+        node_id, "DeviceControl_VRAMReport", [label, "all", False], {"value": value}, pos, f"VRAM Report: {label}"
+    )
 
 
 def sampling(first: int, clip: tuple[int, int], model: tuple[int, int], x: int) -> list[Node]:

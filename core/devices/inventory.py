@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import psutil
 import torch
@@ -140,6 +140,8 @@ class DeviceInventory:
 
     backends: Sequence[DeviceBackend] = field(default_factory=default_backends)
     extra: Sequence[DeviceBackend] = ()
+    #: The peaks :meth:`take_reading` started again, by device id: still part of the peak :meth:`snapshot` reports.
+    _carried: dict[str, int] = field(default_factory=dict, init=False, repr=False)
 
     def _probes(self) -> list[DeviceBackend]:
         """The probes in numbering order: real accelerators, then the added ones (the host is not numbered)."""
@@ -147,6 +149,11 @@ class DeviceInventory:
 
     def snapshot(self) -> InventorySnapshot:
         """Query every backend now. Never raises because a backend failed."""
+        queried = self._query()
+        return replace(queried, devices=tuple(self._with_carried(queried.devices)))
+
+    def _query(self) -> InventorySnapshot:
+        """Every backend's answer now, its peaks as the backend counts them."""
         devices: list[DeviceInfo] = []
         statuses: list[BackendStatus] = []
         next_gpu = 0
@@ -167,9 +174,36 @@ class DeviceInventory:
             statuses.append(BackendStatus(backend.name, True, len(found)))
         return InventorySnapshot(tuple(devices), tuple(statuses), host_memory())
 
+    def _with_carried(self, devices: Sequence[DeviceInfo]) -> Iterator[DeviceInfo]:
+        for info in devices:
+            carried = self._carried.get(info.id)
+            if carried is not None and info.peak_allocated is not None and carried > info.peak_allocated:
+                info = replace(info, peak_allocated=carried)
+            yield info
+
+    def take_reading(self) -> tuple[InventorySnapshot, dict[str, int]]:
+        """A snapshot, and each device's peak allocation since the previous reading (or the last
+        :meth:`reset_peaks`), by device id, which starts again: a shorter measure (one node of a profile)
+        inside the longer one the VRAM Report reads, which still counts the peaks taken. Never raises (a
+        device that fails is left out of the peaks)."""
+        queried = self._query()
+        peaks = {
+            info.id: info.peak_allocated
+            for info in queried.devices
+            if info.id and info.peak_allocated is not None and info.error is None
+        }
+        self._restart_backends()
+        for device_id, peak in peaks.items():
+            self._carried[device_id] = max(self._carried.get(device_id, 0), peak)
+        return replace(queried, devices=tuple(self._with_carried(queried.devices))), peaks
+
     def reset_peaks(self) -> None:
         """Start measuring every device's peak allocation again from now. Never raises: a backend that fails
         keeps its old peak, which only makes the next figure larger, never wrong the other way."""
+        self._carried.clear()
+        self._restart_backends()
+
+    def _restart_backends(self) -> None:
         for backend in self._probes():
             try:
                 if backend.available():

@@ -82,6 +82,10 @@ class Pusher:
         """Seconds between two snapshots: the shortest interval a live listener asked for (1 s with none)."""
         return min((lease.interval for lease in self._live().values()), default=1.0)
 
+    def listeners(self) -> list[str]:
+        """The listeners whose subscription is alive."""
+        return list(self._live())
+
     def listening(self) -> bool:
         """Whether a subscription is alive."""
         return bool(self._live())

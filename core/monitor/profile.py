@@ -1,0 +1,314 @@
+"""The memory profile of a run: for every node, its wall time, each device's memory before, after and at peak,
+and what happened to the models while it ran.
+
+A :class:`Recorder` is told when a prompt starts, when each node starts and finishes (or was taken from the
+cache), and when the prompt ends; at each node's start and finish it reads the devices and the resident models
+through two callables its host gives it, so this module knows nothing of the host application. Model events are
+what changed between the two readings of a node: a model that appeared on a device was loaded there, one that
+left every device was offloaded, one whose bytes moved between devices was moved (``partially loaded`` when
+part of it stayed off its compute device). The readings of memory are the books of each device: the allocator's
+bytes on a GPU (and its peak, which the host resets at each node's start), the process's resident set on the CPU.
+
+Profiles of the last :data:`KEEP` prompts are kept; a profile never grows past :data:`MAX_NODES` nodes nor
+:data:`MAX_EVENTS` events per node (what is left out is counted), and every method is quick and takes one lock
+only for its own bookkeeping, so the thread that executes prompts never waits on a reader.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from ..units import format_bytes
+
+#: Profiles kept, newest last.
+KEEP = 20
+#: Nodes recorded per prompt (a loop that runs a node many times counts each run).
+MAX_NODES = 2000
+#: Model events recorded per node.
+MAX_EVENTS = 50
+
+
+#: Bytes by device id (``gpu:0``, ``cpu``).
+Memory = Mapping[str, int]
+
+
+#: Resident models by key: ``(name, {device id: bytes})``.
+Models = Mapping[str, tuple[str, Mapping[str, int]]]
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One reading of the host: the bytes in use on every device, each device's peak since the previous reading
+    (the reading starts it again), and the resident models."""
+
+    used: Memory
+    peaks: Memory
+    models: Models
+
+
+@dataclass(frozen=True)
+class ModelEvent:
+    """Something that happened to one model during a node: ``kind`` is ``loaded``, ``moved``, ``offloaded``;
+    ``before`` and ``after`` are its bytes per device."""
+
+    kind: str
+    model: str
+    key: str
+    bytes: int
+    before: dict[str, int]
+    after: dict[str, int]
+    at: float
+
+
+@dataclass
+class NodeProfile:
+    """One node of a run. ``status`` is ``running``, ``executed``, ``cached`` or ``failed``; ``start`` and ``wall``
+    are seconds from the prompt's start; memory figures are bytes by device id."""
+
+    node: str
+    class_type: str
+    title: str
+    status: str
+    start: float
+    wall: float = 0.0
+    before: dict[str, int] = field(default_factory=dict)
+    after: dict[str, int] = field(default_factory=dict)
+    peak: dict[str, int] = field(default_factory=dict)
+    events: list[ModelEvent] = field(default_factory=list)
+    events_left_out: int = 0
+
+
+@dataclass
+class PromptProfile:
+    """One prompt's profile. ``status`` is ``running``, ``success``, ``error`` or ``interrupted``."""
+
+    prompt_id: str
+    started: float
+    status: str = "running"
+    wall: float = 0.0
+    nodes: list[NodeProfile] = field(default_factory=list)
+    nodes_left_out: int = 0
+    recording: float = 0.0  # seconds the readings themselves took, on the executing thread
+
+    def heaviest(self) -> tuple[NodeProfile, str, int] | None:
+        """The node with the highest peak on an accelerator (on the CPU where no node used one), its device and
+        the peak; ``None`` before any node ran."""
+        best: tuple[NodeProfile, str, int] | None = None
+        for accelerators in (True, False):
+            for node in self.nodes:
+                for device, peak in node.peak.items():
+                    if (device != "cpu") == accelerators and (best is None or peak > best[2]):
+                        best = (node, device, peak)
+            if best is not None:
+                return best
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready, with the heaviest node's id (``null`` when none ran)."""
+        data = asdict(self)
+        heaviest = self.heaviest()
+        data["heaviest"] = None if heaviest is None else {"node": heaviest[0].node, "device": heaviest[1]}
+        return data
+
+    def summary(self) -> str:
+        """``heaviest node so far: KSampler (3), 3.20 GiB on gpu:0`` (or that no node ran yet)."""
+        heaviest = self.heaviest()
+        if heaviest is None:
+            return "heaviest node so far: none (no node has run yet)"
+        node, device, peak = heaviest
+        return f"heaviest node so far: {node.title} ({node.node}), {format_bytes(peak)} on {device}"
+
+    def markdown(self) -> str:
+        """A markdown table of the nodes, for a bug report."""
+        devices = sorted({device for node in self.nodes for device in node.peak})
+        head = ["node", "class", "status", "time", *(f"peak {device}" for device in devices), "model events"]
+        lines = [
+            f"Prompt {self.prompt_id} ({self.status}, {self.wall:.2f} s)",
+            "",
+            _row(head),
+            _row(["---"] * len(head)),
+        ]
+        for node in self.nodes:
+            peaks = [format_bytes(node.peak[device]) if device in node.peak else "" for device in devices]
+            events = "; ".join(f"{e.kind} {e.model} ({format_bytes(e.bytes)})" for e in node.events)
+            lines.append(
+                _row(
+                    [f"{node.title} ({node.node})", node.class_type, node.status, f"{node.wall:.3f} s", *peaks, events]
+                )
+            )
+        return "\n".join(lines) + "\n"
+
+
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
+
+
+class Recorder:
+    """Records the profile of each prompt from what its host tells it.
+
+    Args:
+        read: reads the host now (at each node's start and finish: the peaks of the second reading are the
+            node's).
+        clock: seconds, monotonic (for tests).
+    """
+
+    def __init__(self, read: Callable[[], Reading], clock: Callable[[], float] = time.perf_counter) -> None:
+        self._read, self._clock = read, clock
+        self._lock = threading.Lock()
+        self._profiles: OrderedDict[str, PromptProfile] = OrderedDict()
+        self._origin: dict[str, float] = {}
+        self._running: dict[tuple[str, str], tuple[NodeProfile, Models]] = {}
+
+    # -- what the host says -----------------------------------------------------------------------
+
+    def prompt_started(self, prompt_id: str) -> None:
+        """A prompt starts (again: a second call for the same prompt changes nothing)."""
+        with self._lock:
+            if prompt_id in self._profiles:
+                return
+            for other in self._profiles.values():  # one prompt runs at a time: one that never ended did now
+                if other.status == "running":
+                    self._end(other, "interrupted")
+            self._profiles[prompt_id] = PromptProfile(prompt_id, time.time())
+            self._origin[prompt_id] = self._clock()
+            while len(self._profiles) > KEEP:
+                old, _profile = self._profiles.popitem(last=False)
+                self._origin.pop(old, None)
+
+    def node_started(self, prompt_id: str, node: str, class_type: str, title: str) -> None:
+        """``node`` starts executing: the memory before it, the peaks reset."""
+        self.prompt_started(prompt_id)
+        began = self._clock()
+        reading = self._read()
+        with self._lock:
+            record = NodeProfile(node, class_type, title, "running", self._since(prompt_id), before=dict(reading.used))
+            if self._add(prompt_id, record):
+                self._running[(prompt_id, node)] = (record, reading.models)
+            self._charge(prompt_id, began)
+
+    def node_finished(self, prompt_id: str, node: str) -> None:
+        """``node`` finished: its time, the memory after it and its peak, the model events."""
+        with self._lock:
+            started = self._running.pop((prompt_id, node), None)
+        if started is None:
+            return
+        record, models_before = started
+        began = self._clock()
+        now = self._since(prompt_id)
+        reading = self._read()
+        with self._lock:
+            used = reading.used
+            record.status, record.wall, record.after = "executed", now - record.start, dict(used)
+            record.peak = {d: max(reading.peaks.get(d, 0), record.before.get(d, 0), n) for d, n in used.items()}
+            events = model_events(models_before, reading.models, now)
+            record.events, record.events_left_out = events[:MAX_EVENTS], max(0, len(events) - MAX_EVENTS)
+            self._charge(prompt_id, began)
+
+    def node_cached(self, prompt_id: str, node: str, class_type: str, title: str) -> None:
+        """``node``'s output came from the cache: listed, nothing measured."""
+        self.prompt_started(prompt_id)
+        with self._lock:
+            self._add(prompt_id, NodeProfile(node, class_type, title, "cached", self._since(prompt_id)))
+
+    def prompt_ended(self, prompt_id: str, status: str) -> None:
+        """The prompt ended with ``status`` (``success``, ``error``, ``interrupted``); a node still running
+        failed."""
+        with self._lock:
+            profile = self._profiles.get(prompt_id)
+            if profile is not None and profile.status == "running":
+                self._end(profile, status)
+
+    # -- what readers ask -------------------------------------------------------------------------
+
+    def profile(self, prompt_id: str | None = None) -> dict[str, Any] | None:
+        """The profile of ``prompt_id`` (the latest prompt's when ``None``) as JSON-ready data, or ``None``."""
+        with self._lock:
+            if prompt_id is None:
+                profile = next(reversed(self._profiles.values()), None)
+            else:
+                profile = self._profiles.get(prompt_id)
+            return None if profile is None else profile.to_dict()
+
+    def markdown(self, prompt_id: str) -> str | None:
+        """The profile of ``prompt_id`` as a markdown table, or ``None``."""
+        with self._lock:
+            profile = self._profiles.get(prompt_id)
+            return None if profile is None else profile.markdown()
+
+    def latest(self) -> PromptProfile | None:
+        """The latest prompt's profile (a copy, safe to read while the prompt runs)."""
+        with self._lock:
+            profile = next(reversed(self._profiles.values()), None)
+            if profile is None:
+                return None
+            return replace(profile, nodes=list(profile.nodes))
+
+    def prompt_ids(self) -> list[str]:
+        """The ids of the profiles kept, oldest first."""
+        with self._lock:
+            return list(self._profiles)
+
+    # -- internals (under the lock) ---------------------------------------------------------------
+
+    def _since(self, prompt_id: str) -> float:
+        return self._clock() - self._origin.get(prompt_id, self._clock())
+
+    def _charge(self, prompt_id: str, began: float) -> None:
+        profile = self._profiles.get(prompt_id)
+        if profile is not None:
+            profile.recording += self._clock() - began
+
+    def _add(self, prompt_id: str, record: NodeProfile) -> bool:
+        profile = self._profiles.get(prompt_id)
+        if profile is None:
+            return False
+        if len(profile.nodes) >= MAX_NODES:
+            profile.nodes_left_out += 1
+            return False
+        profile.nodes.append(record)
+        return True
+
+    def _end(self, profile: PromptProfile, status: str) -> None:
+        profile.status = status
+        profile.wall = self._since(profile.prompt_id)
+        for key in [key for key in self._running if key[0] == profile.prompt_id]:
+            record, _models = self._running.pop(key)
+            record.status, record.wall = "failed", profile.wall - record.start
+
+
+def model_events(before: Models, after: Models, at: float) -> list[ModelEvent]:
+    """What changed between two readings of the resident models (see the module's docstring)."""
+    events = []
+    for key in sorted(set(before) | set(after)):
+        name, old = before.get(key, ("", {}))
+        name, new = after.get(key, (name, {}))
+        old = {device: n for device, n in old.items() if n}
+        new = {device: n for device, n in new.items() if n}
+        if old != new:
+            kind, size = _change(old, new)
+            events.append(ModelEvent(kind, name, key, size, old, new, at))
+    return events
+
+
+def _change(old: dict[str, int], new: dict[str, int]) -> tuple[str, int]:
+    """``(kind, bytes)`` of a model's change from ``old`` to ``new`` bytes per device: onto accelerators (or into
+    the books at all) is ``loaded``, off them (or out of the books) ``offloaded``, between devices ``moved`` (the
+    bytes that arrived somewhere)."""
+    before, after = _on_accelerators(old), _on_accelerators(new)
+    if before and not after:
+        return "offloaded", before
+    if after and not before:
+        return "loaded", after
+    if before:
+        return "moved", sum(max(0, n - old.get(device, 0)) for device, n in new.items())
+    total_before, total_after = sum(old.values()), sum(new.values())
+    return ("loaded", total_after) if total_after > total_before else ("offloaded", total_before)
+
+
+def _on_accelerators(held: Mapping[str, int]) -> int:
+    return sum(n for device, n in held.items() if device != "cpu")

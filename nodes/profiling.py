@@ -1,0 +1,228 @@
+"""The memory profile of every run, recorded from ComfyUI's own execution events.
+
+ComfyUI tells its frontend when a prompt starts, which nodes come from the cache, when each node starts and
+finishes, and how the prompt ended, through the events it sends over its websocket (``execution_start``,
+``execution_cached``, ``progress_state``, ``execution_success``, ``execution_error``,
+``execution_interrupted``). The pack reads each of those events as the server sends it: :func:`install` puts a
+listener in front of the server's ``send_sync`` on its instance, which hands every event on unchanged, first,
+and then tells the recorder (``core.monitor.profile``). So a node's readings are made on the thread that
+executes it, at its start and at its end; no ComfyUI function is replaced. ``progress_state`` is sent whether or
+not the prompt came with a client id, the others only when it did: without one, a node finished that was never
+seen running is counted as cached, and the prompt ends when the next one starts, or when the profile is read
+after the queue went idle.
+
+``GET /device_control/profile`` answers the latest prompt's profile, ``?prompt_id=`` a given one (of the last
+20), ``?format=markdown`` as a table for a bug report; at the end of each prompt ``device_control.profile`` goes
+to the client that queued it and to every open panel. ``DEVICE_CONTROL_PROFILE=off`` records nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from aiohttp import web
+
+from ..core.monitor.profile import Reading, Recorder
+from . import bridge, surface
+from .panel import PREFIX, pusher
+from .state import inventory
+
+log = logging.getLogger("device_control")
+
+EVENT = "device_control.profile"
+PROFILE_ENV = "DEVICE_CONTROL_PROFILE"
+_PROMPT_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+_ENDINGS = {"execution_success": "success", "execution_error": "error", "execution_interrupted": "interrupted"}
+
+
+def _read() -> Reading:
+    """The devices (one query of every backend) and the models ComfyUI lists, read from their weights."""
+    snapshot, peaks = inventory.take_reading()
+    used = {
+        d.id: d.torch_allocated for d in snapshot.devices if d.id and d.kind != "cpu" and d.torch_allocated is not None
+    }
+    used["cpu"] = snapshot.host.process_rss
+    models, _notes = bridge.loaded_models(snapshot)
+    return Reading(used, peaks, {model.key: (model.name, dict(model.resident)) for model in models})
+
+
+recorder = Recorder(_read)
+
+
+class _Listener:
+    """Turns ComfyUI's events into the recorder's calls (see the module's docstring)."""
+
+    def __init__(self, send: Callable[[str, Any, str | None], None]) -> None:
+        self.send = send  # the server's own send_sync: the profile's event is not heard again
+        self.nodes: dict[str, str] = {}  # node id -> its last state, in the prompt seen last
+        self.prompt: str | None = None
+        self.ended: str | None = None  # the prompt ended last: events sent after its end are not a new run
+        self.client: str | None = None
+        self.graph: Mapping[str, Any] = {}
+
+    def __call__(self, event: str, data: Any, sid: str | None) -> None:
+        prompt_id = data.get("prompt_id") if isinstance(data, dict) else None
+        if not isinstance(prompt_id, str) or prompt_id == self.ended:
+            return  # not about a prompt, or sent after its end (ComfyUI's last "executing")
+        if prompt_id != self.prompt:
+            self._start(prompt_id, sid)
+        if event == "execution_cached":
+            self._cached(prompt_id, data.get("nodes") or ())
+        elif event == "progress_state":
+            self._states(prompt_id, data.get("nodes") or {})
+        elif event in _ENDINGS:
+            self._end(prompt_id, _ENDINGS[event])
+
+    def _states(self, prompt_id: str, nodes: Mapping[str, Any]) -> None:
+        for key, state in nodes.items():
+            if isinstance(state, dict):
+                self._progress(prompt_id, str(key), state)
+
+    def _cached(self, prompt_id: str, nodes: Any) -> None:
+        for node in nodes:
+            self.nodes[str(node)] = "finished"  # its progress says finished too: listed once
+            recorder.node_cached(prompt_id, str(node), *self._names(str(node)))
+
+    def _start(self, prompt_id: str, sid: str | None) -> None:
+        if self.prompt is not None:
+            self._end(self.prompt, "ended")  # no end was sent: a prompt queued without a client id
+        self.prompt, self.client, self.nodes = prompt_id, sid, {}
+        self.graph = _graph_of(prompt_id)
+        recorder.prompt_started(prompt_id)
+
+    def _progress(self, prompt_id: str, key: str, state: Mapping[str, Any]) -> None:
+        """One node's state in a ``progress_state`` event: running, finished after running, or finished at once
+        (from the cache, in a prompt whose ``execution_cached`` was not sent)."""
+        node, now = str(state.get("display_node_id") or key), state.get("state")
+        before = self.nodes.get(node)
+        if now == before or now not in ("running", "finished"):
+            return
+        self.nodes[node] = now
+        names = self._names(str(state.get("real_node_id") or key))
+        if now == "running":
+            recorder.node_started(prompt_id, node, *names)
+        elif before == "running":
+            recorder.node_finished(prompt_id, node)
+        else:
+            recorder.node_cached(prompt_id, node, *names)
+
+    def _end(self, prompt_id: str, status: str) -> None:
+        recorder.prompt_ended(prompt_id, status)
+        profile = recorder.profile(prompt_id)
+        if profile is not None and prompt_id == self.prompt:
+            self.prompt, self.ended = None, prompt_id
+            for client in {*pusher.listeners(), *([self.client] if self.client else [])}:
+                self.send(EVENT, profile, client)
+
+    def close_idle(self) -> None:
+        """End the prompt seen last if ComfyUI runs none now (it sent no end: queued without a client id)."""
+        prompt = self.prompt
+        if prompt is not None and not _graph_of(prompt):
+            self._end(prompt, "ended")
+
+    def _names(self, node: str) -> tuple[str, str]:
+        """The node's class and title, from the prompt being run."""
+        entry = self.graph.get(node)
+        if not isinstance(entry, dict):
+            return "", node
+        class_type = str(entry.get("class_type", ""))
+        meta = entry.get("_meta")
+        title = meta.get("title") if isinstance(meta, dict) else None
+        return class_type, str(title or class_type or node)
+
+
+def _graph_of(prompt_id: str) -> Mapping[str, Any]:
+    """The prompt's graph (API format), from ComfyUI's queue while it runs; empty where it cannot be read."""
+    try:
+        for item in list(surface.prompt_server().prompt_queue.currently_running.values()):
+            if len(item) > 2 and item[1] == prompt_id and isinstance(item[2], dict):
+                return item[2]
+    except Exception as exc:  # a queue of another shape costs the names only
+        log.debug("[Device Control] could not read the running prompt: %s", exc)
+    return {}
+
+
+def profiling_from_env(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether to record profiles, from ``DEVICE_CONTROL_PROFILE`` (``on``, the default, or ``off``)."""
+    text = (os.environ if environ is None else environ).get(PROFILE_ENV, "").strip().lower()
+    if text in ("off", "0", "false", "no"):
+        return False
+    if text not in ("", "on", "1", "true", "yes"):
+        log.error("[Device Control] %s=%r is neither on nor off; profiles are recorded.", PROFILE_ENV, text)
+    return True
+
+
+_installed: _Listener | None = None
+_routed = False
+
+
+def install() -> None:
+    """Listen to the server's events and add the route (once; no listener under ``DEVICE_CONTROL_PROFILE=off``,
+    where the route says so)."""
+    global _installed, _routed
+    if _routed:
+        return
+    _routed = True
+    server = surface.prompt_server()
+    server.routes.get(f"{PREFIX}/profile")(get_profile)
+    if not profiling_from_env():
+        log.info("[Device Control] %s=off: no profiles are recorded.", PROFILE_ENV)
+        return
+    send = server.send_sync
+    listener = _Listener(send)
+
+    def send_sync(event: str, data: Any, sid: str | None = None) -> None:
+        send(event, data, sid)
+        try:
+            listener(event, data, sid)
+        except Exception as exc:  # the profile must never cost a run
+            log.warning("[Device Control] profile: %s while recording %s: %s", type(exc).__name__, event, exc)
+
+    server.send_sync = send_sync
+    _installed = listener
+
+
+def recording() -> bool:
+    """Whether profiles are being recorded."""
+    return _installed is not None
+
+
+def _refuse(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+def _query_error(query: Mapping[str, str], counts: Mapping[str, int]) -> str | None:
+    """What is wrong with the route's query string, or ``None``."""
+    unknown = sorted(set(query) - {"prompt_id", "format"})
+    if unknown or any(count > 1 for count in counts.values()):
+        asked = unknown or list(query)
+        return f"unknown or repeated query parameters {asked}; ask ?prompt_id=<id>&format=json or markdown."
+    if query.get("format", "json") not in ("json", "markdown"):
+        return f"format {query['format']!r} is not json or markdown."
+    if "prompt_id" in query and not _PROMPT_ID.match(query["prompt_id"]):
+        return "prompt_id must be a prompt's id as /prompt answered it (letters, digits, '-', 1 to 128)."
+    return None
+
+
+async def get_profile(request: web.Request) -> web.Response:
+    """``GET /device_control/profile`` (``?prompt_id=``, ``?format=json|markdown``)."""
+    query = request.rel_url.query
+    problem = _query_error(query, {name: len(query.getall(name)) for name in query})
+    if problem is not None:
+        return _refuse(400, problem)
+    if _installed is None:
+        return _refuse(404, f"profiles are off ({PROFILE_ENV}=off); start ComfyUI without it to record them.")
+    _installed.close_idle()
+    prompt_id = query.get("prompt_id")
+    profile = recorder.profile(prompt_id)
+    if profile is None:
+        kept = recorder.prompt_ids()
+        what = f"no profile of prompt {prompt_id!r}" if prompt_id else "no prompt has run since ComfyUI started"
+        return _refuse(404, f"{what}; the last {len(kept)} prompts have one: {kept}.")
+    if query.get("format") == "markdown":
+        return web.Response(text=recorder.markdown(profile["prompt_id"]) or "", content_type="text/markdown")
+    return web.json_response(profile)

@@ -1,0 +1,129 @@
+"""The memory profile's recorder, driven as the pack drives it (node started, finished, cached, prompt ended) over
+a simulated GPU whose books move as a small model is placed and offloaded; and the inventory's per-node peaks
+inside the VRAM Report's longer measure."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from core.devices.backends import CpuBackend, simulated_backends
+from core.devices.inventory import DeviceInventory
+from core.devices.simulated import SimulatedDevice
+from core.monitor import profile as profiling
+from core.monitor.profile import Reading, Recorder, model_events
+
+MiB = 1024**2
+
+
+class Books:
+    """A simulated GPU in an inventory, and a model whose residency the recorder reads."""
+
+    def __init__(self) -> None:
+        self.gpu = SimulatedDevice(64 * MiB)
+        self.inventory = DeviceInventory(backends=[CpuBackend()], extra=simulated_backends([self.gpu]))
+        self.model = torch.nn.Linear(1024, 1024)  # 4 MiB of weights in fp32
+        self.held: torch.Tensor | None = None
+
+    def read(self) -> Reading:
+        snapshot, peaks = self.inventory.take_reading()
+        used = {info.id: info.torch_allocated or 0 for info in snapshot.devices if info.id}
+        resident = {"cpu": 4 * MiB} if self.held is None else {"gpu:0": self.held.nbytes}
+        return Reading(used, peaks, {"m": ("Linear", resident)})
+
+    def recorder(self, clock=None) -> Recorder:
+        return Recorder(self.read) if clock is None else Recorder(self.read, clock=clock)
+
+
+def test_each_node_gets_its_time_memory_peak_and_model_events():
+    books = Books()
+    ticks = iter(range(100))
+    recorder = books.recorder(clock=lambda: float(next(ticks)))
+    recorder.prompt_started("p1")
+    recorder.node_started("p1", "4", "Move", "Move To GPU")
+    books.held = books.gpu.place(books.model.weight.detach())  # the node places the weight on the GPU
+    recorder.node_finished("p1", "4")
+    recorder.node_started("p1", "7", "Sampler", "KSampler")
+    scratch = books.gpu.place(torch.zeros(8 * MiB // 4))  # 8 MiB of activations, freed before the end
+    del scratch
+    recorder.node_finished("p1", "7")
+    recorder.node_cached("p1", "2", "Loader", "Load")
+    recorder.node_started("p1", "9", "Offload", "Offload To CPU")
+    books.held = None
+    recorder.node_finished("p1", "9")
+    recorder.prompt_ended("p1", "success")
+    data = recorder.profile("p1")
+    move, sampler, cached, offload = data["nodes"]
+    assert data["status"] == "success" and data["prompt_id"] == "p1"
+    assert (
+        move["status"] == "executed"
+        and move["wall"] > 0
+        and move["after"]["gpu:0"] - move["before"]["gpu:0"] == 4 * MiB
+    )
+    assert [(e["kind"], e["bytes"]) for e in move["events"]] == [("loaded", 4 * MiB)]
+    assert sampler["peak"]["gpu:0"] == 12 * MiB and sampler["after"]["gpu:0"] == 4 * MiB  # the allocator's peak
+    assert cached["status"] == "cached" and cached["peak"] == {}
+    assert [(e["kind"], e["bytes"]) for e in offload["events"]] == [("offloaded", 4 * MiB)]
+    assert offload["after"]["gpu:0"] == 0
+    assert data["heaviest"] == {"node": "7", "device": "gpu:0"} and data["recording"] > 0
+    assert recorder.latest().summary() == "heaviest node so far: KSampler (7), 12.00 MiB on gpu:0"
+    table = recorder.markdown("p1")
+    assert "| KSampler (7) | Sampler | executed |" in table and "| Load (2) | Loader | cached |" in table
+
+
+def test_the_vram_reports_peak_still_counts_the_peaks_taken_per_node():
+    books = Books()
+    books.inventory.reset_peaks()
+    scratch = books.gpu.place(torch.zeros(16 * MiB // 4))
+    del scratch
+    assert books.inventory.take_reading()[1]["gpu:0"] == 16 * MiB  # one node's peak
+    snapshot, peaks = books.inventory.take_reading()
+    assert peaks["gpu:0"] == 0 and snapshot.get("gpu:0").peak_allocated == 16 * MiB  # started again, still counted
+    assert books.inventory.snapshot().get("gpu:0").peak_allocated == 16 * MiB  # the report's: since it reset
+    books.inventory.reset_peaks()
+    assert books.inventory.snapshot().get("gpu:0").peak_allocated == 0
+
+
+def test_a_node_that_never_finished_failed_and_only_the_last_twenty_prompts_are_kept():
+    books = Books()
+    recorder = books.recorder()
+    recorder.node_started("p0", "1", "Bad", "Bad node")
+    recorder.prompt_ended("p0", "error")
+    assert recorder.profile("p0")["nodes"][0]["status"] == "failed"
+    for index in range(1, profiling.KEEP + 5):
+        recorder.prompt_started(f"p{index}")
+    kept = recorder.prompt_ids()
+    assert len(kept) == profiling.KEEP and kept[-1] == f"p{profiling.KEEP + 4}" and recorder.profile("p0") is None
+    assert recorder.profile("p1") is None and recorder.profile()["prompt_id"] == kept[-1]
+    assert recorder.profile(kept[0])["status"] == "interrupted"  # a later prompt started: it never ended
+
+
+def test_a_profile_stays_bounded_and_readers_never_see_it_half_written(monkeypatch):
+    monkeypatch.setattr(profiling, "MAX_NODES", 5)
+    books = Books()
+    recorder = books.recorder()
+    reads: list[int] = []
+    stop = threading.Event()
+
+    def read() -> None:
+        while not stop.is_set():
+            data = recorder.profile()
+            reads.append(0 if data is None else len(data["nodes"]))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    for index in range(8):
+        recorder.node_started("p", str(index), "N", "N")
+        recorder.node_finished("p", str(index))
+    stop.set()
+    reader.join()
+    data = recorder.profile("p")
+    assert len(data["nodes"]) == 5 and data["nodes_left_out"] == 3 and max(reads) <= 5
+
+
+def test_model_events_name_loads_moves_and_offloads():
+    before = {"a": ("A", {"cpu": 10}), "b": ("B", {"gpu:0": 6, "cpu": 4}), "c": ("C", {"gpu:0": 5})}
+    after = {"a": ("A", {"gpu:0": 10}), "b": ("B", {"gpu:0": 3, "gpu:1": 7}), "d": ("D", {"cpu": 2})}
+    events = {e.key: (e.kind, e.bytes) for e in model_events(before, after, 1.0)}
+    assert events == {"a": ("loaded", 10), "b": ("moved", 7), "c": ("offloaded", 5), "d": ("loaded", 2)}
