@@ -26,6 +26,9 @@ from typing import Any
 
 from aiohttp import web
 
+from ..core.devices.backends import label_of
+from ..core.devices.inventory import InventorySnapshot
+from ..core.devices.tensors import copied_onto
 from ..core.monitor.profile import Reading, Recorder
 from . import bridge, surface
 from .panel import PREFIX, pusher
@@ -47,7 +50,22 @@ def _read() -> Reading:
     }
     used["cpu"] = snapshot.host.process_rss
     models, _notes = bridge.loaded_models(snapshot)
-    return Reading(used, peaks, {model.key: (model.name, dict(model.resident)) for model in models})
+    return Reading(
+        used,
+        peaks,
+        {model.key: (model.name, dict(model.resident)) for model in models},
+        frozenset(model.key for model in models if model.partial),
+        _streamed(snapshot),
+    )
+
+
+def _streamed(snapshot: InventorySnapshot) -> dict[str, int]:
+    """The bytes the pack has copied onto each GPU so far, by device id (its books count by device label)."""
+    copied = copied_onto()
+    if not copied:
+        return {}
+    ids = {label_of(inventory.target(d.id, snapshot)): d.id for d in snapshot.devices if d.id and d.kind != "cpu"}
+    return {ids[label]: n for label, n in copied.items() if label in ids}
 
 
 recorder = Recorder(_read)

@@ -8,6 +8,7 @@ import { formatBytes } from "./panel/format.js";
 import { memoryReport } from "./panel/report.js";
 import { Timeline } from "./panel/timeline.js";
 import { PanelView } from "./panel/view.js";
+import { mountRunView, setDecimal } from "./run_profile.js";
 
 const TEXT_NODES = new Set([
   "DeviceControl_VRAMReport",
@@ -170,12 +171,13 @@ function showBadge(text) {
 }
 
 function render() {
+  const decimal = String(setting(SETTINGS.units, "binary (GiB)")).startsWith("decimal");
+  setDecimal(decimal); // the last run's chart and badges use the same units
   if (!panel.latest) return;
   showBadge(setting(SETTINGS.meter, true) ? badgeFor(panel.latest) : "");
   if (!panel.open || !panel.view) return;
   const devices = String(setting(SETTINGS.devices, "all")).trim();
   const wanted = devices && devices.toLowerCase() !== "all" ? new Set(devices.split(",").map((d) => d.trim())) : null;
-  const decimal = String(setting(SETTINGS.units, "binary (GiB)")).startsWith("decimal");
   panel.view.update(panel.latest, panel.timeline, { decimal, wanted, interval: wantedInterval() });
 }
 
@@ -315,6 +317,7 @@ app.registerExtension({
       render: (container) => {
         panel.view = panel.view ?? new PanelView(actions);
         panel.view.mount(container);
+        mountRunView(panel.view.runSlot);
         if (!panel.open) {
           panel.open = true;
           resubscribe();

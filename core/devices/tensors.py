@@ -88,6 +88,13 @@ def traffic(target: Target) -> Traffic:
         return _traffic.setdefault(label_of(target), Traffic())
 
 
+def copied_onto() -> dict[str, int]:
+    """The bytes the product has copied onto each device so far, by device label: a running count whose
+    difference between two moments is what was streamed in between."""
+    with _traffic_lock:
+        return {label: books.to_device for label, books in _traffic.items()}
+
+
 def count_copy(source: Target, target: Target, nbytes: int) -> None:
     """Book one copy of ``nbytes`` from ``source`` to ``target``: on the device it reaches, and for a copy between
     two devices on the one it leaves too (``to_peer``)."""

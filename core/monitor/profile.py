@@ -4,10 +4,12 @@ and what happened to the models while it ran.
 A :class:`Recorder` is told when a prompt starts, when each node starts and finishes (or was taken from the
 cache), and when the prompt ends; at each node's start and finish it reads the devices and the resident models
 through two callables its host gives it, so this module knows nothing of the host application. Model events are
-what changed between the two readings of a node: a model that appeared on a device was loaded there, one that
-left every device was offloaded, one whose bytes moved between devices was moved (``partially loaded`` when
-part of it stayed off its compute device). The readings of memory are the books of each device: the allocator's
-bytes on a GPU (and its peak, which the host resets at each node's start), the process's resident set on the CPU.
+what changed between the two readings of a node: a model that appeared on a GPU was loaded there (``partially
+loaded`` when part of it stayed off its compute device), one that left every GPU was offloaded (``evicted``
+when another model arrived on that GPU in the same node), one whose bytes moved between devices was moved; and
+the bytes copied onto a GPU that did not stay there were streamed. The readings of memory are the books of each
+device: the allocator's bytes on a GPU (and its peak, which the host resets at each node's start), the process's
+resident set on the CPU.
 
 Profiles of the last :data:`KEEP` prompts are kept; a profile never grows past :data:`MAX_NODES` nodes nor
 :data:`MAX_EVENTS` events per node (what is left out is counted), and every method is quick and takes one lock
@@ -44,17 +46,22 @@ Models = Mapping[str, tuple[str, Mapping[str, int]]]
 @dataclass(frozen=True)
 class Reading:
     """One reading of the host: the bytes in use on every device, each device's peak since the previous reading
-    (the reading starts it again), and the resident models."""
+    (the reading starts it again), the resident models, the keys of those partly off their compute device
+    (``partial``), and the bytes copied onto each device so far (``streamed``: a running count)."""
 
     used: Memory
     peaks: Memory
     models: Models
+    partial: frozenset[str] = frozenset()
+    streamed: Memory = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class ModelEvent:
-    """Something that happened to one model during a node: ``kind`` is ``loaded``, ``moved``, ``offloaded``;
-    ``before`` and ``after`` are its bytes per device."""
+    """Something that happened to one model during a node: ``kind`` is ``loaded``, ``partially loaded``,
+    ``moved``, ``offloaded``, ``evicted`` or ``streamed``; ``before`` and ``after`` are its bytes per device (for
+    ``streamed``, ``after`` holds the bytes copied onto each device during the node, and ``model`` names the
+    models partly resident there)."""
 
     kind: str
     model: str
@@ -188,7 +195,7 @@ class Recorder:
         with self._lock:
             record = NodeProfile(node, class_type, title, "running", self._since(prompt_id), before=dict(reading.used))
             if self._add(prompt_id, record):
-                self._running[(prompt_id, node)] = (record, reading.models)
+                self._running[(prompt_id, node)] = (record, reading)
             self._charge(prompt_id, began)
 
     def node_finished(self, prompt_id: str, node: str) -> None:
@@ -197,7 +204,7 @@ class Recorder:
             started = self._running.pop((prompt_id, node), None)
         if started is None:
             return
-        record, models_before = started
+        record, first = started
         began = self._clock()
         now = self._since(prompt_id)
         reading = self._read()
@@ -205,7 +212,8 @@ class Recorder:
             used = reading.used
             record.status, record.wall, record.after = "executed", now - record.start, dict(used)
             record.peak = {d: max(reading.peaks.get(d, 0), record.before.get(d, 0), n) for d, n in used.items()}
-            events = model_events(models_before, reading.models, now)
+            events = model_events(first.models, reading.models, now, reading.partial)
+            events += streamed_events(first, reading, now)
             record.events, record.events_left_out = events[:MAX_EVENTS], max(0, len(events) - MAX_EVENTS)
             self._charge(prompt_id, began)
 
@@ -277,22 +285,57 @@ class Recorder:
         profile.status = status
         profile.wall = self._since(profile.prompt_id)
         for key in [key for key in self._running if key[0] == profile.prompt_id]:
-            record, _models = self._running.pop(key)
+            record, _first = self._running.pop(key)
             record.status, record.wall = "failed", profile.wall - record.start
 
 
-def model_events(before: Models, after: Models, at: float) -> list[ModelEvent]:
-    """What changed between two readings of the resident models (see the module's docstring)."""
+def model_events(before: Models, after: Models, at: float, partial: frozenset[str] = frozenset()) -> list[ModelEvent]:
+    """What changed between two readings of the resident models (see the module's docstring). A load that left
+    part of the model off its compute device (its key in ``partial``) is ``partially loaded``; a model that left
+    a GPU while another arrived there is ``evicted`` (ComfyUI made room for the other)."""
+    events = [_event(key, before, after, at, key in partial) for key in sorted(set(before) | set(after))]
+    return _evictions([event for event in events if event is not None])
+
+
+def _event(key: str, before: Models, after: Models, at: float, partial: bool) -> ModelEvent | None:
+    """One model's change between two readings, or ``None``."""
+    name, old = before.get(key, ("", {}))
+    name, new = after.get(key, (name, {}))
+    old = {device: n for device, n in old.items() if n}
+    new = {device: n for device, n in new.items() if n}
+    if old == new:
+        return None
+    kind, size = _change(old, new)
+    return ModelEvent("partially loaded" if kind == "loaded" and partial else kind, name, key, size, old, new, at)
+
+
+def _evictions(events: list[ModelEvent]) -> list[ModelEvent]:
+    """``offloaded`` events become ``evicted`` where another model arrived on a GPU the model left."""
+    arrived = {d for e in events if e.kind != "offloaded" for d, n in e.after.items() if n > e.before.get(d, 0)}
+    return [
+        replace(e, kind="evicted") if e.kind == "offloaded" and arrived & set(e.before) - {"cpu"} else e for e in events
+    ]
+
+
+def streamed_events(first: Reading, last: Reading, at: float) -> list[ModelEvent]:
+    """The bytes copied onto each GPU between two readings that did not stay there (weights cast on the fly for
+    one use, and prefetched): the copies counted, less what the models held there grew by (a move or a load is
+    a ``loaded`` or ``moved`` event, not streaming). Named after the models partly resident there."""
     events = []
-    for key in sorted(set(before) | set(after)):
-        name, old = before.get(key, ("", {}))
-        name, new = after.get(key, (name, {}))
-        old = {device: n for device, n in old.items() if n}
-        new = {device: n for device, n in new.items() if n}
-        if old != new:
-            kind, size = _change(old, new)
-            events.append(ModelEvent(kind, name, key, size, old, new, at))
+    for device, total in sorted(last.streamed.items()):
+        moved = total - first.streamed.get(device, 0) - _arrived(first.models, last.models, device)
+        if device == "cpu" or moved <= 0:
+            continue
+        names = [name for key, (name, held) in last.models.items() if key in last.partial and held.get(device)]
+        model = ", ".join(sorted(names)) or "weights"
+        events.append(ModelEvent("streamed", model, "", moved, {}, {device: moved}, at))
     return events
+
+
+def _arrived(before: Models, after: Models, device: str) -> int:
+    """The bytes the models came to hold on ``device`` between two readings."""
+    held = {key: models.get(device, 0) for key, (_name, models) in before.items()}
+    return sum(max(0, models.get(device, 0) - held.get(key, 0)) for key, (_name, models) in after.items())
 
 
 def _change(old: dict[str, int], new: dict[str, int]) -> tuple[str, int]:

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import json
 import re
+import urllib.error
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.browser.conftest import PINNED, FrontendPage
+from tests.browser.conftest import OUR_EXTENSION_PATH, PINNED, FrontendPage
+from tests.browser.profile_checks import (
+    assert_badges_show_the_profile,
+    assert_run_chart_is_readable,
+    drawn_badges,
+    overlap,
+    seconds,
+)
 from tests.passes import ONCE
 from tools.runtime import DEFAULT_VERSION, NEWEST_FRONTEND, RELEASES
 
@@ -48,6 +56,8 @@ def record_panel(page: Any) -> None:
         """() => {
             window.__dcSeen = [];
             window.__dcDone = false;
+            window.__dcProfile = null;
+            window.app.api.addEventListener("device_control.profile", (e) => { window.__dcProfile = e.detail; });
             for (const type of ["execution_success", "execution_error"]) {
                 window.app.api.addEventListener(type, () => { window.__dcDone = type; });
             }
@@ -100,17 +110,17 @@ def test_panel_shows_the_simulated_device_and_follows_a_run(frontend, artifacts,
     assert int(timeline.get_attribute("data-markers")) >= 5  # one per node that ran
     assert int(timeline.get_attribute("data-samples")) >= 3
     assert_the_chart_is_readable(page, timeline)
+
+    # The run's profile, pushed to the page at its end: the badges on the canvas and the last run's chart.
+    page.wait_for_function("window.__dcProfile", timeout=30_000)
+    profile = frontend.server.get("/device_control/profile")
+    assert page.evaluate("window.__dcProfile.prompt_id") == profile["prompt_id"]
+    assert_run_chart_is_readable(page, PANEL, profile)
+    assert_badges_show_the_profile(page, profile)
+    drawn_badges(page, 0.85, (35, 110))  # the sampler and its neighbours, at a readable size
+    page.screenshot(path=str(artifacts / f"profile_badges_{frontend_version}.png"))
     assert frontend.our_errors() == []
     page.locator(PANEL).screenshot(path=str(artifacts / f"panel_after_seed_run_{frontend_version}.png"))
-
-
-def overlap(a: dict, b: dict) -> bool:
-    return (
-        a["x"] < b["x"] + b["width"]
-        and b["x"] < a["x"] + a["width"]
-        and a["y"] < b["y"] + b["height"]
-        and (b["y"] < a["y"] + a["height"])
-    )
 
 
 def assert_the_chart_is_readable(page: Any, timeline: Any) -> None:
@@ -155,6 +165,59 @@ def assert_the_chart_is_readable(page: Any, timeline: Any) -> None:
     )
     assert markers, "no marker was drawn"
     assert hovered.startswith("node started: "), hovered
+
+
+def _last_profile(frontend: FrontendPage) -> dict:
+    """The server's last profile; the seed is run first where this server has none (a test run on its own)."""
+    try:
+        return frontend.server.get("/device_control/profile")
+    except urllib.error.HTTPError as error:
+        assert error.code == 404, error
+    frontend.open()
+    run_workflow(frontend, SEED)
+    return frontend.server.get("/device_control/profile")
+
+
+def test_last_run_chart_in_the_bottom_panel_and_its_exports(frontend, artifacts, frontend_version):
+    profile = _last_profile(frontend)
+    page = open_panel(frontend)  # a new page: the profile comes from the route, not from a push
+    sidebar = assert_run_chart_is_readable(page, PANEL, profile)
+    page.evaluate("window.app.extensionManager.command.execute('Workspace.ToggleBottomPanelTab.device-control-run')")
+    wide = page.locator(".dc-run-wide")
+    wide.wait_for(timeout=30_000)
+    bottom = assert_run_chart_is_readable(page, ".dc-run-wide", profile)
+    assert bottom["width"] > 1.5 * sidebar["width"], (bottom, sidebar)
+    wide.screenshot(path=str(artifacts / f"profile_bottom_panel_{frontend_version}.png"))
+
+    files = {}
+    for kind in ("json", "markdown", "png"):
+        with page.expect_download() as download:
+            wide.locator(f".dc-export-{kind}").click()
+        files[kind] = (download.value.suggested_filename, Path(download.value.path()).read_bytes())
+    stem = f"device_control_profile_{profile['prompt_id']}"
+    assert [name for name, _ in files.values()] == [f"{stem}.json", f"{stem}.md", f"{stem}_timeline.png"]
+    assert json.loads(files["json"][1]) == profile
+    markdown = files["markdown"][1].decode()
+    assert markdown.startswith(f"Prompt {profile['prompt_id']} (success") and "| KSampler (8) | KSampler |" in markdown
+    png = files["png"][1]
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")) == (1200, 300)
+    (artifacts / f"profile_export_{frontend_version}.png").write_bytes(png)
+    # A run that used no GPU: the badge names the process's RAM.
+    cpu_only = {
+        "nodes": [
+            {**node, "before": {"cpu": 1024**3}, "after": {"cpu": 1024**3}, "peak": {"cpu": 2 * 1024**3}}
+            for node in profile["nodes"]
+            if node["node"] == "8"
+        ],
+        "heaviest": {"node": "8", "device": "cpu"},
+    }
+    text = page.evaluate(
+        "async ([path, p]) => [...(await import(path + 'panel/badges.js')).nodeBadges(p, false).values()][0].text",
+        [OUR_EXTENSION_PATH, cpu_only],
+    )
+    assert text.startswith("▲ 2.00 GiB RAM · ") and text.endswith(seconds(cpu_only["nodes"][0]["wall"])), text
+    assert frontend.our_errors() == []
 
 
 def test_offload_button_moves_a_model_back_to_ram(frontend, artifacts, frontend_version):

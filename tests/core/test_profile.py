@@ -5,6 +5,7 @@ inside the VRAM Report's longer measure."""
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import torch
 
@@ -12,7 +13,7 @@ from core.devices.backends import CpuBackend, simulated_backends
 from core.devices.inventory import DeviceInventory
 from core.devices.simulated import SimulatedDevice
 from core.monitor import profile as profiling
-from core.monitor.profile import Reading, Recorder, model_events
+from core.monitor.profile import Reading, Recorder, model_events, streamed_events
 
 MiB = 1024**2
 
@@ -126,4 +127,24 @@ def test_model_events_name_loads_moves_and_offloads():
     before = {"a": ("A", {"cpu": 10}), "b": ("B", {"gpu:0": 6, "cpu": 4}), "c": ("C", {"gpu:0": 5})}
     after = {"a": ("A", {"gpu:0": 10}), "b": ("B", {"gpu:0": 3, "gpu:1": 7}), "d": ("D", {"cpu": 2})}
     events = {e.key: (e.kind, e.bytes) for e in model_events(before, after, 1.0)}
-    assert events == {"a": ("loaded", 10), "b": ("moved", 7), "c": ("offloaded", 5), "d": ("loaded", 2)}
+    # C left gpu:0 while A arrived there: evicted to make room.
+    assert events == {"a": ("loaded", 10), "b": ("moved", 7), "c": ("evicted", 5), "d": ("loaded", 2)}
+
+
+def test_model_events_tell_partial_loads_evictions_and_streamed_bytes():
+    before = {"a": ("A", {"gpu:0": 8}), "b": ("B", {"cpu": 10})}
+    after = {"a": ("A", {"cpu": 8}), "b": ("B", {"gpu:0": 6, "cpu": 4})}
+    events = {e.key: (e.kind, e.bytes) for e in model_events(before, after, 1.0, frozenset({"b"}))}
+    assert events == {"a": ("evicted", 8), "b": ("partially loaded", 6)}
+    # A model leaving while nothing arrives on its GPU was offloaded, not evicted.
+    alone = model_events({"a": ("A", {"gpu:0": 8})}, {"a": ("A", {"cpu": 8})}, 1.0)
+    assert [(e.kind, e.bytes) for e in alone] == [("offloaded", 8)]
+
+    first = Reading({}, {}, after, frozenset({"b"}), {"gpu:0": 100, "gpu:1": 5})
+    last = Reading({}, {}, after, frozenset({"b"}), {"gpu:0": 160, "gpu:1": 5, "cpu": 9})
+    streamed = streamed_events(first, last, 2.0)
+    assert [(e.kind, e.model, e.bytes, e.after) for e in streamed] == [("streamed", "B", 60, {"gpu:0": 60})]
+    # Copies that stayed (a load of 6 bytes onto gpu:0) are not streaming.
+    loading = Reading({}, {}, before, frozenset(), {"gpu:0": 100, "gpu:1": 5})
+    assert [(e.model, e.bytes) for e in streamed_events(loading, last, 2.0)] == [("B", 54)]
+    assert streamed_events(loading, replace(last, streamed={"gpu:0": 106, "gpu:1": 5}), 2.0) == []

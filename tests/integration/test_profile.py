@@ -51,6 +51,12 @@ async def _run_and_listen(server, prompt: dict) -> tuple[str, list[dict]]:
     return prompt_id, received
 
 
+def _unet_off_gpu(entry: dict, api, node: str) -> int:
+    report = api.report_json(entry, node)
+    unet = next(m for m in report["models"] if m["component"] == "MODEL")
+    return dict(unet["resident"]).get("cpu", 0)
+
+
 def _unet_on_gpu(entry: dict, api, node: str) -> int:
     report = api.report_json(entry, node)
     unet = next((m for m in report["models"] if m["component"] == "MODEL"), None)  # none once it is offloaded
@@ -82,6 +88,23 @@ def test_every_node_is_profiled_with_the_bytes_the_books_held(server, api):
     assert api.report_text(entry, "12").splitlines()[-1].startswith("heaviest node so far: KSampler (8), ")
     table = status_of(server, f"/device_control/profile?prompt_id={prompt_id}&format=markdown")[1]
     assert "| KSampler (8) | KSampler | executed |" in table
+
+
+def test_a_budget_placement_is_partially_loaded_and_the_sampler_streams_the_rest(server, api):
+    prompt = api.load_prompt(server, MOVE)
+    prompt["3"]["inputs"]["vram_budget"] = "1.5GB"
+    prompt_id = server.queue(prompt)
+    entry = server.wait(prompt_id)
+    nodes = {node["node"]: node for node in server.get(f"/device_control/profile?prompt_id={prompt_id}")["nodes"]}
+    placed = _unet_on_gpu(entry, api, "4")
+    assert GiB < placed <= 1.5 * GiB
+    assert [(e["kind"], e["after"]["gpu:0"]) for e in nodes["3"]["events"]] == [("partially loaded", placed)]
+    streamed = [e for e in nodes["8"]["events"] if e["kind"] == "streamed"]
+    # The one sampling step casts the layers left in RAM onto the GPU for their use: most of the UNet's bytes
+    # not resident (the layers its forward pass uses), never more than the whole UNet.
+    assert len(streamed) == 1 and streamed[0]["model"] == "SD15 diffusion model", streamed
+    total = _unet_on_gpu(entry, api, "4") + _unet_off_gpu(entry, api, "4")
+    assert 0.8 * (total - placed) <= streamed[0]["after"]["gpu:0"] == streamed[0]["bytes"] <= total
 
 
 def test_a_cached_rerun_lists_its_cached_nodes(server, api):

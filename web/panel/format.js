@@ -28,3 +28,10 @@ export function percent(part, whole) {
 export function clock(seconds) {
   return new Date(seconds * 1000).toLocaleTimeString([], { hour12: false });
 }
+
+/** A duration for people: "450 ms", "2.4 s", "38 s". */
+export function seconds(value) {
+  if (value === null || value === undefined || Number.isNaN(value)) return "n/a";
+  if (value < 1) return `${Math.round(value * 1000)} ms`;
+  return `${value.toFixed(value < 10 ? 1 : 0)} s`;
+}

@@ -1,35 +1,11 @@
 // Device Control panel: the DOM of the sidebar tab. Text goes in with textContent only (never parsed as HTML),
 // so model names from files cannot inject markup. No ComfyUI imports: the entry file passes callbacks in.
 
+import { button, element, legendEntry } from "./dom.js";
 import { clock, formatBytes, percent } from "./format.js";
 
 const ROOT_CLASS = "device-control-panel";
 const TIMELINE_HEIGHT = 120;
-
-function element(tag, className, text) {
-  const node = document.createElement(tag);
-  if (className) node.className = className;
-  if (text !== undefined) node.textContent = text;
-  return node;
-}
-
-function button(label, className, onClick, title) {
-  const node = element("button", `dc-button ${className}`, label);
-  node.type = "button";
-  if (title) node.title = title;
-  node.addEventListener("click", onClick);
-  Object.assign(node.style, {
-    padding: "2px 8px",
-    margin: "2px 4px 2px 0",
-    fontSize: "12px",
-    cursor: "pointer",
-    borderRadius: "4px",
-    border: "1px solid var(--p-content-border-color, #555)",
-    background: "var(--comfy-input-bg, transparent)",
-    color: "inherit",
-  });
-  return node;
-}
 
 /** The colours of a split model's parts in its bar, one per device in the order the split fills them. */
 const PART_COLORS = ["#2196f3", "#9c27b0", "#00bcd4", "#795548"];
@@ -92,6 +68,7 @@ export class PanelView {
     const existing = container.querySelector(`.${ROOT_CLASS}`);
     if (existing) {
       this.root = existing;
+      this.runSlot = existing.querySelector(".dc-run-slot");
       return;
     }
     const root = element("div", ROOT_CLASS);
@@ -121,7 +98,8 @@ export class PanelView {
     );
     this.notes = element("div", "dc-notes");
     this.notes.style.opacity = "0.8";
-    root.append(this.status, this.devices, this.models, timelineSection, actions, this.notes);
+    this.runSlot = element("div", "dc-run-slot"); // the last run's chart (run_profile.js mounts it)
+    root.append(this.status, this.devices, this.models, timelineSection, this.runSlot, actions, this.notes);
     container.append(root);
     this.root = root;
   }
@@ -224,20 +202,7 @@ export class PanelView {
   /** One entry per device line: a swatch in its color and its name (text, so it never overlaps the chart). */
   renderLegend(timeline) {
     this.legend.replaceChildren();
-    for (const id of timeline.devices()) {
-      const entry = element("span", "dc-legend-entry");
-      const swatch = element("span", "dc-legend-swatch");
-      Object.assign(swatch.style, {
-        display: "inline-block",
-        width: "10px",
-        height: "3px",
-        margin: "0 4px 3px 0",
-        verticalAlign: "middle",
-        background: timeline.colorOf(id),
-      });
-      entry.append(swatch, document.createTextNode(id));
-      this.legend.append(entry);
-    }
+    for (const id of timeline.devices()) this.legend.append(legendEntry("dc-legend", timeline.colorOf(id), id));
   }
 
   /** The node a marker stands for, under the chart, when the pointer is on it. */
