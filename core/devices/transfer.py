@@ -43,7 +43,8 @@ class QueuedCopy:
 
     ``source``, ``rows`` and ``version`` say what was copied (the source's rows ``start:stop`` only, when
     ``rows`` is given), so a copy made ahead of use can be checked before it is used (the weight was not changed
-    or replaced since).
+    or replaced since). ``nbytes`` is what the copy takes on its device, counted from the source when it was
+    queued (the copy may not be done; the prefetch sums it at every layer).
     """
 
     source: torch.Tensor
@@ -52,12 +53,8 @@ class QueuedCopy:
     moved: torch.Tensor
     event: object | None
     private: bool
+    nbytes: int
     rows: tuple[int, int] | None = None
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes the copy takes on its device (read from the source: the copy may not be done)."""
-        return tensor_bytes(_rows_of(self.source, self.rows))
 
     def matches(self, tensor: torch.Tensor, *, copy: bool, rows: tuple[int, int] | None = None) -> bool:
         """Whether this is a copy of ``tensor``'s ``rows`` as it is now, usable where a private copy is needed if
@@ -84,17 +81,18 @@ def queue_copy(
     the result must not share memory with ``tensor`` (it will be changed, by a patch)."""
     backend = backend_of(target)
     source = _rows_of(tensor, rows)
-    count_copy(target_of(tensor), target, tensor_bytes(source))
+    nbytes = tensor_bytes(source)
+    count_copy(target_of(tensor), target, nbytes)
     stream = backend.side_stream(target)
     if stream is None:
         moved = backend.copy_to(source, target, copy=copy)
-        return QueuedCopy(tensor, _version(tensor), target, moved, None, copy, rows)
+        return QueuedCopy(tensor, _version(tensor), target, moved, None, copy, nbytes, rows)
     # From pinned host memory or from another device's memory (a split model's donor GPU) the copy needs no
     # host work: only a copy from pageable host memory makes the host wait.
     from_device = not same_target(target_of(source), HOST)
     with backend.on_stream(stream):
         moved = backend.copy_to(source, target, non_blocking=from_device or backend.is_pinned(source), copy=copy)
-    return QueuedCopy(tensor, _version(tensor), target, moved, backend.record(stream), copy, rows)
+    return QueuedCopy(tensor, _version(tensor), target, moved, backend.record(stream), copy, nbytes, rows)
 
 
 def use_copy(queued: QueuedCopy, target: Target) -> torch.Tensor:

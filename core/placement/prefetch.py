@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -83,21 +83,21 @@ class _InFlight:
 @dataclass(frozen=True, eq=False)
 class _Piece:
     """One copy a streamed layer makes: its weight or bias, whole or one row slice; ``private`` when patch
-    functions will change the copy."""
+    functions will change the copy. Its bytes are counted once, when it is made."""
 
     tensor: torch.Tensor
     rows: tuple[int, int] | None
     private: bool
+    nbytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        rows, whole = self.rows, tensor_bytes(self.tensor)
+        nbytes = whole if rows is None else whole // self.tensor.shape[0] * (rows[1] - rows[0])
+        object.__setattr__(self, "nbytes", nbytes)  # frozen: set once, here
 
     @property
     def key(self) -> tuple[int, tuple[int, int] | None]:
         return id(self.tensor), self.rows
-
-    @property
-    def nbytes(self) -> int:
-        rows = self.rows
-        whole = tensor_bytes(self.tensor)
-        return whole if rows is None else whole // self.tensor.shape[0] * (rows[1] - rows[0])
 
 
 class Lookahead:
@@ -111,6 +111,10 @@ class Lookahead:
         self._seen: set[int] = set()
         self._previous: torch.nn.Module | None = None
         self._in_flight: dict[tuple, _InFlight] = {}  # (id of the source tensor, rows) -> its copy
+        # The pieces of each layer seen in this pass, by id of the layer: a layer's copies are looked up for every
+        # layer before it within the window, so they are found once a pass (a pass changes no weight; a copy
+        # that no longer matches its weight is not used anyway, see ``take``).
+        self._groups: dict[int, tuple[Target, list[list[_Piece]]]] = {}
 
     # -- set up by the engine ---------------------------------------------------------------------
 
@@ -138,6 +142,7 @@ class Lookahead:
         self._in_flight.clear()
         self._previous = None
         self._seen.clear()
+        self._groups.clear()
 
     @property
     def in_flight_bytes(self) -> int:
@@ -154,7 +159,7 @@ class Lookahead:
         next, within the room it leaves."""
         if piece == 0:
             self._learn(module)
-        groups = _pieces(module, target)
+        groups = self._pieces(module, target)
         current = groups[piece]
         for item in current:
             self._queue(module, item, target, ahead=False)
@@ -226,6 +231,7 @@ class Lookahead:
             if self._previous is not None:  # the previous layer ended a pass: nothing follows it
                 self._successor.pop(id(self._previous), None)
             self._seen = {key}
+            self._groups.clear()
         else:
             if self._previous is not None:
                 self._successor[id(self._previous)] = module
@@ -250,7 +256,14 @@ class Lookahead:
             owner = self._successor.get(id(owner))
             if owner is None or id(owner) in visited:
                 return
-            groups = _pieces(owner, target)
+            groups = self._pieces(owner, target)
+
+    def _pieces(self, module: torch.nn.Module, target: Target) -> list[list[_Piece]]:
+        """:func:`_pieces` of ``module`` on ``target``, found once a pass."""
+        known = self._groups.get(id(module))
+        if known is None or not same_target(known[0], target):
+            known = self._groups[id(module)] = (target, _pieces(module, target))
+        return known[1]
 
 
 def _pieces(module: torch.nn.Module, target: Target) -> list[list[_Piece]]:
