@@ -89,15 +89,13 @@ class _Piece:
     rows: tuple[int, int] | None
     private: bool
     nbytes: int = field(init=False)
+    key: tuple[int, tuple[int, int] | None] = field(init=False)  # how its copy is found in flight
 
     def __post_init__(self) -> None:
         rows, whole = self.rows, tensor_bytes(self.tensor)
         nbytes = whole if rows is None else whole // self.tensor.shape[0] * (rows[1] - rows[0])
         object.__setattr__(self, "nbytes", nbytes)  # frozen: set once, here
-
-    @property
-    def key(self) -> tuple[int, tuple[int, int] | None]:
-        return id(self.tensor), self.rows
+        object.__setattr__(self, "key", (id(self.tensor), rows))
 
 
 class Lookahead:
@@ -111,10 +109,15 @@ class Lookahead:
         self._seen: set[int] = set()
         self._previous: torch.nn.Module | None = None
         self._in_flight: dict[tuple, _InFlight] = {}  # (id of the source tensor, rows) -> its copy
-        # The pieces of each layer seen in this pass, by id of the layer: a layer's copies are looked up for every
-        # layer before it within the window, so they are found once a pass (a pass changes no weight; a copy
-        # that no longer matches its weight is not used anyway, see ``take``).
+        # Found once and kept while they hold, because every layer looks ahead over the layers within its window
+        # (about fifty of them in an SD1.5 UNet) and a step runs hundreds of layers:
+        # - the pieces of each layer, by id of the layer; checked again when the layer itself is reached, and
+        #   both caches are dropped when they changed (a weight replaced, patched or moved);
+        # - what comes after each piece within its window, nearest first, by (id of the layer, piece number,
+        #   window); dropped when the learned order changes.
+        # A copy queued from a stale entry is not used anyway (``take`` checks it against the weight as it is).
         self._groups: dict[int, tuple[Target, list[list[_Piece]]]] = {}
+        self._chains: dict[tuple[int, int, int], _Chain] = {}
 
     # -- set up by the engine ---------------------------------------------------------------------
 
@@ -143,6 +146,7 @@ class Lookahead:
         self._previous = None
         self._seen.clear()
         self._groups.clear()
+        self._chains.clear()
 
     @property
     def in_flight_bytes(self) -> int:
@@ -159,24 +163,42 @@ class Lookahead:
         next, within the room it leaves."""
         if piece == 0:
             self._learn(module)
-        groups = self._pieces(module, target)
+            groups = self._check(module, target)
+        else:
+            groups = self._pieces(module, target)
         current = groups[piece]
         for item in current:
             self._queue(module, item, target, ahead=False)
         window = self.room - _in_use(groups, piece, dtype)
-        chain = list(self._ahead_of(module, groups[piece + 1 :], target, window))
-        self._drop_unexpected({id(module)} | {id(owner) for owner, _group in chain}, target)
+        chain = self._chain(module, piece, groups, target, window)
+        self._drop_unexpected(chain.layers, target)
         mine = {item.key for item in current}
         queued = sum(entry.copy.nbytes for key, entry in self._in_flight.items() if key not in mine)
-        self._queue_ahead(chain, target, queued, window)
+        self._queue_ahead(chain.pieces, target, queued, window)
+
+    def _chain(
+        self, module: torch.nn.Module, piece: int, groups: list[list[_Piece]], target: Target, window: int
+    ) -> _Chain:
+        """The pieces expected after ``module``'s piece number ``piece`` within ``window`` (see :meth:`_ahead_of`),
+        found once while the order it follows holds: a step runs every layer, and every layer asks this."""
+        key = (id(module), piece, window)
+        chain = self._chains.get(key)
+        if chain is None:
+            found = list(self._ahead_of(module, groups[piece + 1 :], target, window))
+            layers = {id(module)} | {id(owner) for owner, _group in found}
+            chain = self._chains[key] = _Chain(found, layers)
+        return chain
 
     def _queue_ahead(
         self, chain: list[tuple[torch.nn.Module, list[_Piece]]], target: Target, queued: int, window: int
     ) -> None:
         """Queue the pieces of ``chain`` in order: the first always, the others while ``queued`` bytes stay
         within ``window``."""
+        in_flight = self._in_flight
         for index, (owner, group) in enumerate(chain):
             for item in group:
+                if item.key in in_flight:  # queued at an earlier layer: most of the chain, most of the time
+                    continue
                 queued = self._queue(owner, item, target, ahead=True, queued=queued, limit=window if index else None)
                 if queued is None:
                     return
@@ -226,15 +248,15 @@ class Lookahead:
 
     def _learn(self, module: torch.nn.Module) -> None:
         """Record that ``module`` follows the previous layer; a layer used again starts a new pass."""
-        key = id(module)
+        key, previous = id(module), self._previous
         if key in self._seen:
-            if self._previous is not None:  # the previous layer ended a pass: nothing follows it
-                self._successor.pop(id(self._previous), None)
+            if previous is not None and self._successor.pop(id(previous), None) is not None:
+                self._chains.clear()  # the previous layer ended a pass: nothing follows it any more
             self._seen = {key}
-            self._groups.clear()
         else:
-            if self._previous is not None:
-                self._successor[id(self._previous)] = module
+            if previous is not None and self._successor.get(id(previous)) is not module:
+                self._successor[id(previous)] = module
+                self._chains.clear()  # the order changed (or is being learned): the chains found are stale
             self._seen.add(key)
         self._previous = module
 
@@ -259,11 +281,33 @@ class Lookahead:
             groups = self._pieces(owner, target)
 
     def _pieces(self, module: torch.nn.Module, target: Target) -> list[list[_Piece]]:
-        """:func:`_pieces` of ``module`` on ``target``, found once a pass."""
+        """:func:`_pieces` of ``module`` on ``target``, as found before (see :meth:`_check`)."""
         known = self._groups.get(id(module))
         if known is None or not same_target(known[0], target):
             known = self._groups[id(module)] = (target, _pieces(module, target))
         return known[1]
+
+    def _check(self, module: torch.nn.Module, target: Target) -> list[list[_Piece]]:
+        """:func:`_pieces` of ``module`` on ``target`` as they are now. When they differ from those found before,
+        every piece and chain found is dropped: what changed here may have changed elsewhere too."""
+        fresh = _pieces(module, target)
+        known = self._groups.get(id(module))
+        if known is not None and same_target(known[0], target) and _same_pieces(known[1], fresh):
+            return known[1]
+        if known is not None:
+            self._groups.clear()
+            self._chains.clear()
+        self._groups[id(module)] = (target, fresh)
+        return fresh
+
+
+@dataclass(frozen=True, eq=False)
+class _Chain:
+    """The pieces expected after one piece within its window, nearest first, each with its layer; ``layers``: the
+    ids of those layers and of the piece's own (a copy queued for any other layer is not expected)."""
+
+    pieces: list[tuple[torch.nn.Module, list[_Piece]]]
+    layers: set[int]
 
 
 def _pieces(module: torch.nn.Module, target: Target) -> list[list[_Piece]]:
@@ -285,6 +329,14 @@ def _pieces(module: torch.nn.Module, target: Target) -> list[list[_Piece]]:
     groups = [[_Piece(weight.tensor, rows, weight.private)] for rows in slices.ranges()]
     groups[0][:0] = pieces
     return groups
+
+
+def _same_pieces(known: list[list[_Piece]], fresh: list[list[_Piece]]) -> bool:
+    """Whether two findings of a layer's pieces copy the same tensors' same rows, patched alike (the ids compared
+    are of live tensors: the pieces found before hold theirs)."""
+    return [[(p.key, p.private) for p in group] for group in known] == [
+        [(p.key, p.private) for p in group] for group in fresh
+    ]
 
 
 def _in_use(groups: list[list[_Piece]], piece: int, dtype: torch.dtype | None) -> int:

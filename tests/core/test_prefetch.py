@@ -142,6 +142,28 @@ def test_a_weight_changed_after_its_copy_was_queued_is_copied_again():
     assert torch.equal(out.cpu(), _on_host(net, x))
 
 
+def test_a_weight_replaced_between_passes_is_copied_ahead_from_the_next_pass_on():
+    """The pieces each layer copies are found once and kept while they hold; a weight replaced by a new tensor (as
+    a host's patcher sets a patched parameter), or a patch function added, is seen when its layer is reached: that
+    pass copies it when used, and every later one copies everything ahead again."""
+    net, device, x = _streamed_net(resident_layers=0)
+    lookahead = partial_model_of(net).lookahead
+    net(device.place(x))
+    net(device.place(x))
+    with torch.no_grad():
+        net.layers[3].weight = torch.nn.Parameter(net.layers[3].weight * 3.0, requires_grad=False)
+    net.layers[5].weight_function = [lambda weight: weight.mul_(2.0)]
+    out = net(device.place(x))
+    expected = _on_host(net, x)  # layer 5's patch is not applied by the reference: compare the next passes
+    assert not torch.equal(out.cpu(), expected)
+    before = lookahead.stats.ahead
+    second = net(device.place(x))
+    assert lookahead.stats.ahead - before == 2 * (LAYERS - 1)  # every layer but the first came ahead again
+    assert torch.equal(second.cpu(), out.cpu())
+    net.layers[5].weight_function = []
+    assert torch.equal(net(device.place(x)).cpu(), expected)
+
+
 def test_a_patch_function_never_changes_the_stored_weight_through_a_prefetched_copy():
     """On the simulated GPU a copy may share the host's memory; a weight a patch will change is copied privately."""
     net, device, x = _streamed_net(resident_layers=0)
