@@ -114,6 +114,7 @@ COMFY_ATTRIBUTES: dict[str, tuple[str, ...]] = {
         "add_patches",
         "apply_hooks",
         "backup",
+        "cleanup",
         "clone",
         "clone_base_uuid",
         "current_loaded_device",

@@ -7,8 +7,14 @@ computation, and a step takes about the longer of the two.
 
 **Which layers come next** is learned, not assumed: the order streamed layers are used in is recorded, pass
 by pass (a pass ends when a layer is used again), so the first pass of a model prefetches nothing and every
-later one follows the order the model really runs in, whatever its architecture. The last layer of a pass
-prefetches nothing, so no copy is left on the device when sampling ends.
+later one follows the order the model really runs in, whatever its architecture. The first layer of a pass is
+learned as what follows the last one, because a sampler runs the model once a step: the copies of the next
+step's first layers cross while this step's last layers compute, instead of the link standing idle there and
+the next step starting with a wait (at a link about as fast as the computation, that is the difference between
+the copies keeping up and not: ``tools/bench_split.py``). What was queued for a pass that does not come is
+dropped when the host says sampling ended (:func:`settle`, from the patcher's cleanup) or when the layers move.
+A model run once each time it is used (a text encoder, a VAE) does not wrap (:attr:`Lookahead.wraps`): its last
+layer queues nothing.
 
 **How far ahead** is the streaming reserve the plan keeps (``core.placement.plan``: ``STREAM_COPIES`` of the
 largest streamed piece), less what the piece computing takes there: its copies, twice over when they are cast to
@@ -103,6 +109,10 @@ class Lookahead:
 
     def __init__(self) -> None:
         self.room = 0
+        #: Whether a pass's last layers copy the next pass's first ahead: for a model its host runs step after
+        #: step (a sampler's diffusion model). Its owner turns it off for a model run once each time it is used
+        #: (a text encoder, a VAE), whose last layer then queues nothing.
+        self.wraps = True
         self.stats = PrefetchStats()
         self._modules: list[torch.nn.Module] = []
         self._successor: dict[int, torch.nn.Module] = {}
@@ -140,13 +150,20 @@ class Lookahead:
         self.drop_all()
 
     def drop_all(self) -> None:
-        """Drop every copy queued ahead (their device memory is freed)."""
-        self.stats.dropped += sum(entry.ahead for entry in self._in_flight.values())
-        self._in_flight.clear()
+        """Drop every copy queued ahead (their device memory is freed) and what was found of the layers."""
+        self.settle()
         self._previous = None
         self._seen.clear()
         self._groups.clear()
         self._chains.clear()
+
+    def settle(self) -> int:
+        """Sampling ended: drop the copies queued ahead (those of the next pass's first layers, which may never
+        come); the learned order and the pieces found are kept for the next run. Bytes dropped."""
+        dropped = self.in_flight_bytes
+        self.stats.dropped += sum(entry.ahead for entry in self._in_flight.values())
+        self._in_flight.clear()
+        return dropped
 
     @property
     def in_flight_bytes(self) -> int:
@@ -247,16 +264,18 @@ class Lookahead:
     # -- internals --------------------------------------------------------------------------------
 
     def _learn(self, module: torch.nn.Module) -> None:
-        """Record that ``module`` follows the previous layer; a layer used again starts a new pass."""
+        """Record that ``module`` follows the previous layer; a layer used again starts a new pass, and follows
+        the last layer of the pass before where the prefetch :attr:`wraps` (nothing does where it does not)."""
         key, previous = id(module), self._previous
+        follows = previous is not None and (self.wraps or key not in self._seen)
+        if follows and self._successor.get(id(previous)) is not module:
+            self._successor[id(previous)] = module  # after a pass's last layer (when it wraps): the next's first
+            self._chains.clear()  # the order changed (or is being learned): the chains found are stale
+        elif not follows and previous is not None and self._successor.pop(id(previous), None) is not None:
+            self._chains.clear()  # the previous layer ended a pass: nothing follows it any more
         if key in self._seen:
-            if previous is not None and self._successor.pop(id(previous), None) is not None:
-                self._chains.clear()  # the previous layer ended a pass: nothing follows it any more
             self._seen = {key}
         else:
-            if previous is not None and self._successor.get(id(previous)) is not module:
-                self._successor[id(previous)] = module
-                self._chains.clear()  # the order changed (or is being learned): the chains found are stale
             self._seen.add(key)
         self._previous = module
 
@@ -299,6 +318,13 @@ class Lookahead:
             self._chains.clear()
         self._groups[id(module)] = (target, fresh)
         return fresh
+
+
+def settle(root: torch.nn.Module) -> int:
+    """Sampling with ``root`` ended: every prefetch over its layers drops what it queued for a next step (see
+    :meth:`Lookahead.settle`). Bytes dropped."""
+    lookaheads = {id(found): found for module in root.modules() if (found := module.__dict__.get(LOOKAHEAD))}
+    return sum(lookahead.settle() for lookahead in lookaheads.values())
 
 
 @dataclass(frozen=True, eq=False)

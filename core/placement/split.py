@@ -35,6 +35,9 @@ from ..units import format_bytes
 from .allocation import Allocation, Entry
 from .plan import Layer
 
+#: Room kept on every device of a split beyond its part, for activations (as ComfyUI leaves some on its devices).
+ACTIVATIONS = 256 * 1024**2
+
 
 @dataclass(frozen=True)
 class Block:

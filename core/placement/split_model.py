@@ -122,7 +122,10 @@ class SplitRequest:
     mode and where the caller's tensors are (``home``). Each entry's output goes home, unless modules are named
     in ``to_caller``: then the output of each of those goes back to the device of the tensors its call was given
     (a text encoder's transformer: its caller builds the embeddings and masks where the embedding layer is, and
-    joins them with the output)."""
+    joins them with the output). ``once_per_use``: the host calls the entries once each time it uses the model
+    (a text encoder encodes a prompt), not step after step as a sampler does, so in ``stream`` mode the last
+    layer of a call queues no copy for a next one (the prefetch does not wrap), which would stay on the device
+    until the model runs again."""
 
     root: torch.nn.Module
     entries: Sequence[torch.nn.Module]
@@ -133,6 +136,7 @@ class SplitRequest:
     home_layers: Sequence[Layer] = ()
     key: object = None
     to_caller: Sequence[torch.nn.Module] = ()
+    once_per_use: bool = False
 
 
 def plan_split(request: SplitRequest) -> Split:
@@ -197,6 +201,7 @@ def _place(held: SplitModel, request: SplitRequest) -> None:
         held.hops.handles += attach_hops(held.root, held.split, held.targets).handles
     else:
         held.streamed = place_streamed(held.split, held.targets, held.compute)
+        held.streamed.lookahead.wraps = not request.once_per_use
 
 
 def _guard(held: SplitModel) -> Callable[..., tuple[tuple, dict] | None]:

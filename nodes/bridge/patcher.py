@@ -33,6 +33,7 @@ from ...core.devices.tensors import Target, label_of, same_target
 from ...core.placement.budget import Placement
 from ...core.placement.engine import LoadReport, partial_model_of
 from ...core.placement.plan import RESIDENT_MARK
+from ...core.placement.prefetch import settle
 from ...core.units import format_bytes
 from ...core.weights.patch_math import calculate_weight
 from ...core.weights.patching import OnTheFlyPatch, get_weight, key_seed, round_to, set_weight
@@ -125,6 +126,14 @@ class DeviceControlPatcher(surface.model_patcher_class()):
             n.device_control_split = self.device_control_split
         return n
 
+    def cleanup(self) -> None:
+        """ComfyUI's, at the end of each sampling; then the prefetch drops the copies it queued for a next step
+        (``core.placement.prefetch.settle``), so nothing streamed stays on a device between runs."""
+        super().cleanup()
+        dropped = settle(self.model)
+        if dropped:
+            log.debug("[Device Control] sampling ended: %s queued ahead for a next step dropped", format_bytes(dropped))
+
     # -- loading -----------------------------------------------------------------------------------
 
     def load(
@@ -157,6 +166,8 @@ class DeviceControlPatcher(surface.model_patcher_class()):
         _keep_embeddings_resident(self.model, engine)
         take_layers(self.model, engine)  # ComfyUI's standard layers stream in row slices too
         budget = self._budget(target, free_for_it)
+        base = surface.base_model_class()  # a diffusion model runs step after step; a text encoder or VAE once a use
+        engine.lookahead.wraps = base is None or isinstance(self.model, base)
         compute = device_to if isinstance(device_to, torch.device) and device_to.type != "cpu" else None
         try:
             report = engine.load(

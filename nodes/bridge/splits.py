@@ -22,9 +22,10 @@ from ...core.devices.inventory import DeviceInventory, DeviceSpec, InventorySnap
 from ...core.devices.tensors import HOST, Target, same_target
 from ...core.errors import DeviceControlError, DeviceNotFoundError, InvalidAllocationError
 from ...core.placement.allocation import Allocation, Entry, parse_allocation
+from ...core.placement.donors import stream_room
 from ...core.placement.engine import partial_model_of
 from ...core.placement.pipeline import hop_beside
-from ...core.placement.split import Split, auto_allocation
+from ...core.placement.split import ACTIVATIONS, Split, auto_allocation
 from ...core.placement.split_model import MODES, SplitModel, SplitRequest, load_split, plan_split, split_of
 from ...core.placement.streaming import LayerHooks
 from ...core.units import format_bytes
@@ -36,9 +37,6 @@ log = logging.getLogger("device_control")
 
 #: Room left on every accelerator for activations when the allocation is ``auto``.
 AUTO_RESERVE = 512 * 1024**2
-
-#: Room made on every device of a split beyond its part, for activations (as ComfyUI leaves some on its devices).
-ACTIVATIONS = 256 * 1024**2
 
 #: The module of ComfyUI's model that is shared out (its diffusion model); the rest stays beside the caller.
 SHARED = "diffusion_model."
@@ -139,6 +137,7 @@ def request_of(patcher: Any, placement: SplitPlacement) -> SplitRequest:
         home_layers=[layer for layer in layers if not layer.name.startswith(inside)],
         key=(placement, patcher.patches_uuid),
         to_caller=tuple(encoders),
+        once_per_use=bool(encoders),  # a text encoder runs once a prompt, a diffusion model once a step
     )
 
 
@@ -225,10 +224,11 @@ def load_split_into(patcher: Any, placement: SplitPlacement, device_to: Any, hoo
         take_layers(root, engine)
         request = request_of(patcher, placement)
         split = plan_split(request)
-        for part in split.parts:
+        room = stream_room(split) if request.mode == "stream" else 0  # on the computing device, the first part's
+        for index, part in enumerate(split.parts):
             target = dict(placement.targets)[str(part.device)]
             if not same_target(target, HOST):
-                make_room_for(patcher, target, part.nbytes + ACTIVATIONS)
+                make_room_for(patcher, target, part.nbytes + ACTIVATIONS + (room if index == 0 else 0))
         log.info("[Device Control] splitting %s (%s):\n%s", model_label(patcher), placement, split.summary())
         return load_split(request, split, dict(placement.targets), hooks)
     finally:

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 
 from core.devices.simtensor import SimTensor
 from core.devices.simulated import SimulatedDevice
 from core.devices.tensors import HOST, traffic
-from core.placement.donors import place_streamed
+from core.placement.donors import DONOR_COPIES, place_streamed, stream_room
 from core.placement.plan import STREAM_COPIES
+from core.placement.split import ACTIVATIONS
 from tests.core.split_net import FluxShaped, inputs, split_of
 
 
@@ -34,7 +36,7 @@ def test_the_first_gpu_computes_and_the_donors_stream_their_parts_to_it_ahead_of
     assert {layer.name for layer in streamed.layers} == {
         layer.name for part in split.parts[1:] for block in part.blocks for layer in block.layers
     }
-    assert streamed.reserve_bytes == STREAM_COPIES * max(layer.nbytes for layer in streamed.layers)
+    assert streamed.reserve_bytes == DONOR_COPIES * max(layer.nbytes for layer in streamed.layers) == stream_room(split)
     before, lent_before = traffic(compute).to_device, traffic(donor).to_peer
     for _ in range(2):  # the first pass learns the order, the second copies ahead
         with torch.no_grad():
@@ -43,9 +45,33 @@ def test_the_first_gpu_computes_and_the_donors_stream_their_parts_to_it_ahead_of
         assert torch.equal(out.cpu(), expected)
         del out
     gc.collect()
-    assert streamed.lookahead.stats.ahead > 0 and streamed.lookahead.in_flight_bytes == 0  # none left over
-    assert compute.allocated() == own and donor.allocated() == lent  # the streamed copies are gone
-    assert traffic(compute).to_device - before == 2 * (lent + rest)  # every streamed byte crossed, each pass
-    assert traffic(donor).to_peer - lent_before == 2 * lent  # the second GPU's part left it for the first
+    lookahead = streamed.lookahead
+    assert lookahead.stats.ahead > 0 and lookahead.stats.dropped == 0  # every copy made ahead was used
+    next_step = lookahead.in_flight_bytes  # the second pass's last layers queued the next pass's first ones
+    assert 0 < next_step <= streamed.reserve_bytes
+    assert traffic(compute).to_device - before == 2 * (lent + rest) + next_step  # every streamed byte, each pass
+    assert 2 * lent <= traffic(donor).to_peer - lent_before <= 2 * lent + next_step  # the second GPU's part left it
+    assert lookahead.settle() == next_step  # sampling ended (the patcher's cleanup): they are dropped
+    gc.collect()
+    assert lookahead.in_flight_bytes == 0 and compute.allocated() == own and donor.allocated() == lent
     streamed.release()
-    assert streamed.lookahead.stats.dropped == 0
+
+
+@pytest.mark.parametrize(("spare", "copies"), [(4, 4), (0, STREAM_COPIES)], ids=["some room", "none"])
+def test_a_computing_gpu_short_of_room_copies_ahead_within_what_it_has_and_never_less_than_the_reserve(spare, copies):
+    """The room for copies ahead is ``DONOR_COPIES`` of the largest streamed layer where the computing GPU has it
+    free beside its part and the activations' room, what it has where less, and the budget's reserve at least."""
+    net = FluxShaped()
+    img, t = inputs()
+    with torch.no_grad():
+        expected = net(img, t)
+    split = split_of(net, "gpu:0=30%, cpu=*")
+    largest = stream_room(split) // DONOR_COPIES
+    compute = SimulatedDevice(split.parts[0].nbytes + ACTIVATIONS + spare * largest, ordinal=0)
+    streamed = place_streamed(split, {"gpu:0": compute, "cpu": HOST}, "gpu:0")
+    assert streamed.reserve_bytes == copies * largest
+    for _ in range(3):
+        with torch.no_grad():
+            assert torch.equal(net(compute.place(img), compute.place(t)).cpu(), expected)
+    assert streamed.lookahead.stats.ahead > 0
+    streamed.release()

@@ -19,6 +19,7 @@ from core.devices.transfer import PinnedMemory, side_stream, to_target
 from core.files.reader import WeightReader
 from core.files.skeleton import materialize, weights_on_meta
 from core.placement.engine import partial_model_of
+from core.placement.prefetch import settle
 from core.weights import ops
 
 CUDA = torch.device("cuda", 0)
@@ -107,9 +108,9 @@ def test_two_gpus_hold_a_model_each_and_a_move_between_them_frees_the_first():
 
 
 @pytest.mark.gpu(
-    proves="prefetch queues the next layers' copies on the side stream; the result and VRAM after a pass are unchanged"
+    proves="prefetch queues the next layers' copies on the side stream; result and VRAM after sampling unchanged"
 )
-def test_prefetch_on_a_real_gpu_gives_the_same_result_and_leaves_nothing_behind():
+def test_prefetch_on_a_real_gpu_gives_the_same_result_and_leaves_nothing_behind_when_sampling_ends():
     torch.manual_seed(0)
     net = torch.nn.Sequential(*(ops.Linear(2048, 2048) for _ in range(8)))
     engine = partial_model_of(net)
@@ -122,6 +123,8 @@ def test_prefetch_on_a_real_gpu_gives_the_same_result_and_leaves_nothing_behind(
     torch.cuda.synchronize(CUDA)
     assert engine.lookahead.stats.ahead > 0 and torch.equal(first, second)
     del first, second
+    assert 0 < engine.lookahead.in_flight_bytes <= engine.lookahead.room  # the next step's first copies
+    settle(net)  # sampling ended
     assert engine.lookahead.in_flight_bytes == 0
     assert torch.cuda.memory_allocated(CUDA) - base == engine.resident_bytes(CUDA)
     engine.unload_all()

@@ -69,10 +69,14 @@ def test_the_first_pass_learns_the_order_and_later_passes_copy_ahead():
     second = net(device.place(x))
     assert lookahead.stats.ahead == 2 * (streamed - 1)  # all but the first streamed layer came ahead
     assert lookahead.stats.on_demand == 2 * streamed + 2
+    third = net(device.place(x))
+    assert lookahead.stats.ahead == 2 * (streamed - 1) + 2 * streamed  # the first too: the second pass's last
+    assert lookahead.stats.on_demand == 2 * streamed + 2  # layer queued it, as a sampler's next step needs it
     assert torch.equal(first.cpu(), second.cpu()) and torch.equal(second.cpu(), _on_host(net, x))
+    assert torch.equal(third.cpu(), second.cpu())
 
 
-def test_copies_ahead_stay_within_the_room_the_plan_keeps_and_none_is_left_after_a_pass():
+def test_copies_ahead_stay_within_the_room_the_plan_keeps_and_those_for_a_next_step_go_when_sampling_ends():
     net, device, x = _streamed_net()
     engine = partial_model_of(net)
     net(device.place(x))
@@ -82,7 +86,23 @@ def test_copies_ahead_stay_within_the_room_the_plan_keeps_and_none_is_left_after
     assert engine.lookahead.room == STREAM_COPIES * largest
     activations = 4 * out.numel() * out.element_size()  # input, output and the layer in between, with room
     assert device.peak_allocated() <= engine.resident_bytes() + STREAM_COPIES * largest + activations
-    assert engine.lookahead.in_flight_bytes == 0  # the last layer prefetches nothing: sampling ends clean
+    queued = engine.lookahead.in_flight_bytes  # the last layer queued the next pass's first one
+    assert 0 < queued <= engine.lookahead.room
+    del out
+    assert prefetch.settle(net) == queued  # what the patcher's cleanup does when sampling ends
+    assert engine.lookahead.in_flight_bytes == 0 and device.allocated() == engine.resident_bytes()
+
+
+def test_a_model_run_once_each_time_it_is_used_queues_nothing_for_a_next_run():
+    """A text encoder or a VAE (its owner turns wrapping off): the last layer of a pass copies nothing ahead, so
+    nothing stays on the device after it ran, host or no host to say when its use ended."""
+    net, device, x = _streamed_net()
+    engine = partial_model_of(net)
+    engine.lookahead.wraps = False
+    for _ in range(3):
+        out = net(device.place(x))
+    assert engine.lookahead.stats.ahead == 2 * 2 * (LAYERS - 3)  # passes two and three: all but the first layer
+    assert torch.equal(out.cpu(), _on_host(net, x)) and engine.lookahead.in_flight_bytes == 0
     del out
     assert device.allocated() == engine.resident_bytes()
 
@@ -123,7 +143,11 @@ def test_a_changed_order_drops_the_copies_made_for_the_old_one_and_stays_right()
     assert torch.equal(out.cpu(), _on_host(net, x))
     assert lookahead.stats.dropped >= 1
     out = net(device.place(x))  # the new order is learned
-    assert torch.equal(out.cpu(), _on_host(net, x)) and lookahead.in_flight_bytes == 0
+    assert torch.equal(out.cpu(), _on_host(net, x))
+    before = lookahead.stats.ahead
+    out = net(device.place(x))
+    assert lookahead.stats.ahead - before == 2 * (LAYERS - 2)  # every streamed layer came ahead in the new order
+    assert torch.equal(out.cpu(), _on_host(net, x))
 
 
 def test_a_weight_changed_after_its_copy_was_queued_is_copied_again():
@@ -158,7 +182,8 @@ def test_a_weight_replaced_between_passes_is_copied_ahead_from_the_next_pass_on(
     assert not torch.equal(out.cpu(), expected)
     before = lookahead.stats.ahead
     second = net(device.place(x))
-    assert lookahead.stats.ahead - before == 2 * (LAYERS - 1)  # every layer but the first came ahead again
+    assert lookahead.stats.ahead - before == 2 * LAYERS  # every layer came ahead again (the first at the end of the
+    # pass before)
     assert torch.equal(second.cpu(), out.cpu())
     net.layers[5].weight_function = []
     assert torch.equal(net(device.place(x)).cpu(), expected)
@@ -273,7 +298,10 @@ def test_slices_are_copied_ahead_slice_after_slice_and_layer_after_layer_within_
     activations = 4 * 4 * 1024 * 4  # input, output and the slice's part, with room
     assert engine.plan.reserve_bytes <= 3 * MiB + 3 * 4096
     assert device.peak_allocated() <= engine.resident_bytes() + engine.plan.reserve_bytes + activations
-    assert engine.lookahead.in_flight_bytes == 0
+    queued = engine.lookahead.in_flight_bytes  # the next pass's first slices, queued by this one's last
+    assert 0 < queued <= engine.plan.reserve_bytes
+    del first, second
+    assert prefetch.settle(net) == queued and device.allocated() == engine.resident_bytes()
 
 
 def test_a_sliced_copy_used_without_waiting_is_caught(monkeypatch):

@@ -20,6 +20,7 @@ from core.placement.pipeline import hop
 from core.placement.plan import layers_of
 from core.placement.split_model import SplitRequest, load_split, plan_split, split_of
 from core.placement.streaming import LayerHooks
+from core.weights import ops
 from tests.core.split_net import FluxShaped, inputs
 
 
@@ -108,9 +109,9 @@ def test_a_device_out_of_memory_gives_every_layer_back_to_ram():
 
 
 class Transformer(torch.nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, linear: type[torch.nn.Linear] = torch.nn.Linear) -> None:
         super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(4))
+        self.layers = torch.nn.ModuleList(linear(32, 32) for _ in range(4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -122,10 +123,10 @@ class TextEncoderShaped(torch.nn.Module):
     """A text encoder's shape (ComfyUI's ``SDClipModel``): the caller's embeddings and mask are on one device, its
     transformer runs, and the output is joined with the mask outside the transformer."""
 
-    def __init__(self) -> None:
+    def __init__(self, linear: type[torch.nn.Linear] = torch.nn.Linear) -> None:
         super().__init__()
         torch.manual_seed(3)
-        self.transformer = Transformer()
+        self.transformer = Transformer(linear)
 
     def forward(self, embeds: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return self.transformer(embeds) * mask
@@ -155,6 +156,35 @@ def test_a_text_encoder_split_gives_its_output_back_beside_the_callers_mask(mode
     with torch.no_grad():
         out = encoder(*on_gpu0)
     assert out.sim_device is gpus[0] and torch.equal(out.cpu(), expected)
+    held.release()
+
+
+@pytest.mark.parametrize("once", [False, True], ids=["step after step", "once per use"])
+def test_a_streamed_text_encoder_leaves_no_copy_queued_for_a_call_that_may_not_come(once):
+    """A sampler calls a diffusion model step after step, so its last layers copy the next step's first ahead (the
+    patcher drops them when sampling ends); a text encoder encodes a prompt and is not called again until the
+    next one, so its last layer queues nothing for a next call."""
+    encoder = TextEncoderShaped(ops.Linear)  # the pack's cast layers stream from a donor
+    embeds, mask = torch.randn(2, 5, 32), torch.ones(2, 5, 1)
+    gpus = SimulatedDevice(1 << 30, ordinal=0), SimulatedDevice(1 << 30, ordinal=1)
+    request = SplitRequest(
+        encoder,
+        (encoder,),
+        layers_of(encoder),
+        parse_allocation("gpu:0=50%, gpu:1=*"),
+        "stream",
+        gpus[0],
+        to_caller=(encoder.transformer,),
+        once_per_use=once,
+    )
+    held = load_split(request, plan_split(request), {"gpu:0": gpus[0], "gpu:1": gpus[1]})
+    own = gpus[0].allocated()
+    for _ in range(3):  # the first call learns the order, the second the first layer after the last
+        with torch.no_grad():
+            encoder(hop(embeds, gpus[0]), hop(mask, gpus[0]))
+    lookahead = held.streamed.lookahead
+    assert lookahead.stats.ahead > 0
+    assert (lookahead.in_flight_bytes == 0) is once and (gpus[0].allocated() == own) is once
     held.release()
 
 

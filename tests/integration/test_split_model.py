@@ -163,6 +163,11 @@ def test_a_text_encoder_split_gives_comfyuis_image_and_each_device_holds_its_par
     assert f"{mode} over gpu:1, gpu:2" in entry["outputs"]["60"]["text"][0]
     allocated = _allocated(entry, api, "61")
     assert all(allocated[d] >= resident[d] for d in resident), (allocated, resident)
+    if mode == "stream":  # after both prompts are encoded, nothing queued for a third call stays on a GPU
+        kept = next(m for m in api.report_json(entry, "21")["models"] if m["component"] == "CLIP")["resident"]
+        kept.pop("cpu", None)
+        after = _allocated(entry, api, "21")
+        assert {d: after[d] for d in kept} == kept, (after, kept)
     # ComfyUI's own nodes on the same text encoder afterwards: the split is given back, the image is theirs.
     again = server.run(_clip_prompt(lora))
     assert np.array_equal(api.image_of(server, again), stock)
@@ -185,6 +190,17 @@ def test_a_lora_gives_comfyuis_image_on_a_split_model(server, api):
     assert np.array_equal(api.image_of(server, entry), stock)
     resident = _model(entry, api, "21")["resident"]
     assert {"gpu:0", "gpu:1", "gpu:2"} <= set(resident), resident
+
+
+def test_a_streamed_split_leaves_only_its_parts_on_the_gpus_when_sampling_ends(server, api):
+    """Over several steps the prefetch copies the next step's first layers while a step's last ones compute;
+    when sampling ends the patcher's cleanup drops them: each GPU holds exactly its part, as ComfyUI's books say."""
+    prompt = _prompt({"allocation": ALLOCATION, "mode": "stream"})
+    prompt["7"]["inputs"]["steps"] = 3
+    entry = server.run(prompt)
+    resident = _model(entry, api, "21")["resident"]
+    resident.pop("cpu", None)
+    assert _allocated(entry, api, "21") == resident, "copies queued for a next step stayed on the computing GPU"
 
 
 def test_offload_to_cpu_gives_every_device_back(server, api):

@@ -202,3 +202,14 @@ def test_a_stock_model_with_a_stock_lora_streamed_in_slices_gives_comfyuis_resul
     expected = latent_of(server, server.run(stock(family, lora)))
     assert same_result(latent_of(server, entry), expected)
     assert not np.array_equal(expected, latent_of(server, server.run(stock(family, None))))  # the LoRA does something
+
+
+def test_a_model_streamed_over_several_steps_leaves_only_its_resident_part_on_the_gpu(server, api):
+    """From the second step on, a step's last layers copy the next step's first ones ahead; when sampling ends the
+    patcher's cleanup drops them, so the GPU holds what it held before the sampler ran, not a copy more."""
+    server.free()
+    graph = moved(stock("sd15", None), "600MB")
+    graph["7"]["inputs"]["steps"] = 3
+    entry = server.run(graph)
+    assert_budget_used(entry, api, 600 * MiB)
+    assert gpu(entry, api, "22")["torch_allocated"] == gpu(entry, api, "21")["torch_allocated"]
