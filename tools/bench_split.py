@@ -19,7 +19,10 @@ consumer GPUs without peer access). Rows, each on GPUs that can hold half of the
 * ``pipeline gpu:0=50%, gpu:1=*``: activations cross once per step each way, no weight moves.
 
 Per row: GB moved per step (every byte that reached a device), the link's time for them (the transfer), the step,
-the floor ``max(compute, transfer)`` and step / floor.
+the floor ``max(compute, transfer)`` and step / floor. The compute is the one-device step, measured first and
+last in each run (the mean of the two); each run's step is divided by that run's floor, since this machine's
+speed drifts from run to run. A link ending in ``compute=balanced`` (:data:`BALANCED`) sets the speed-up in each
+run so that the transfer of half the model takes as long as the compute.
 """
 
 from __future__ import annotations
@@ -34,6 +37,16 @@ from typing import Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+#: Steps run before the timed ones: the prefetch learns the order of the layers in the first step, and that the
+#: first layer follows the last when the second begins; the third is the first that starts with its first copies
+#: queued ahead by the step before, as every later step of a sampler's twenty or so does.
+WARM_UP = 2
+
+#: A link written ``7GB/s,10us,compute=balanced`` computes as many times faster as makes half the model cross in
+#: the time one step computes with it resident: the copies of the ``stream`` rows (about half the model) take about
+#: as long as the computation, the hardest case for prefetch, whatever this machine's speed that day.
+BALANCED = "compute=balanced"
 
 ROWS = (
     ("one device, everything resident", "one", 1.0, True),
@@ -88,7 +101,7 @@ class Bench:
         )
 
     def row(self, link_text: str, how: str, setting: Any, prefetch: bool, steps: int) -> dict[str, float]:
-        """One row's step time and bytes moved per step (medians over ``steps`` after a first, learning step)."""
+        """One row's step time and bytes moved per step (medians over ``steps`` after :data:`WARM_UP` steps)."""
         m = self.m
         link = m["core.devices.simlink"].LinkCost.parse(link_text)
         simulated = m["core.devices.simulated"]
@@ -99,7 +112,7 @@ class Bench:
         traffic = m["core.devices.tensors"].traffic
         times, moved = [], []
         with self.torch.inference_mode():
-            for _step in range(steps + 1):
+            for _step in range(WARM_UP + steps):
                 before = sum(traffic(g).to_device for g in gpus)
                 started = time.perf_counter()
                 out = self.unet(placed[0], placed[1], placed[2], transformer_options=self.options())
@@ -109,8 +122,29 @@ class Bench:
                 moved.append(sum(traffic(g).to_device for g in gpus) - before)
                 del out
         undo()
-        nbytes = int(statistics.median(moved[1:]))
-        return {"step_s": statistics.median(times[1:]), "moved": nbytes, "transfer_s": link.seconds(nbytes)}
+        nbytes = int(statistics.median(moved[WARM_UP:]))
+        return {"step_s": statistics.median(times[WARM_UP:]), "moved": nbytes, "transfer_s": link.seconds(nbytes)}
+
+    def rows(self, link_text: str, steps: int) -> dict[str, dict[str, float]]:
+        """Every row at one link, in :data:`ROWS` order; the one-device row once more at the end, its step the mean
+        of the two (``step_s_first``, ``step_s_last`` kept), so that every row has a reference taken about when it
+        ran, on a machine whose speed drifts. A link ending in :data:`BALANCED` gets the speed-up that makes
+        half the model cross in the first one-device step (``speedup`` kept)."""
+        balanced = link_text.endswith(BALANCED)
+        base = link_text[: -len(BALANCED)].rstrip(",") if balanced else link_text
+        name, how, setting, on = ROWS[0]
+        cells = {name: self.row(base, how, setting, on, steps)}
+        extra: dict[str, float] = {}
+        if balanced:
+            half = self.m["core.devices.simlink"].LinkCost.parse(base).seconds(self.total // 2)
+            extra["speedup"] = max(1.0, cells[name]["step_s"] / half)
+            link_text = f"{base},compute={extra['speedup']:.3f}x"
+        for name, how, setting, on in ROWS[1:]:
+            cells[name] = self.row(link_text, how, setting, on, steps)
+        name, how, setting, on = ROWS[0]
+        first, last = cells[name]["step_s"], self.row(link_text, how, setting, on, steps)["step_s"]
+        cells[name].update(step_s=(first + last) / 2, step_s_first=first, step_s_last=last, **extra)
+        return cells
 
     def options(self) -> dict[str, Any]:
         """ComfyUI's transformer options as the node sets them: a skip connection joins on the hidden state's
@@ -140,16 +174,21 @@ def table(runs: list[dict[str, Any]]) -> str:
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for link in runs[0]["links"]:
-        compute = statistics.median(run["links"][link][ROWS[0][0]]["step_s"] for run in runs)
+        speedups = [run["links"][link][ROWS[0][0]].get("speedup") for run in runs]
+        label = link if None in speedups else f"{link} ({statistics.median(speedups):.1f}x)"
         for name, *_ in ROWS:
             cells = [run["links"][link][name] for run in runs]
             step = [c["step_s"] for c in cells]
             moved = statistics.median(c["moved"] for c in cells) / 1024**3
             transfer = statistics.median(c["transfer_s"] for c in cells)
-            floor = max(compute, transfer)
-            ratio = [s / floor for s in step]
+            # Each run's step over its own floor: the one-device step of the same run, so a run the machine
+            # computed more slowly in is compared with its own compute.
+            computes = [run["links"][link][ROWS[0][0]]["step_s"] for run in runs]
+            floors = [max(compute, c["transfer_s"]) for compute, c in zip(computes, cells, strict=True)]
+            floor = statistics.median(floors)
+            ratio = [s / f for s, f in zip(step, floors, strict=True)]
             lines.append(
-                f"| {link} | {name} | {moved:.2f} GiB | {transfer:.2f} s | {statistics.median(step):.2f} s "
+                f"| {label} | {name} | {moved:.2f} GiB | {transfer:.2f} s | {statistics.median(step):.2f} s "
                 f"({min(step):.2f}-{max(step):.2f}) | {floor:.2f} s | {statistics.median(ratio):.2f}x "
                 f"({min(ratio):.2f}-{max(ratio):.2f}) |"
             )
@@ -166,16 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--raw", type=Path, default=None, help="where to write the raw runs (JSON)")
     args = parser.parse_args(argv)
     bench = Bench(args.checkpoint, args.latent)
-    runs = []
-    for _run in range(args.runs):
-        runs.append(
-            {
-                "links": {
-                    link: {name: bench.row(link, how, setting, on, args.steps) for name, how, setting, on in ROWS}
-                    for link in args.links
-                }
-            }
-        )
+    runs = [{"links": {link: bench.rows(link, args.steps) for link in args.links}} for _run in range(args.runs)]
     if args.raw is not None:
         args.raw.parent.mkdir(parents=True, exist_ok=True)
         args.raw.write_text(json.dumps({"total_bytes": bench.total, "latent": args.latent, "runs": runs}, indent=1))
