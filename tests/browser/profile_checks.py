@@ -78,6 +78,15 @@ def overlap(a: dict, b: dict) -> bool:
     )
 
 
+def assert_labels_readable(labels: list[dict], box: dict) -> None:
+    """Every text label a chart reports drawing (``data-layout``) lies inside the chart's ``box`` and on no other."""
+    for i, label in enumerate(labels):
+        assert label["x"] >= 0 and label["x"] + label["width"] <= box["width"] + 0.5, label
+        assert label["y"] >= 0 and label["y"] + label["height"] <= box["height"] + 0.5, label
+        clashes = [other["text"] for other in labels[i + 1 :] if overlap(label, other)]
+        assert not clashes, f"{label['text']!r} is drawn over {clashes}"
+
+
 def assert_run_chart_is_readable(page: Any, selector: str, profile: dict) -> dict:
     """The run chart under ``selector``: the profile's prompt, its axes' text inside the chart and never on other
     text, a band per node that ran, a marker per model event, and hover naming both. Returns the chart's box."""
@@ -89,11 +98,7 @@ def assert_run_chart_is_readable(page: Any, selector: str, profile: dict) -> dic
     box = chart.bounding_box()
     labels = json.loads(chart.get_attribute("data-layout"))
     assert {"0", "0 s"} <= {label["text"] for label in labels} and any("GiB" in label["text"] for label in labels)
-    for i, label in enumerate(labels):
-        assert label["x"] >= 0 and label["x"] + label["width"] <= box["width"] + 0.5, label
-        assert label["y"] >= 0 and label["y"] + label["height"] <= box["height"] + 0.5, label
-        clashes = [other["text"] for other in labels[i + 1 :] if overlap(label, other)]
-        assert not clashes, f"{label['text']!r} is drawn over {clashes}"
+    assert_labels_readable(labels, box)
     bands = json.loads(chart.get_attribute("data-bands"))
     ran = [node for node in profile["nodes"] if node["status"] in ("executed", "failed")]
     assert [band[0] for band in bands] == [node["node"] for node in ran]

@@ -13,6 +13,7 @@ import pytest
 from tests.browser.conftest import OUR_EXTENSION_PATH, PINNED, FrontendPage
 from tests.browser.profile_checks import (
     assert_badges_show_the_profile,
+    assert_labels_readable,
     assert_run_chart_is_readable,
     drawn_badges,
     overlap,
@@ -129,11 +130,7 @@ def assert_the_chart_is_readable(page: Any, timeline: Any) -> None:
     box = timeline.bounding_box()
     labels = json.loads(timeline.get_attribute("data-layout"))
     assert {label["text"] for label in labels} >= {"0%", "50%", "100%", "now"}
-    for i, label in enumerate(labels):
-        assert label["x"] >= 0 and label["x"] + label["width"] <= box["width"] + 0.5, label
-        assert label["y"] >= 0 and label["y"] + label["height"] <= box["height"] + 0.5, label
-        clashes = [other["text"] for other in labels[i + 1 :] if overlap(label, other)]
-        assert not clashes, f"{label['text']!r} is drawn over {clashes}"
+    assert_labels_readable(labels, box)
     # Measured in one step in the page: the panel re-renders every push, so an entry found first and measured
     # after may be gone by then.
     chart, legend = page.evaluate(

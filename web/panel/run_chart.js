@@ -5,10 +5,9 @@
 // what it drew where (CSS pixels), for hover and for the tests that check the geometry.
 
 import { formatBytes, seconds } from "./format.js";
-import { COLORS } from "./timeline.js";
+import { COLORS, drawLabel } from "./timeline.js";
 
 const FONT = "10px sans-serif";
-const LABEL_HEIGHT = 10;
 const MARGIN = { left: 60, right: 10, top: 14, bottom: 16 };
 const LEGEND_ROW = 16; // below the time axis, in exported images (on screen the legend is text beside the chart)
 const CPU_COLOR = "#9e9e9e";
@@ -202,12 +201,7 @@ export class RunChart {
 
   /** Write a label and remember its box (CSS pixels). */
   text(ctx, label, at, top, align) {
-    ctx.textAlign = align;
-    ctx.fillText(label, at, top);
-    const width = ctx.measureText(label).width;
-    const left = align === "right" ? at - width : align === "center" ? at - width / 2 : at;
-    const y0 = ctx.textBaseline === "middle" ? top - LABEL_HEIGHT / 2 : top;
-    this.layout.labels.push({ text: label, x: left, y: y0, width, height: LABEL_HEIGHT });
+    drawLabel(ctx, this.layout.labels, label, at, top, align);
   }
 
   /** What the pointer at (x, y) CSS pixels points at: a model event near the top, else the node whose band it is in. */

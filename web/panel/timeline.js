@@ -5,7 +5,21 @@
 
 export const COLORS = ["#4caf50", "#2196f3", "#ff9800", "#e91e63", "#9c27b0", "#00bcd4"];
 const FONT = "10px sans-serif";
+const LABEL_HEIGHT = 10;
 const MARGIN = { left: 34, right: 8, top: 6, bottom: 16 };
+
+/**
+ * Write a label on a chart and add its box (CSS pixels) to `labels`, so that hover and the tests know where text
+ * is. Shared by this chart and the run chart.
+ */
+export function drawLabel(ctx, labels, label, at, top, align) {
+  ctx.textAlign = align;
+  ctx.fillText(label, at, top);
+  const width = ctx.measureText(label).width;
+  const left = align === "right" ? at - width : align === "center" ? at - width / 2 : at;
+  const y0 = ctx.textBaseline === "middle" ? top - LABEL_HEIGHT / 2 : top;
+  labels.push({ text: label, x: left, y: y0, width, height: LABEL_HEIGHT });
+}
 
 export class Timeline {
   constructor(seconds = 300) {
@@ -102,15 +116,9 @@ export class Timeline {
     this.text(ctx, "now", plot.left + plot.width, below, "right");
   }
 
-  /** Write a label and remember its box (CSS pixels), so hover and tests know where text is. */
+  /** Write a label and remember its box (CSS pixels). */
   text(ctx, label, at, top, align) {
-    ctx.textAlign = align;
-    ctx.fillText(label, at, top);
-    const width = ctx.measureText(label).width;
-    const left = align === "right" ? at - width : align === "center" ? at - width / 2 : at;
-    const height = 10;
-    const y0 = ctx.textBaseline === "middle" ? top - height / 2 : top;
-    this.layout.labels.push({ text: label, x: left, y: y0, width, height });
+    drawLabel(ctx, this.layout.labels, label, at, top, align);
   }
 
   /** A vertical line where each node started; its name shows on hover. */
