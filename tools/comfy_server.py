@@ -31,8 +31,21 @@ from tools.runtime import (
 log = logging.getLogger("device_control.tools")
 
 
+#: How often a start-up or a prompt is looked at (seconds): most prompts of the tests take well under a second,
+#: and a longer wait idles the machine between them.
+POLL_S = 0.05
+#: How many ports a server whose port was chosen here tries before giving up.
+PORT_ATTEMPTS = 3
+#: What ComfyUI's log says when its port is taken (aiohttp's OSError, errno 98).
+ADDRESS_IN_USE = "address already in use"
+
+
 class ComfyError(RuntimeError):
     """ComfyUI refused a prompt, or a prompt failed; the message carries ComfyUI's own explanation."""
+
+
+class PortTakenError(RuntimeError):
+    """ComfyUI exited because another process holds its port."""
 
 
 def free_port() -> int:
@@ -65,6 +78,7 @@ class ComfyServer:
     ) -> None:
         self.base = make_base_directory(Path(base), version)
         self.env = env or {}
+        self._chosen_port = port is None
         self.port = port or free_port()
         self.version = version
         self.extra_args = extra_args
@@ -80,9 +94,23 @@ class ComfyServer:
     def start(self, timeout: float = 180) -> ComfyServer:
         """Start ComfyUI and wait until its API answers.
 
+        A free port can be taken by another process between the moment it was found and ComfyUI's bind: a server
+        whose port was chosen here then starts again on another one.
+
         Raises:
             RuntimeError: ComfyUI exited or did not answer in time (the message ends with its log).
         """
+        attempt = 1
+        while True:
+            try:
+                return self._start_once(timeout)
+            except PortTakenError:
+                if not self._chosen_port or attempt >= PORT_ATTEMPTS:
+                    raise
+                log.warning("[Device Control] port %d was taken before ComfyUI bound it; trying another", self.port)
+                self.port, attempt = free_port(), attempt + 1
+
+    def _start_once(self, timeout: float) -> ComfyServer:
         cmd = [
             str(venv_python()),
             "main.py",
@@ -113,12 +141,14 @@ class ComfyServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"ComfyUI exited with {self.process.returncode}:\n{self.log_tail()}")
+                tail = self.log_tail()
+                error = PortTakenError if ADDRESS_IN_USE in tail.lower() else RuntimeError
+                raise error(f"ComfyUI exited with {self.process.returncode}:\n{tail}")
             try:
                 self.get("/system_stats")
                 return self
             except (urllib.error.URLError, ConnectionError, OSError):
-                time.sleep(0.5)
+                time.sleep(POLL_S)
         self.stop()
         raise RuntimeError(f"ComfyUI did not answer within {timeout:.0f} s:\n{self.log_tail()}")
 
@@ -216,7 +246,7 @@ class ComfyServer:
                 return entry
             if self.process is not None and self.process.poll() is not None:
                 raise ComfyError(f"ComfyUI exited while running {prompt_id}:\n{self.log_tail()}")
-            time.sleep(0.25)
+            time.sleep(POLL_S)
         raise ComfyError(f"prompt {prompt_id} did not finish within {timeout:.0f} s")
 
     def run(self, prompt: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
