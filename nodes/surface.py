@@ -133,6 +133,7 @@ COMFY_ATTRIBUTES: dict[str, tuple[str, ...]] = {
         "offload_device",
         "partially_load",
         "partially_unload",
+        "patch_hooks",
         "patch_weight_to_device",
         "patches",
         "patches_uuid",

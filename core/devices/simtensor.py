@@ -10,6 +10,11 @@ as uploaded inputs. ``.cpu()`` and ``.to("cpu")`` give plain host tensors.
 A tensor copied on a side stream carries the stream position of its copy (``_sim_pending``); computing with
 it on a stream that has not waited for that position raises (``core.devices.simlink``).
 
+A copy shares host memory with what it was copied from, where a real device's copy is a snapshot: a write to
+the source after the copy was made would reach the copy here and never on a real device. So a copy carries a
+sample of its values (:func:`take_snapshot`), and its first computation raises if they changed since: the
+product used a copy of a weight that was rewritten in place after the copy was queued.
+
 The device is any object with ``label``, ``link`` and ``_register(tensor)`` (``core.devices.simulated``).
 """
 
@@ -112,14 +117,51 @@ def _common_device(func: Any, args: tuple, kwargs: dict) -> SimulatedDevice | No
             if device is not None and other is not device:
                 _raise_mismatch(device.label, other.label)
             device = other
-            pending = getattr(tensor, "_sim_pending", None)
-            if pending is not None:
-                other.link.check_ready(pending, other.label)
+            _check_copy(tensor)
         elif _is_stranded_weight(tensor):
             stranded = tensor
     if device is not None and stranded is not None and func not in _TRANSFERS:
         _raise_mismatch(device.label, str(stranded.device))
     return device
+
+
+#: How many of a copy's values :func:`take_snapshot` samples (spread over the whole tensor): a weight rewritten in
+#: place (a LoRA applied or taken out) changes about all of them.
+SNAPSHOT_SAMPLES = 64
+
+
+def take_snapshot(copy: SimTensor) -> None:
+    """Sample ``copy``'s values now (it shares host memory with its source), for its first computation to check."""
+    with torch._C.DisableTorchFunctionSubclass():
+        if not copy.is_contiguous() or copy.numel() == 0:
+            return
+        flat = copy.detach().as_subclass(torch.Tensor).reshape(-1)
+        count = min(flat.numel(), SNAPSHOT_SAMPLES)
+        index = torch.arange(count, dtype=torch.int64) * (flat.numel() - 1) // max(count - 1, 1)
+        copy._sim_snapshot = (index, flat[index].clone())
+
+
+def _check_copy(tensor: SimTensor) -> None:
+    """Raise if ``tensor`` is a copy not complete on the current stream, or one whose source was written since."""
+    pending = getattr(tensor, "_sim_pending", None)
+    if pending is not None:
+        tensor._sim_device.link.check_ready(pending, tensor._sim_device.label)
+    snapshot = getattr(tensor, "_sim_snapshot", None)
+    if snapshot is not None:
+        _check_snapshot(tensor, snapshot)
+
+
+def _check_snapshot(copy: SimTensor, snapshot: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Raise if ``copy``'s sampled values changed since it was made; checked once (its first computation)."""
+    copy._sim_snapshot = None
+    index, values = snapshot
+    now = copy.detach().as_subclass(torch.Tensor).reshape(-1)[index]
+    if not torch.equal(now.view(torch.uint8), values.view(torch.uint8)):  # bitwise: NaN equals itself
+        raise RuntimeError(
+            f"A copy on {copy._sim_device.label} was used after the host tensor it was copied from had been written "
+            "in place: a real device computes with the values the copy was made of. Drop copies queued ahead "
+            "before their sources are rewritten."
+        )
 
 
 def _raise_mismatch(first: str, second: str) -> None:

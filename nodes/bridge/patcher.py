@@ -134,6 +134,18 @@ class DeviceControlPatcher(surface.model_patcher_class()):
         if dropped:
             log.debug("[Device Control] sampling ended: %s queued ahead for a next step dropped", format_bytes(dropped))
 
+    def patch_hooks(self, hooks: Any) -> None:
+        """ComfyUI's, which writes a hook's weights into the model in place, between two calls of one sampling step
+        when the conds carry different hooks; the copies queued ahead are dropped first, since a copy of a weight
+        made before it was rewritten in place cannot be told from one made after."""
+        settle(self.model)
+        super().patch_hooks(hooks)
+
+    def unpatch_hooks(self, *args: Any, **kwargs: Any) -> None:
+        """ComfyUI's, which writes the weights a hook replaced back in place: as :meth:`patch_hooks`."""
+        settle(self.model)
+        super().unpatch_hooks(*args, **kwargs)
+
     # -- loading -----------------------------------------------------------------------------------
 
     def load(

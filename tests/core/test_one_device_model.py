@@ -200,3 +200,20 @@ def test_copies_take_the_links_time_and_side_stream_copies_overlap_the_host():
         pinned_memory().unpin(data)
     assert queued < 0.05 <= 0.09 <= waited  # queued at once, usable only when the copy is done
     assert copy.sum().item() == 0
+
+
+def test_a_copy_used_after_its_source_was_written_in_place_raises_and_one_used_before_does_not():
+    """A real device's copy is a snapshot of its source; the simulated one shares host memory, so a copy used after
+    its source was rewritten in place (as ComfyUI's hooks rewrite weights, through ``.data``) fails here instead
+    of computing with values a real device could never see."""
+    device = SimulatedDevice(64 * MiB)
+    backend = backend_of(device)
+    weight = torch.nn.Parameter(torch.randn(64, 64))
+    stale = backend.copy_to(weight, device, non_blocking=False)
+    weight.data.copy_(torch.randn(64, 64))  # no version bump: what a copy made ahead cannot see
+    with pytest.raises(RuntimeError, match="written in place"):
+        _ = stale * 1
+    fresh = backend.copy_to(weight, device)
+    assert torch.equal((fresh * 1).cpu(), weight.detach())  # used before any write: checked once, then free
+    weight.data.mul_(2)
+    _ = fresh * 1  # a copy already used is not checked again (the computation it was for has read it)

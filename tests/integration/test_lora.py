@@ -67,6 +67,67 @@ def test_lora_resident_and_half_streamed_give_comfyuis_image(small_gpu_server, p
     assert not np.array_equal(api.image_of(small_gpu_server, no_lora), expected)  # the LoRA does change the image
 
 
+#: A rank-1 LoRA over every weight of the SD1.5 UNet (kohya naming): whichever layers a step's first copies
+#: ahead are, a hook made of it changes them.
+EVERY_LAYER_LORA = "device_control_sd15_every_unet_layer_r1.safetensors"
+
+
+def make_every_layer_lora(synthetic_models: dict[str, Path]) -> str:
+    """Write :data:`EVERY_LAYER_LORA` beside the synthetic LoRA (from the checkpoint's header, seeded); its name."""
+    prefix = "model.diffusion_model."
+    generator = torch.Generator().manual_seed(0)
+    tensors = {}
+    with safe_open(str(synthetic_models["checkpoint"]), "pt") as handle:
+        for key in handle.keys():  # noqa: SIM118 (not a dict)
+            shape = handle.get_slice(key).get_shape()
+            if not key.startswith(prefix) or not key.endswith(".weight") or len(shape) not in (2, 4):
+                continue
+            name = "lora_unet_" + key[len(prefix) : -len(".weight")].replace(".", "_")
+            down, up = (1, *shape[1:]), (shape[0], 1, *([1, 1] if len(shape) == 4 else []))
+            tensors[f"{name}.lora_down.weight"] = torch.randn(down, generator=generator) * 0.05
+            tensors[f"{name}.lora_up.weight"] = torch.randn(up, generator=generator) * 0.05
+    save_file(tensors, str(synthetic_models["lora"].with_name(EVERY_LAYER_LORA)))
+    return EVERY_LAYER_LORA
+
+
+def hooked(prompt: dict, lora: str, strength: float) -> dict:
+    """``prompt`` with ``lora`` as a ComfyUI hook on the positive prompt only (Create Hook LoRA, Cond Set Props)
+    instead of LoraLoader, sampled three steps at cfg 2: each step then runs the model twice, the positive with
+    the hook's weights written into the model and the negative with them taken out again (ComfyUI writes the
+    weights in place between the two calls)."""
+    changed = json.loads(json.dumps(prompt))
+    del changed["11"]
+    changed["2"]["inputs"]["value"] = ["1", 0]
+    changed["3"]["inputs"]["clip"] = changed["4"]["inputs"]["clip"] = ["1", 1]
+    changed["20"] = {
+        "class_type": "CreateHookLora",
+        "inputs": {"lora_name": lora, "strength_model": strength, "strength_clip": 0.0},
+    }
+    changed["21"] = {
+        "class_type": "ConditioningSetProperties",
+        "inputs": {"cond_NEW": ["3", 0], "strength": 1.0, "set_cond_area": "default", "hooks": ["20", 0]},
+    }
+    changed["6"]["inputs"].update(positive=["21", 0], steps=3, cfg=2.0)
+    return changed
+
+
+def test_a_hook_lora_on_one_prompt_gives_comfyuis_image_with_half_the_unet_streamed(
+    small_gpu_server, prompts, api, synthetic_models
+):
+    """A copy queued ahead must never outlive a weight ComfyUI rewrites in place: the hook's weights go in before
+    the positive's call and out before the negative's, every step, while the prefetch copies the next call's first
+    layers during the last layers of the call before."""
+    stock, ours = prompts
+    lora = make_every_layer_lora(synthetic_models)
+    expected = api.image_of(small_gpu_server, small_gpu_server.run(hooked(stock, lora, 1.0)))
+    streamed = small_gpu_server.run(hooked(ours, lora, 1.0))
+    unet = next(m for m in api.report_json(streamed, "7")["models"] if m["component"] == "MODEL")
+    assert unet["partial"] and 0.3 < unet["resident"]["gpu:0"] / unet["total_bytes"] < 0.7  # about half streamed
+    assert np.array_equal(api.image_of(small_gpu_server, streamed), expected)
+    without = small_gpu_server.run(hooked(ours, lora, 0.0))
+    assert not np.array_equal(api.image_of(small_gpu_server, without), expected)  # the hook does change the image
+
+
 def test_a_lora_with_nan_values_is_refused_when_added_naming_the_file(small_gpu_server, prompts, api, synthetic_models):
     """ComfyUI's own LoRA loader adding a damaged LoRA to a model Device Control loaded: the LoRA node fails at
     once, naming the file and a weight, instead of sampling a black image; the server keeps serving."""

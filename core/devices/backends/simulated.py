@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..simlink import SimEvent, SimStream
-from ..simtensor import SimTensor
+from ..simtensor import SimTensor, take_snapshot
 from ..simulated import SimulatedDevice
 from .base import DeviceBackend, DeviceInfo, Target, describe
 
@@ -102,7 +102,10 @@ class SimulatedBackend(DeviceBackend):
             else:
                 tensor = tensor.cpu()
         source = tensor.detach().clone() if copy else _own_storage(tensor.detach())
-        return target.place(source, host_waits=not non_blocking)
+        placed = target.place(source, host_waits=not non_blocking)
+        if not copy and placed is not tensor:  # shares the source's memory: a write to it must not be missed
+            take_snapshot(placed)
+        return placed
 
     # -- streams and events ----------------------------------------------------------------------
 
