@@ -74,6 +74,7 @@ COMFY_SYMBOLS: dict[str, tuple[str, ...]] = {
         "current_loaded_models",
         "get_torch_device",
         "load_models_gpu",
+        "minimum_inference_memory",
         "soft_empty_cache",
         "text_encoder_device",
         "text_encoder_dtype",
@@ -194,8 +195,7 @@ OPTIONAL: frozenset[str] = frozenset(
 
 
 def running_in_comfyui() -> bool:
-    """Whether this process is a ComfyUI (it imports these before any custom node), not a tool or a test run
-    that imported the pack."""
+    """Whether this process is a ComfyUI (it imports these before any custom node), not a tool or a test."""
     return "folder_paths" in sys.modules and "comfy.model_management" in sys.modules
 
 
@@ -277,9 +277,8 @@ def lowvram_patch_class() -> type:
 
 
 def standard_layer_classes() -> frozenset[type]:
-    """ComfyUI's standard Linear and 1-d/2-d convolution classes (``comfy.ops.disable_weight_init`` and
-    ``manual_cast``): those whose cast is plain, so a cast layer of the pack computes bit for bit as they do.
-    Other families of ComfyUI's ops (fp8 matmuls, quantized and scaled layers) are not among them."""
+    """ComfyUI's standard Linear and 1-d/2-d convolution classes (``comfy.ops.disable_weight_init``, ``manual_cast``):
+    a pack's cast layer computes bit for bit as they do (not as fp8 matmuls, quantized or scaled layers)."""
     ops = importlib.import_module("comfy.ops")
     plain, manual = ops.disable_weight_init, ops.manual_cast
     return frozenset({plain.Linear, plain.Conv1d, plain.Conv2d, manual.Linear, manual.Conv1d, manual.Conv2d})
@@ -301,8 +300,7 @@ def loaded_model_list() -> list[Any]:
 
 
 def cleanup_models() -> None:
-    """``comfy.model_management.cleanup_models``: drop the entries whose model was freed (what ComfyUI's own
-    finalizers call)."""
+    """``comfy.model_management.cleanup_models``: drop the entries whose model was freed (as ComfyUI does)."""
     model_management().cleanup_models()
 
 
@@ -335,8 +333,7 @@ def on_load_callback_kind() -> str:
 
 
 def is_dynamic(patcher: Any) -> bool:
-    """Whether a patcher is ComfyUI's Dynamic VRAM one (``ModelPatcherDynamic``); ``False`` where that
-    feature does not exist."""
+    """Whether a patcher is ComfyUI's Dynamic VRAM one (``ModelPatcherDynamic``); ``False`` where there is none."""
     check = getattr(patcher, "is_dynamic", None)
     return bool(check()) if callable(check) else False
 
@@ -360,10 +357,8 @@ def classic_clone(patcher: Any) -> Any:
     """A classic (non-dynamic) clone of a Dynamic VRAM patcher, sharing weights as ComfyUI allows.
 
     ComfyUI rebuilds a dynamic model's classic twin from its loader (``cached_patcher_init``: the file is read
-    again). Where the patcher offers ``get_non_dynamic_delegate`` (ComfyUI 0.2x), that twin is kept on the
-    dynamic patcher and reused, so a second placement does not read the file again; before, every
-    ``clone(disable_dynamic=True)`` read it.
-    """
+    again). Where the patcher offers ``get_non_dynamic_delegate`` (ComfyUI 0.2x), that twin is kept and reused,
+    so a second placement does not read the file again; before, every ``clone(disable_dynamic=True)`` read it."""
     delegate = getattr(patcher, "get_non_dynamic_delegate", None)
     return delegate() if callable(delegate) else patcher.clone(disable_dynamic=True)
 
@@ -371,6 +366,12 @@ def classic_clone(patcher: Any) -> Any:
 def prompt_server() -> Any:
     """ComfyUI's ``server.PromptServer.instance``: its routes, ``send_sync``, ``prompt_queue``, ``last_node_id``."""
     return importlib.import_module("server").PromptServer.instance
+
+
+def minimum_inference_memory() -> int:
+    """``comfy.model_management.minimum_inference_memory()``: the least ComfyUI keeps free for sampling (or 0)."""
+    found = getattr(model_management(), "minimum_inference_memory", None)
+    return int(found()) if callable(found) else 0
 
 
 def base_model_class() -> type | None:

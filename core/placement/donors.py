@@ -29,13 +29,13 @@ from .streaming import NO_HOOKS, LayerHooks, stream
 
 #: Room on the computing device for the streamed copies, in copies of the largest streamed layer: twice the
 #: budget's streaming reserve (``core.placement.plan.STREAM_COPIES``), where the device has it free beside its
-#: part and room for activations (never less than that reserve). Donors stream a large share of a model every
-#: step, and a model's layers are not all alike: where large layers that compute little come together (a UNet's
-#: low-resolution blocks), the link must be well ahead when they are reached, or the computation waits for it.
-#: Room alone does not do it: the link must also keep copying where a step ends (the prefetch wraps to the next
-#: step's first layers). At 7 GB/s, where the copies take about as long as the computation, the two together
-#: brought ``stream`` from about 1.25x its floor to about 1.1x; either alone, or more room than six copies, gained
-#: little (``docs/bench/split.md``).
+#: part and what the host keeps free for its computation (never less than that reserve). Donors stream a large
+#: share of a model every step, and a model's layers are not all alike: where large layers that compute little
+#: come together (a UNet's low-resolution blocks), the link must be well ahead when they are reached, or the
+#: computation waits for it. Room alone does not do it: the link must also keep copying where a step ends (the
+#: prefetch wraps to the next step's first layers). At 7 GB/s, where the copies take about as long as the
+#: computation, the two together brought ``stream`` from about 1.25x its floor to about 1.1x; either alone, or
+#: more room than six copies, gained little (``docs/bench/split.md``).
 DONOR_COPIES = 6
 
 
@@ -66,10 +66,16 @@ def stream_room(split: Split) -> int:
     return DONOR_COPIES * max(donated, default=0)
 
 
-def place_streamed(split: Split, targets: Mapping[str, Target], compute: str, hooks: LayerHooks = NO_HOOKS) -> Streamed:
+def place_streamed(
+    split: Split,
+    targets: Mapping[str, Target],
+    compute: str,
+    hooks: LayerHooks = NO_HOOKS,
+    keep_free: int = ACTIVATIONS,
+) -> Streamed:
     """Put each part of ``split`` on its device (``targets`` by device name) and stream the donors' layers to
     ``compute`` (the name of the computing device), copying ahead within ``DONOR_COPIES`` of the largest where
-    the device has them free (``STREAM_COPIES`` at least).
+    the device has them free beside ``keep_free`` bytes for the computation (``STREAM_COPIES`` at least).
 
     Raises:
         torch.OutOfMemoryError: a device had no room (the layers moved so far stay where they went).
@@ -90,7 +96,7 @@ def place_streamed(split: Split, targets: Mapping[str, Target], compute: str, ho
                         move_own(layer.module, name, target)
                     moved_in.append(layer)
     largest = max((layer.nbytes for layer in streamed), default=0)
-    room = max(STREAM_COPIES * largest, min(DONOR_COPIES * largest, free_bytes(target) - ACTIVATIONS))
+    room = max(STREAM_COPIES * largest, min(DONOR_COPIES * largest, free_bytes(target) - keep_free))
     lookahead = Lookahead()
     lookahead.attach([layer.module for layer in streamed], room)
     return Streamed(streamed, moved_in, lookahead)

@@ -24,7 +24,7 @@ from .allocation import Allocation
 from .donors import Streamed, place_streamed
 from .pipeline import Hops, attach_hops, hop_inputs, place_split, return_to_caller, send_home
 from .plan import Layer
-from .split import Split, blocks_of, split_blocks, spread_split
+from .split import ACTIVATIONS, Split, blocks_of, split_blocks, spread_split
 from .streaming import NO_HOOKS, LayerHooks, reset_flags, to_host
 
 #: The two ways a split model runs.
@@ -125,7 +125,9 @@ class SplitRequest:
     joins them with the output). ``once_per_use``: the host calls the entries once each time it uses the model
     (a text encoder encodes a prompt), not step after step as a sampler does, so in ``stream`` mode the last
     layer of a call queues no copy for a next one (the prefetch does not wrap), which would stay on the device
-    until the model runs again."""
+    until the model runs again. ``keep_free``: bytes the computing device keeps free for the host's computation
+    in ``stream`` mode, beyond which the copies ahead may take more than the streaming reserve
+    (:func:`core.placement.donors.place_streamed`)."""
 
     root: torch.nn.Module
     entries: Sequence[torch.nn.Module]
@@ -137,6 +139,7 @@ class SplitRequest:
     key: object = None
     to_caller: Sequence[torch.nn.Module] = ()
     once_per_use: bool = False
+    keep_free: int = ACTIVATIONS
 
 
 def plan_split(request: SplitRequest) -> Split:
@@ -200,7 +203,7 @@ def _place(held: SplitModel, request: SplitRequest) -> None:
         place_split(held.split, held.targets)
         held.hops.handles += attach_hops(held.root, held.split, held.targets).handles
     else:
-        held.streamed = place_streamed(held.split, held.targets, held.compute)
+        held.streamed = place_streamed(held.split, held.targets, held.compute, keep_free=request.keep_free)
         held.streamed.lookahead.wraps = not request.once_per_use
 
 

@@ -29,6 +29,7 @@ from ...core.placement.split import ACTIVATIONS, Split, auto_allocation
 from ...core.placement.split_model import MODES, SplitModel, SplitRequest, load_split, plan_split, split_of
 from ...core.placement.streaming import LayerHooks
 from ...core.units import format_bytes
+from .. import surface
 from .books import forget_loaded, make_room_for
 from .layers import take_layers
 from .subjects import Subject, model_label
@@ -138,6 +139,8 @@ def request_of(patcher: Any, placement: SplitPlacement) -> SplitRequest:
         key=(placement, patcher.patches_uuid),
         to_caller=tuple(encoders),
         once_per_use=bool(encoders),  # a text encoder runs once a prompt, a diffusion model once a step
+        # Copies ahead beyond the streaming reserve only where ComfyUI's least room for sampling stays free too.
+        keep_free=max(ACTIVATIONS, surface.minimum_inference_memory()),
     )
 
 

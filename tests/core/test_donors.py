@@ -57,10 +57,17 @@ def test_the_first_gpu_computes_and_the_donors_stream_their_parts_to_it_ahead_of
     streamed.release()
 
 
-@pytest.mark.parametrize(("spare", "copies"), [(4, 4), (0, STREAM_COPIES)], ids=["some room", "none"])
-def test_a_computing_gpu_short_of_room_copies_ahead_within_what_it_has_and_never_less_than_the_reserve(spare, copies):
+@pytest.mark.parametrize(
+    ("spare", "kept", "copies"),
+    [(4, 0, 4), (0, 0, STREAM_COPIES), (DONOR_COPIES, 2, DONOR_COPIES - 2)],
+    ids=["some room", "none", "the host keeps more free"],
+)
+def test_a_computing_gpu_short_of_room_copies_ahead_within_what_it_has_and_never_less_than_the_reserve(
+    spare, kept, copies
+):
     """The room for copies ahead is ``DONOR_COPIES`` of the largest streamed layer where the computing GPU has it
-    free beside its part and the activations' room, what it has where less, and the budget's reserve at least."""
+    free beside its part and what the host keeps free for its computation (the activations' room, or more: the
+    node passes ComfyUI's minimum inference memory), what it has where less, and the budget's reserve at least."""
     net = FluxShaped()
     img, t = inputs()
     with torch.no_grad():
@@ -68,7 +75,7 @@ def test_a_computing_gpu_short_of_room_copies_ahead_within_what_it_has_and_never
     split = split_of(net, "gpu:0=30%, cpu=*")
     largest = stream_room(split) // DONOR_COPIES
     compute = SimulatedDevice(split.parts[0].nbytes + ACTIVATIONS + spare * largest, ordinal=0)
-    streamed = place_streamed(split, {"gpu:0": compute, "cpu": HOST}, "gpu:0")
+    streamed = place_streamed(split, {"gpu:0": compute, "cpu": HOST}, "gpu:0", keep_free=ACTIVATIONS + kept * largest)
     assert streamed.reserve_bytes == copies * largest
     for _ in range(3):
         with torch.no_grad():
