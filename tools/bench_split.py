@@ -132,11 +132,13 @@ class Bench:
         half the model cross in the first one-device step (``speedup`` kept)."""
         balanced = link_text.endswith(BALANCED)
         base = link_text[: -len(BALANCED)].rstrip(",") if balanced else link_text
+        half = self.m["core.devices.simlink"].LinkCost.parse(base).seconds(self.total // 2)
+        if balanced and half <= 0:
+            raise SystemExit(f"{link_text!r}: a balanced link needs a bandwidth, e.g. 7GB/s,10us,{BALANCED}")
         name, how, setting, on = ROWS[0]
         cells = {name: self.row(base, how, setting, on, steps)}
         extra: dict[str, float] = {}
         if balanced:
-            half = self.m["core.devices.simlink"].LinkCost.parse(base).seconds(self.total // 2)
             extra["speedup"] = max(1.0, cells[name]["step_s"] / half)
             link_text = f"{base},compute={extra['speedup']:.3f}x"
         for name, how, setting, on in ROWS[1:]:

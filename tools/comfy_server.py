@@ -131,6 +131,7 @@ class ComfyServer:
         if first:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [*first, env.get("PYTHONPATH", "")]))
         with open(self.log_path, "ab") as log_file:
+            started_at = log_file.tell()  # this start's own lines begin here (the log keeps earlier starts')
             self.process = subprocess.Popen(
                 cmd,
                 cwd=comfyui_dir(self.version),
@@ -142,7 +143,8 @@ class ComfyServer:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 tail = self.log_tail()
-                error = PortTakenError if ADDRESS_IN_USE in tail.lower() else RuntimeError
+                mine = self.log_path.read_bytes()[started_at:].decode(errors="replace").lower()
+                error = PortTakenError if ADDRESS_IN_USE in mine else RuntimeError
                 raise error(f"ComfyUI exited with {self.process.returncode}:\n{tail}")
             try:
                 self.get("/system_stats")
