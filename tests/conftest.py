@@ -7,6 +7,7 @@ a green run must mean every tier ran.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -41,7 +42,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
-#: Set to 1 on a machine with a GPU: a GPU test that finds none fails instead of skipping.
+#: Set on a machine with a GPU: to 1, a GPU test fails instead of skipping where the machine has no GPU at all
+#: (so a GPU run cannot pass by skipping everything), while a test that needs more GPUs than the machine has
+#: (the two-GPU tests on a one-GPU machine) still skips, saying so; to N, a test that needs up to N GPUs fails
+#: where fewer are found (2 on a two-GPU machine, so the two-GPU tests cannot pass by skipping either).
 REQUIRE_GPU_ENV = "DEVICE_CONTROL_REQUIRE_GPU"
 
 
@@ -52,20 +56,135 @@ def gpus_here() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def required_gpus() -> int:
+    """How many GPUs this run requires (:data:`REQUIRE_GPU_ENV`; 0 when unset).
+
+    Raises:
+        pytest.UsageError: the variable is set to something other than a whole number of GPUs.
+    """
+    value = os.environ.get(REQUIRE_GPU_ENV, "").strip()
+    if value.lower() in ("", "0", "false", "no"):
+        return 0
+    if value.lower() in ("true", "yes"):
+        return 1
+    try:
+        return max(0, int(value))
+    except ValueError:
+        message = f"{REQUIRE_GPU_ENV}={value!r}: set it to the number of GPUs this run requires"
+        raise pytest.UsageError(message) from None
+
+
+def gpu_shortfall(needed: int, found: int, required: int) -> tuple[str, bool] | None:
+    """Why a test that needs ``needed`` GPUs cannot run where ``found`` are, and whether that fails the run
+    (``required`` GPUs were asked for) rather than skipping; ``None`` when it can run. A test fails only
+    when the machine lacks GPUs the run requires: on a one-GPU machine under ``REQUIRE_GPU=1`` the two-GPU
+    tests skip, as that machine cannot run them and the run never claimed it could."""
+    if found >= needed:
+        return None
+    fails = found < min(needed, required)
+    return f"needs {needed} GPU(s), found {found}", fails
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """A test marked ``gpu`` runs where the GPUs it needs are; elsewhere it skips saying what it would prove,
-    or fails under ``DEVICE_CONTROL_REQUIRE_GPU=1`` (so a GPU run cannot pass by skipping everything)."""
+    or fails where the machine has fewer GPUs than :data:`REQUIRE_GPU_ENV` requires."""
     marker = item.get_closest_marker("gpu")
     if marker is None:
         return
-    needed, found = int(marker.kwargs.get("count", 1)), gpus_here()
-    if found >= needed:
+    required = required_gpus()
+    shortfall = gpu_shortfall(int(marker.kwargs.get("count", 1)), gpus_here(), required)
+    if shortfall is None:
         return
-    reason = f"needs {needed} GPU(s), found {found}; would prove: {marker.kwargs.get('proves', item.name)}"
-    if os.environ.get(REQUIRE_GPU_ENV) == "1":
-        pytest.fail(f"{reason} ({REQUIRE_GPU_ENV}=1: the GPU tests must run here)", pytrace=False)
+    why, fails = shortfall
+    reason = f"{why}; would prove: {marker.kwargs.get('proves', item.name)}"
+    if fails:
+        pytest.fail(f"{reason} ({REQUIRE_GPU_ENV}={required}: this run requires {required} GPU(s))", pytrace=False)
     pytest.skip(reason)
+
+
+@pytest.fixture(autouse=True)
+def cuda_clean(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Each test marked ``gpu`` starts from the same state of the GPUs it uses, and leaves them so.
+
+    Before: cached memory given back, and the one-time allocations of the kernels every test runs made by a
+    warm-up (cuBLAS and cuBLASLt keep a workspace per stream, 33 MiB on an H100, allocated through the caching
+    allocator at the first matmul and counted in ``memory_allocated``: a baseline read before it is short by
+    that much after the test's first matmul), then the peak statistics reset. A test reads its baselines after
+    this. After: what the test left referenced freed and the cache given back, so that the memory a test held
+    (a blocker that filled the device, a failed test's frames) cannot make the next test run out of memory or
+    count in its baseline. Tests without the marker are untouched (and never initialise CUDA)."""
+    marker = request.node.get_closest_marker("gpu")
+    if marker is None:
+        yield
+        return
+    import torch
+
+    devices = [torch.device("cuda", index) for index in range(int(marker.kwargs.get("count", 1)))]
+    for device in devices:
+        _settle(device)
+        _warm_up(device)
+        _settle(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    yield
+    # pytest keeps a failed test's exception, and through its traceback the test's frames and every tensor
+    # they hold, in sys.last_* for post-mortem debugging until the next test's call: let go of them now.
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, name):
+            delattr(sys, name)
+    for device in devices:
+        _settle(device)
+
+
+def _settle(device: object) -> None:
+    """Everything queued on ``device`` done, unreferenced tensors collected, and cached memory given back."""
+    import torch
+
+    gc.collect()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+
+
+def _warm_up(device: object) -> None:
+    """Run once the kinds of kernel the GPU tests run, so that their one-time allocations are made before a
+    baseline is read: a matmul (cuBLAS's workspace) and a linear layer with a bias (cuBLASLt's), in the
+    dtypes the tests use."""
+    import torch
+
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        a = torch.ones(64, 64, device=device, dtype=dtype)
+        torch.nn.functional.linear(a @ a, a, a[0])
+    torch.cuda.synchronize(device)
+
+
+class VramBlocker:
+    """Fills a GPU so that only a chosen amount stays free, and gives it all back after the test (not through
+    the test's frames, which a failure keeps alive)."""
+
+    def __init__(self) -> None:
+        self._blocks: list[object] = []
+
+    def leave(self, free: int, device: object = "cuda:0") -> None:
+        """Allocate what is free on ``device`` beyond ``free`` bytes. The cache is given back first and the
+        free figure read after that: memory the caching allocator reserved would otherwise be counted as taken
+        while the test's allocations could still use it."""
+        import torch
+
+        _settle(device)
+        available = torch.cuda.mem_get_info(device)[0]
+        self._blocks.append(torch.empty(max(0, available - free), dtype=torch.uint8, device=device))
+
+    def release(self) -> None:
+        """Give back every block."""
+        self._blocks.clear()
+
+
+@pytest.fixture
+def vram_blocker(cuda_clean: None) -> Iterator[VramBlocker]:
+    """A :class:`VramBlocker` for a GPU test; its blocks are freed before the GPUs are settled after the test."""
+    blocker = VramBlocker()
+    yield blocker
+    blocker.release()
 
 
 def unavailable(reason: str) -> None:

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..devices.memory import is_out_of_memory
 from ..devices.tensors import HOST, Target, move_own, own_tensors, same_target
-from ..errors import DeviceControlError
+from ..errors import DeviceControlError, first_line
 from ..units import format_bytes
 from .allocation import Allocation
 from .donors import Streamed, place_streamed
@@ -173,17 +174,17 @@ def load_split(
             for name, _tensor, _is_param in list(own_tensors(layer.module)):
                 move_own(layer.module, name, request.home)
         _place(held, request)
-    except torch.OutOfMemoryError as exc:
-        where = next((name for name, t in targets.items() if _short_on(held, t)), "a device")
+    except BaseException as exc:
+        oom = is_out_of_memory(exc)
+        where = next((name for name, t in targets.items() if _short_on(held, t)), "a device") if oom else ""
         held.release(hooks)
+        if not oom:
+            raise
         raise DeviceControlError(
-            f"{where} ran out of memory while its part of the model moved there ({str(exc).splitlines()[0]}); "
+            f"{where} ran out of memory while its part of the model moved there ({first_line(exc)}); "
             "every layer is back in RAM. Give that device less in the allocation, free memory on it (Offload To "
             "CPU), or use 'auto'."
         ) from exc
-    except BaseException:
-        held.release(hooks)
-        raise
     request.root.__dict__[_HELD] = held
     return held
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ...core.devices.backends import Target, backend_of
+from ...core.devices.memory import is_out_of_memory
 from ...core.files.reader import WeightReader
 from ...core.files.skeleton import MaterializeResult, Source, materialize
 from ...core.placement.budget import Placement
@@ -114,7 +115,9 @@ def _fill_root(
     backend = backend_of(target)
     try:
         return materialize(root, sources, reader, partial(backend.empty, target), progress=progress.step)
-    except torch.OutOfMemoryError:  # another process took memory since the fit plan, or fragmentation
+    except RuntimeError as exc:  # another process took memory since the fit plan, or fragmentation
+        if not is_out_of_memory(exc):
+            raise
         where = backend.label(target)
         log.warning(
             "[Device Control] %s did not fit on %s after all; loading it to RAM instead, ComfyUI will load what "

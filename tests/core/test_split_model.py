@@ -21,6 +21,7 @@ from core.placement.plan import layers_of
 from core.placement.split_model import SplitRequest, load_split, plan_split, split_of
 from core.placement.streaming import LayerHooks
 from core.weights import ops
+from tests.core.faults import OUT_OF_MEMORY, fail_moves
 from tests.core.split_net import FluxShaped, inputs
 
 
@@ -106,6 +107,20 @@ def test_a_device_out_of_memory_gives_every_layer_back_to_ram():
     with pytest.raises(DeviceControlError, match="gpu:1 ran out of memory"):
         load_split(request, plan_split(request), {"gpu:0": big, "gpu:1": small})
     assert big.allocated() == 0 and small.allocated() == 0 and split_of(net) is None
+
+
+@pytest.mark.parametrize("kind", ["cuda runtime (AcceleratorError)", "hip runtime", "mps allocator"])
+def test_a_device_out_of_memory_raised_by_its_runtime_gives_every_layer_back_to_ram(monkeypatch, kind):
+    """An out-of-memory that is not ``torch.OutOfMemoryError`` (a CUDA call under memory pressure raises
+    ``torch.AcceleratorError``) is the same clear error, with every layer back in RAM."""
+    net = FluxShaped()
+    request = _request(net, "pipeline", "gpu:0=50%, gpu:1=*")
+    big, other = SimulatedDevice(1 << 30, ordinal=0), SimulatedDevice(1 << 30, ordinal=1)
+    fail_moves(monkeypatch, other, OUT_OF_MEMORY[kind], 2)
+    with pytest.raises(DeviceControlError, match="gpu:1 ran out of memory"):
+        load_split(request, plan_split(request), {"gpu:0": big, "gpu:1": other})
+    gc.collect()
+    assert big.allocated() == 0 and other.allocated() == 0 and split_of(net) is None
 
 
 class Transformer(torch.nn.Module):

@@ -79,3 +79,18 @@ def test_a_device_that_fills_up_during_the_fill_gets_the_model_in_ram_and_then_w
     assert books.resident_on(model, gpu) == model_bytes(model) == gpu.allocated()
     assert model.model.diffusion_model.input_blocks[0][0].weight.abs().sum().item() > 0
     assert all(torch.isfinite(p).all() for p in model.model.diffusion_model.parameters())
+
+
+@pytest.mark.parametrize("kind", ["cuda runtime (AcceleratorError)", "hip runtime"])
+def test_a_device_whose_runtime_runs_out_of_memory_during_the_fill_gets_the_model_in_ram(pack, gpu, monkeypatch, kind):
+    """The fill falls back to RAM when the out-of-memory comes from the device's runtime (a CUDA call under
+    memory pressure raises ``torch.AcceleratorError``), not only from its allocator."""
+    from tests.core.faults import OUT_OF_MEMORY, fail_moves
+
+    fail_moves(monkeypatch, gpu, OUT_OF_MEMORY[kind], 40)
+    model, _clip, _vae, summary = load(pack)
+    _, module, _ = pack
+    assert "model: did not fit on sim:0; loaded to RAM" in summary
+    books = module("nodes.bridge.books")
+    assert books.resident_on(model, gpu) == model_bytes(model) == gpu.allocated()
+    assert all(torch.isfinite(p).all() for p in model.model.diffusion_model.parameters())
