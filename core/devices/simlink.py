@@ -1,13 +1,19 @@
-"""The simulated GPU's link to the host and its streams: copies that take the time a real link would.
+"""The simulated GPU's link to the host and its streams: copies that take the time a real link would, and the host
+time a real host would spend on them.
 
 A copy costs ``latency + bytes / bandwidth`` (``DEVICE_CONTROL_SIMULATE_LINK``, e.g. ``16GB/s,10us``; unset,
-copies are free, as they always were). An optional third part, ``compute=10x``, says the simulated GPU computes
-ten times faster than the host: the host cannot compute faster, so every copy takes ten times longer instead,
-which keeps the ratio of copying to computing a real GPU that fast would see (times are then host times, ten
-times a real GPU's). Each direction of the link is a copy engine with its own clock, as on
-a PCIe GPU: a copy starts when the engine is free and ends ``cost`` later. A blocking copy makes the host wait
-for its end; a copy queued on a side stream from pinned memory does not, so it overlaps the computation that
-runs meanwhile on the host (the simulated GPU computes on the host, on its main stream).
+copies are free, as they always were). An optional part ``compute=10x`` says the simulated GPU computes ten times
+faster than the host: the host cannot compute faster, so every copy (and every host cost below) takes ten times
+longer instead, which keeps the ratio of copying to computing a real GPU that fast would see (times are then host
+times, ten times a real GPU's). Each direction of the link is a copy engine with its own clock, as on a PCIe GPU: a
+copy starts when the engine is free and ends ``cost`` later. A blocking copy makes the host wait for its end; a copy
+queued on a side stream from pinned memory does not, so it overlaps the computation that runs meanwhile on the host
+(the simulated GPU computes on the host, on its main stream).
+
+The host is not free either (a first version forgot it, and predicted prefetch gains a real H100 turned into
+losses): every copy costs the host time to issue (``issue=10us`` by default, an estimate); memory that is not pinned
+copies slower (7.5 against 53.3 GB/s measured on an H100) and makes the host wait; the host runs ahead of the device
+only by a bounded queue (``queue=1024``, CUDA's launch queue). :attr:`Link.host_seconds` adds up what it charged.
 
 Streams keep CUDA's ordering rules, checked rather than assumed: work queued on a stream gets a sequence
 number; an event records a stream's position; a stream that waits on an event may use everything queued on
@@ -21,6 +27,8 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..errors import InvalidSizeError
@@ -28,16 +36,24 @@ from ..units import parse_size
 
 LINK_ENV = "DEVICE_CONTROL_SIMULATE_LINK"
 
-#: Below this much time owed, a blocking copy does not sleep (sleeps that short overshoot); the debt is kept
-#: on the link's clock and paid by the next sleep, so the total time stays exact.
+#: Host time owed below this is not slept (short sleeps overshoot): it is paid later, and overshoot credited.
 _MIN_SLEEP = 0.001
+
+#: Pageable over pinned host-to-device bandwidth, measured on an H100 (PCIe gen 5): 7.5 GB/s against 53.3 GB/s.
+PAGEABLE_RATIO = 7.5 / 53.3
+#: Host time to issue one copy (driver call plus torch's dispatch): an estimate, not a measurement.
+DEFAULT_ISSUE_SECONDS = 10e-6
+#: How many copies the host may queue on a stream ahead of the device: CUDA's launch queue is about this deep.
+DEFAULT_QUEUE_DEPTH = 1024
 
 _LATENCY_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
 _LATENCY_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(s|ms|us|µs|ns)\s*$", re.IGNORECASE)
-_SPEEDUP_RE = re.compile(r"^compute\s*=\s*([0-9]*\.?[0-9]+)\s*x?\s*$", re.IGNORECASE)
+_SPEEDUP_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*x?\s*$", re.IGNORECASE)
+_COUNT_RE = re.compile(r"^\s*([0-9]+)\s*$")
 _EXAMPLE = (
-    f"write it like {LINK_ENV}=16GB/s,10us (bandwidth per second, then the latency of one copy, then optionally "
-    "how many times faster than this machine the simulated GPU computes: 16GB/s,10us,compute=10x)"
+    f"write it like {LINK_ENV}=16GB/s,10us: the bandwidth from pinned memory, then optionally the latency of one "
+    "copy and, in any order, compute=10x (how much faster than this machine the GPU computes), pageable=7.5GB/s "
+    "(from memory not pinned), issue=10us (host time per copy) and queue=1024 (copies queued ahead at most)"
 )
 
 
@@ -47,80 +63,179 @@ class MissingWaitError(RuntimeError):
 
 @dataclass(frozen=True)
 class LinkCost:
-    """What one copy over the link costs: ``latency`` seconds plus its bytes over ``bandwidth`` (bytes/s), times
-    ``compute_speedup`` (how many times faster than the host the simulated GPU computes).
+    """What one copy over the link costs the device and the host.
 
-    ``bandwidth`` ``None`` is a free link (the default: copies take no time).
+    A copy takes ``latency`` seconds plus its bytes over ``bandwidth`` (bytes/s, from pinned memory) or over
+    ``pageable_bandwidth`` (from memory that is not pinned), times ``compute_speedup`` (how many times faster than
+    the host the simulated GPU computes). Before that, the host spends ``issue_seconds`` issuing it (also times
+    ``compute_speedup``), and it may have at most ``queue_depth`` copies queued and not ended on one stream.
+
+    ``bandwidth`` ``None`` (no latency, no pageable bandwidth) is the free link, the default: nothing costs. Filled
+    in when not given: ``pageable_bandwidth`` is ``bandwidth`` times :data:`PAGEABLE_RATIO`; ``issue_seconds`` is
+    :data:`DEFAULT_ISSUE_SECONDS` when copies cost anything, 0 on the free link.
     """
 
     bandwidth: float | None = None
     latency: float = 0.0
     compute_speedup: float = 1.0
+    pageable_bandwidth: float | None = None
+    issue_seconds: float | None = None
+    queue_depth: int = DEFAULT_QUEUE_DEPTH
+
+    def __post_init__(self) -> None:
+        if self.pageable_bandwidth is None and self.bandwidth is not None:
+            object.__setattr__(self, "pageable_bandwidth", self.bandwidth * PAGEABLE_RATIO)
+        if self.issue_seconds is None:
+            costs = self.bandwidth is not None or self.pageable_bandwidth is not None or self.latency > 0
+            object.__setattr__(self, "issue_seconds", DEFAULT_ISSUE_SECONDS if costs else 0.0)
+        _check_cost(self)
 
     @property
     def free(self) -> bool:
-        """Whether copies cost nothing."""
-        return self.bandwidth is None and self.latency == 0
+        """Whether copies cost nothing, neither device time nor host time."""
+        return (
+            self.bandwidth is None and self.pageable_bandwidth is None and self.latency == 0 and not self.issue_seconds
+        )
 
-    def seconds(self, nbytes: int) -> float:
-        """How long copying ``nbytes`` takes."""
-        return (self.latency + (nbytes / self.bandwidth if self.bandwidth else 0.0)) * self.compute_speedup
+    @property
+    def issue_time(self) -> float:
+        """The host's time to issue one copy, in host seconds (scaled by ``compute_speedup`` like every time)."""
+        return (self.issue_seconds or 0.0) * self.compute_speedup
+
+    def seconds(self, nbytes: int, *, pinned: bool = True) -> float:
+        """How long copying ``nbytes`` takes on the link, from pinned memory or (``pinned=False``) pageable."""
+        bandwidth = self.bandwidth if pinned else self.pageable_bandwidth
+        return (self.latency + (nbytes / bandwidth if bandwidth else 0.0)) * self.compute_speedup
 
     @classmethod
     def parse(cls, text: str | None) -> LinkCost:
-        """Parse ``"16GB/s,10us"``, ``"7GB/s"``, ``"25GB/s,10us,compute=10x"`` or ``""`` (free).
+        """Parse ``DEVICE_CONTROL_SIMULATE_LINK``: a bandwidth, then in any order an optional latency and optional
+        named parts ``compute=10x``, ``pageable=7.5GB/s``, ``issue=10us``, ``queue=1024``, each at most once.
+
+        ``"16GB/s,10us"``, ``"7GB/s"``, ``"25GB/s,10us,compute=10x"``, ``"53GB/s,issue=5us,pageable=7.5GB/s"``;
+        ``""`` or ``None`` is the free link.
 
         Raises:
-            InvalidSizeError: the text is not a bandwidth, an optional latency and an optional compute speed-up
-                (the message shows the form).
+            InvalidSizeError: the text is not of that form (the message shows it).
         """
         parts = [part.strip() for part in (text or "").split(",") if part.strip()]
         if not parts:
             return cls()
-        speedup = _speedup(text, parts.pop()) if parts[-1].lower().startswith("compute=") else 1.0
-        bandwidth = _bandwidth(text, parts)
-        latency = _latency(text, parts[1]) if len(parts) == 2 else 0.0
-        return cls(bandwidth, latency, speedup)
+        bandwidth = _rate(text, parts[0], "the bandwidth")
+        latency, named = _rest(text, parts[1:])
+        return cls(
+            bandwidth,
+            latency or 0.0,
+            float(named.get("compute", 1.0)),
+            pageable_bandwidth=float(named["pageable"]) if "pageable" in named else None,
+            issue_seconds=float(named["issue"]) if "issue" in named else None,
+            queue_depth=int(named.get("queue", DEFAULT_QUEUE_DEPTH)),
+        )
 
 
-def _bandwidth(text: str | None, parts: list[str]) -> float:
-    """The bandwidth in bytes per second from the first of ``parts`` (a bandwidth and an optional latency)."""
-    if not parts or len(parts) > 2 or not parts[0].lower().endswith("/s"):
-        raise InvalidSizeError(f"{LINK_ENV}={text!r} is not a link; {_EXAMPLE}.")
-    bandwidth = parse_size(parts[0][:-2])
-    if bandwidth <= 0:
-        raise InvalidSizeError(f"{LINK_ENV}={text!r}: the bandwidth must be more than 0; {_EXAMPLE}.")
-    return float(bandwidth)
+def _check_cost(cost: LinkCost) -> None:
+    """Raise ``ValueError`` for a cost no link has (a direct construction's mistake; parsing names the form)."""
+    for name in ("bandwidth", "pageable_bandwidth"):
+        value = getattr(cost, name)
+        if value is not None and not value > 0:
+            raise ValueError(f"LinkCost.{name} must be more than 0 bytes per second (or None), not {value!r}.")
+    if not (cost.latency >= 0 and (cost.issue_seconds or 0.0) >= 0):
+        raise ValueError(f"LinkCost times must be 0 or more: latency={cost.latency!r}, issue={cost.issue_seconds!r}.")
+    if not cost.compute_speedup >= 1:
+        raise ValueError(f"LinkCost.compute_speedup must be at least 1, not {cost.compute_speedup!r}.")
+    depth = cost.queue_depth
+    if type(depth) is not int or depth < 1:  # a bool is not a depth
+        raise ValueError(f"LinkCost.queue_depth must be a whole number of at least 1, not {depth!r}.")
 
 
-def _latency(text: str | None, part: str) -> float:
-    """``10us`` -> 1e-05 seconds."""
+def _rest(text: str | None, parts: list[str]) -> tuple[float | None, dict[str, float | int]]:
+    """The latency (unnamed, at most one) and the named parts after a link's bandwidth."""
+    latency: float | None = None
+    named: dict[str, float | int] = {}
+    for part in parts:
+        name, equals, value = part.partition("=")
+        key = name.strip().lower()
+        if not equals and latency is not None:
+            raise InvalidSizeError(
+                f"{LINK_ENV}={text!r}: {part!r} is a second unnamed part (only the latency goes unnamed); {_EXAMPLE}."
+            )
+        if not equals:
+            latency = _seconds(text, part, "a latency")
+        elif key not in _NAMED:
+            raise InvalidSizeError(f"{LINK_ENV}={text!r}: {part!r} is not a part of a link; {_EXAMPLE}.")
+        elif key in named:
+            raise InvalidSizeError(f"{LINK_ENV}={text!r}: {key}= is given twice; {_EXAMPLE}.")
+        else:
+            named[key] = _NAMED[key](text, value.strip())
+    return latency, named
+
+
+def _rate(text: str | None, part: str, what: str) -> float:
+    """``16GB/s`` -> bytes per second (more than 0); ``what`` names it in the error."""
+    if not part.lower().endswith("/s"):
+        raise InvalidSizeError(f"{LINK_ENV}={text!r}: {part!r} is not {what} (like 16GB/s); {_EXAMPLE}.")
+    try:
+        rate = parse_size(part[:-2])
+    except InvalidSizeError as error:
+        raise InvalidSizeError(f"{LINK_ENV}={text!r}: {part!r} is not {what} ({error}); {_EXAMPLE}.") from None
+    if rate <= 0:
+        raise InvalidSizeError(f"{LINK_ENV}={text!r}: {what} must be more than 0; {_EXAMPLE}.")
+    return float(rate)
+
+
+def _seconds(text: str | None, part: str, what: str) -> float:
+    """``10us`` -> 1e-05 seconds; ``what`` names it in the error."""
     match = _LATENCY_RE.match(part)
     if match is None:
-        raise InvalidSizeError(f"{LINK_ENV}={text!r}: {part!r} is not a latency; {_EXAMPLE}.")
+        raise InvalidSizeError(f"{LINK_ENV}={text!r}: {part!r} is not {what} (like 10us); {_EXAMPLE}.")
     return float(match.group(1)) * _LATENCY_UNITS[match.group(2).lower()]
 
 
-def _speedup(text: str | None, part: str) -> float:
-    """``compute=10x`` -> 10.0 (a factor of at least 1)."""
-    match = _SPEEDUP_RE.match(part)
+def _speedup(text: str | None, value: str) -> float:
+    """``10x`` (of ``compute=10x``) -> 10.0 (a factor of at least 1)."""
+    match = _SPEEDUP_RE.match(value)
     if match is None or float(match.group(1)) < 1:
         raise InvalidSizeError(
-            f"{LINK_ENV}={text!r}: {part!r} is not a compute speed-up of at least 1 (like compute=10x); {_EXAMPLE}."
+            f"{LINK_ENV}={text!r}: compute={value} is not a compute speed-up of at least 1 (like compute=10x); "
+            f"{_EXAMPLE}."
         )
     return float(match.group(1))
+
+
+def _queue(text: str | None, value: str) -> int:
+    """``1024`` (of ``queue=1024``) -> 1024 (a whole number of at least 1)."""
+    match = _COUNT_RE.match(value)
+    if match is None or int(match.group(1)) < 1:
+        raise InvalidSizeError(
+            f"{LINK_ENV}={text!r}: queue={value} is not a number of copies of at least 1 (like queue=1024); {_EXAMPLE}."
+        )
+    return int(match.group(1))
+
+
+#: The named parts of a link after its bandwidth, each with how its value is read.
+_NAMED: dict[str, Callable[[str | None, str], float | int]] = {
+    "compute": _speedup,
+    "pageable": lambda text, value: _rate(text, value, "a pageable bandwidth"),
+    "issue": lambda text, value: _seconds(text, value, "an issue time"),
+    "queue": _queue,
+}
 
 
 @dataclass(eq=False)
 class SimStream:
     """A stream of the simulated GPU: a name, its link, the number of the last work queued on it, and how far
-    it has waited for each other stream (``synced[other]`` is the last number of ``other`` it may use)."""
+    it has waited for each other stream (``synced[other]`` is the last number of ``other`` it may use).
+
+    ``in_flight`` holds the end times of the copies queued on it that may not have ended yet, oldest first (the
+    ends on one stream only grow), so the host can be made to wait when more are queued than the link allows.
+    """
 
     name: str
     link: Link = field(repr=False)
     queued: int = 0
     busy_until: float = 0.0
     synced: dict[SimStream, int] = field(default_factory=dict)
+    in_flight: deque[float] = field(default_factory=deque, repr=False)
 
 
 @dataclass(frozen=True)
@@ -141,7 +256,14 @@ class Pending:
 
 
 class Link:
-    """The link of one simulated device: its cost, its two copy engines' clocks and its streams."""
+    """The link of one simulated device: its cost, its two copy engines' clocks, its streams, and the host time it
+    charged.
+
+    The host time is kept as debt per host thread (what the thread owes, in seconds from now, beyond the real time
+    it spends): a copy adds its issue time and any wait to it, and it is paid by sleeping once it exceeds
+    ``_MIN_SLEEP`` (at every wait on an event and every :meth:`synchronize`, whatever it is), so short costs add up
+    exactly instead of each overshooting a sleep.
+    """
 
     def __init__(self, cost: LinkCost) -> None:
         self.cost = cost
@@ -150,6 +272,17 @@ class Link:
         self._local = threading.local()
         self._engines = {"to_device": 0.0, "to_host": 0.0}
         self._lock = threading.Lock()
+        #: Host seconds spent issuing copies (``issue_time`` per copy), over the link's life.
+        self.host_issue_seconds = 0.0
+        #: Host seconds spent waiting for the device: blocking and pageable copies, a full queue, events, syncs.
+        self.host_wait_seconds = 0.0
+        #: Copies booked over the link's life.
+        self.copies = 0
+
+    @property
+    def host_seconds(self) -> float:
+        """Host seconds the link charged: issuing copies plus waiting for the device (0 on the free link)."""
+        return self.host_issue_seconds + self.host_wait_seconds
 
     @property
     def current(self) -> SimStream:
@@ -162,23 +295,45 @@ class Link:
         self._local.stream = stream or self.main
         return previous
 
-    def copy(self, nbytes: int, direction: str, *, host_waits: bool) -> Pending | None:
+    def copy(self, nbytes: int, direction: str, *, host_waits: bool, pinned: bool = True) -> Pending | None:
         """Book one copy of ``nbytes`` (``"to_device"`` or ``"to_host"``) on the current stream.
 
-        The host waits for its end when ``host_waits`` (a blocking copy, or one from memory that is not
-        pinned). Returns what a tensor made by a copy on a side stream must carry (``None`` on the main one).
+        The host first spends the link's issue time; if the stream already has ``queue_depth`` copies queued that
+        have not ended, it then waits for the oldest to end (the bounded queue a real host runs ahead by). The
+        copy starts once issued, its engine is free and its stream's earlier work is done. The host waits for its
+        end when ``host_waits`` (a blocking copy) or when the memory is not ``pinned``: such a copy goes at the
+        pageable bandwidth and the host stages it, so it cannot run ahead of it.
+
+        Returns what a tensor made by a copy on a side stream must carry (``None`` on the main one).
         """
         stream = self.current
+        cost = self.cost
+        if cost.free:
+            with self._lock:
+                stream.queued += 1
+                stream.busy_until = max(stream.busy_until, self._engines[direction])
+                self.copies += 1
+                position = stream.queued
+            return None if stream is self.main else Pending(stream, position)
+        now = time.monotonic()
+        # The host has done what it owes (or is ahead by a sleep's overshoot), then issues this copy.
+        issued = now + self._debt + cost.issue_time
         with self._lock:
-            end = self._engines[direction]
-            if not self.cost.free:
-                end = max(time.monotonic(), end, stream.busy_until) + self.cost.seconds(nbytes)
-                self._engines[direction] = end
+            in_flight = stream.in_flight
+            while in_flight and in_flight[0] <= issued:
+                in_flight.popleft()
+            queued_at = in_flight.popleft() if len(in_flight) >= cost.queue_depth else issued
+            end = max(queued_at, self._engines[direction], stream.busy_until) + cost.seconds(nbytes, pinned=pinned)
+            self._engines[direction] = end
             stream.queued += 1
             stream.busy_until = max(stream.busy_until, end)
+            in_flight.append(end)
             position = stream.queued
-        if host_waits:
-            _sleep_until(end, _MIN_SLEEP)
+            free_at = end if host_waits or not pinned else queued_at
+            self.host_issue_seconds += cost.issue_time
+            self.host_wait_seconds += free_at - issued
+            self.copies += 1
+        self._pay(free_at, _MIN_SLEEP)
         return None if stream is self.main else Pending(stream, position)
 
     def record(self, stream: SimStream) -> SimEvent:
@@ -187,12 +342,13 @@ class Link:
             return SimEvent(stream, stream.queued, stream.busy_until)
 
     def wait(self, stream: SimStream, event: SimEvent) -> None:
-        """Order ``stream`` after ``event``. The main stream is the host's computation, so the host waits."""
+        """Order ``stream`` after ``event``. The main stream is the host's computation, so the host waits (after
+        paying what it owes)."""
         with self._lock:
             stream.synced[event.stream] = max(stream.synced.get(event.stream, 0), event.position)
             stream.busy_until = max(stream.busy_until, event.ready_at)
         if stream is self.main:
-            _sleep_until(event.ready_at, 0.0)
+            self._wait_until(event.ready_at)
 
     def check_ready(self, pending: Pending, label: str) -> None:
         """Raise :class:`MissingWaitError` when the current stream may not use the work ``pending`` names."""
@@ -205,10 +361,36 @@ class Link:
         )
 
     def synchronize(self) -> None:
-        """Wait on the host until every copy queued so far has ended."""
+        """Wait on the host until every copy queued so far has ended, and pay all the host time owed."""
         with self._lock:
             end = max(self._engines.values())
-        _sleep_until(end, 0.0)
+        self._wait_until(end)
+
+    @property
+    def _debt(self) -> float:
+        """Host seconds this thread owes beyond the real time it has spent (negative: a sleep's overshoot)."""
+        return getattr(self._local, "debt", 0.0)
+
+    def _wait_until(self, deadline: float) -> None:
+        """The host waits for the device until ``deadline`` (monotonic), after the work it owes; nothing is left
+        owed afterwards."""
+        if self.cost.free:
+            _sleep_until(deadline, 0.0)
+            return
+        owed_until = time.monotonic() + self._debt
+        with self._lock:
+            self.host_wait_seconds += max(deadline - owed_until, 0.0)
+        self._pay(max(deadline, owed_until), 0.0)
+
+    def _pay(self, free_at: float, least: float) -> None:
+        """Make this thread's host free at ``free_at`` (monotonic): sleep until then if more than ``least`` seconds
+        are left, else carry them as debt. A sleep's overshoot is carried as credit (at most ``_MIN_SLEEP``, so
+        that a stall of the process is not paid back), which keeps the total exact."""
+        left = free_at - time.monotonic()
+        if left > least:
+            time.sleep(left)
+            left = free_at - time.monotonic()
+        self._local.debt = max(left, -_MIN_SLEEP)
 
 
 def _sleep_until(deadline: float, least: float) -> None:
