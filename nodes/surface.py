@@ -171,8 +171,8 @@ COMFY_ATTRIBUTES: dict[str, tuple[str, ...]] = {
         "supported_inference_dtypes",
         "vae_key_prefix",
     ),
-    "comfy.ops:disable_weight_init": ("Conv1d", "Conv2d", "Linear"),
-    "comfy.ops:manual_cast": ("Conv1d", "Conv2d", "Linear"),
+    "comfy.ops:disable_weight_init": ("Conv1d", "Conv2d", "GroupNorm", "LayerNorm", "Linear"),
+    "comfy.ops:manual_cast": ("Conv1d", "Conv2d", "GroupNorm", "LayerNorm", "Linear"),
     "server:PromptServer": ("last_node_id", "prompt_queue", "routes", "send_progress_text", "send_sync"),
     "execution:PromptQueue": ("currently_running", "get_current_queue_volatile", "mutex"),
 }
@@ -277,11 +277,11 @@ def lowvram_patch_class() -> type:
 
 
 def standard_layer_classes() -> frozenset[type]:
-    """ComfyUI's standard Linear and 1-d/2-d convolution classes (``comfy.ops.disable_weight_init``, ``manual_cast``):
-    a pack's cast layer computes bit for bit as they do (not as fp8 matmuls, quantized or scaled layers)."""
-    ops = importlib.import_module("comfy.ops")
-    plain, manual = ops.disable_weight_init, ops.manual_cast
-    return frozenset({plain.Linear, plain.Conv1d, plain.Conv2d, manual.Linear, manual.Conv1d, manual.Conv2d})
+    """ComfyUI's standard layer classes (its table above, in ``disable_weight_init`` and ``manual_cast``): a pack's
+    cast layer computes bit for bit as they do (not as fp8 matmuls, quantized or scaled layers)."""
+    ops, names = importlib.import_module("comfy.ops"), COMFY_ATTRIBUTES["comfy.ops:disable_weight_init"]
+    families = (ops.disable_weight_init, ops.manual_cast)
+    return frozenset(getattr(family, name) for family in families for name in names if hasattr(family, name))
 
 
 def folder_paths() -> ModuleType:

@@ -146,6 +146,8 @@ def _check_copy(tensor: SimTensor) -> None:
     pending = getattr(tensor, "_sim_pending", None)
     if pending is not None:
         tensor._sim_device.link.check_ready(pending, tensor._sim_device.label)
+    if tensor._sim_device._landing:  # buffers a streaming ring fills: checked by storage, views included
+        tensor._sim_device.check_landing(tensor)
     snapshot = getattr(tensor, "_sim_snapshot", None)
     if snapshot is not None:
         _check_snapshot(tensor, snapshot)

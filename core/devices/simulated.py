@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..units import format_bytes, parse_size
-from .simlink import LINK_ENV, Link, LinkCost
+from .simlink import LINK_ENV, Link, LinkCost, MissingWaitError, Pending
 from .simtensor import SimTensor
 
 #: Faults a simulated device can be told to inject (see ``SimulatedDevice(faults=...)``):
@@ -126,6 +126,11 @@ class SimulatedDevice:
         self._lock = threading.Lock()
         self._fail_after: int | None = None
         self.link = Link(link or LinkCost())
+        #: Device buffers filled by :meth:`copy_into` (a streaming ring's slots), by storage: the copy that filled
+        #: each last, and the main stream's position when a computation last read it. Checked like a real device
+        #: orders them: a read waits for the fill, a new fill waits for the reads of the old contents.
+        self._landing: dict[int, Pending | None] = {}
+        self._reads: dict[int, int] = {}
 
     @property
     def label(self) -> str:
@@ -238,6 +243,8 @@ class SimulatedDevice:
                 if entry.refs <= 0:
                     del self._books[key]
                     self._allocated -= entry.nbytes
+                    self._landing.pop(key, None)
+                    self._reads.pop(key, None)
 
     def _oom_message(self, nbytes: int) -> str:
         return (
@@ -273,6 +280,40 @@ class SimulatedDevice:
         if pending is not None:
             placed._sim_pending = pending
         return placed
+
+    def copy_into(self, destination: SimTensor, source: torch.Tensor, *, pinned: bool, host_waits: bool) -> None:
+        """Copy ``source`` (host memory) into ``destination``, a buffer on this device, on the link's current
+        stream: the bytes really move (the buffer is reused for other weights), and the link charges the copy.
+
+        Raises:
+            MissingWaitError: a copy on a side stream would overwrite what a computation on the main stream read
+                and the side stream did not wait for that computation first (on a real device: a wrong image).
+        """
+        key = destination.untyped_storage().data_ptr()
+        stream, main = self.link.current, self.link.main
+        if stream is not main and stream.synced.get(main, 0) < self._reads.get(key, 0):
+            raise MissingWaitError(
+                f"{self.label}: a copy on the {stream.name} stream overwrote a buffer a computation on the main "
+                "stream had read, without waiting for that computation (record an event after the last use and "
+                "make the copy wait on it)."
+            )
+        with torch._C.DisableTorchFunctionSubclass():
+            destination.as_subclass(torch.Tensor).copy_(source)
+        self._landing[key] = self.link.copy(_nbytes(source), "to_device", host_waits=host_waits, pinned=pinned)
+
+    def check_landing(self, tensor: SimTensor) -> None:
+        """A computation reads ``tensor``: if it lies in a buffer :meth:`copy_into` fills, the fill must be done on
+        the current stream (raises :class:`MissingWaitError` otherwise), and the read is recorded."""
+        key = tensor.untyped_storage().data_ptr()
+        if key not in self._landing:
+            return
+        pending = self._landing[key]
+        if pending is not None:
+            self.link.check_ready(pending, self.label)
+        main = self.link.main
+        if self.link.current is main:
+            main.queued += 1  # a position for the read, which an event recorded after it covers
+            self._reads[key] = main.queued
 
     def place_in_place(self, tensor: torch.Tensor) -> None:
         """Move a host tensor (a parameter, typically) onto this device keeping its identity, as

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -116,6 +117,19 @@ CASTS_ANYWHERE = "device_control_casts_anywhere"
 LOOKAHEAD = "device_control_lookahead"
 
 
+#: The attribute a layer streamed through its model's ring carries (``core.placement.ring``): a
+#: :class:`GroupedLayer`; the cast layers ask it for their weight and bias on the device.
+GROUPED = "device_control_grouped"
+
+
+class GroupedLayer(Protocol):
+    """What a cast layer asks of its model's ring."""
+
+    def fetch(self, target: Target) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+        """The layer's weight and bias on ``target`` (views of a ring slot, their copy waited for by the compute
+        stream); ``None`` when the ring serves another device."""
+
+
 class Prefetcher(Protocol):
     """What a cast layer asks of its model's prefetch."""
 
@@ -172,7 +186,7 @@ def use_pinned_fraction(fraction: float) -> None:
     """Cap pinned host memory at ``fraction`` of physical RAM from now on (the settings do this at start)."""
     global _pinned_fraction, _pinned
     _pinned_fraction = fraction
-    if _pinned is not None and not _pinned.pinned:  # nothing pinned yet: the next account uses the new cap
+    if _pinned is not None and not _pinned.pinned_bytes:  # nothing pinned yet: the next account uses the new cap
         _pinned = None
 
 
@@ -188,16 +202,42 @@ class PinnedMemory:
             max_bytes = int(psutil.virtual_memory().total * _pinned_fraction)
         self.max_bytes = max_bytes
         self.pinned: dict[int, tuple[int, Target]] = {}  # data pointer -> (bytes, the device it was pinned for)
-        self.failed: set[str] = set()  # labels of devices whose pinning failed once
+        self.failed: set[str] = set()  # labels of devices whose pinning failed since the last retry
+        self.block_bytes = 0  # bytes of the live blocks allocated page-locked
 
     @property
     def pinned_bytes(self) -> int:
-        """Bytes pinned now."""
-        return sum(size for size, _target in self.pinned.values())
+        """Bytes pinned now: tensors pinned in place, and blocks allocated page-locked (:meth:`pinned_block`)."""
+        return sum(size for size, _target in self.pinned.values()) + self.block_bytes
+
+    def pinned_block(self, nbytes: int, target: Target) -> torch.Tensor | None:
+        """``nbytes`` of page-locked host memory (uint8, one block) for copies to ``target``, counted against the
+        cap until the block is freed; ``None`` when the backend cannot, the cap is reached, or the allocation
+        failed (then the caller uses pageable memory: copies stay correct, and block)."""
+        label, backend = label_of(target), backend_of(target)
+        if not backend.can_pin or label in self.failed or self.pinned_bytes + nbytes > self.max_bytes:
+            return None
+        block = backend.pinned_buffer(nbytes)
+        if block is None:
+            self.failed.add(label)
+            log.info("[Device Control] page-locked host memory could not be had; copies to %s will block", label)
+            return None
+        self.block_bytes += nbytes
+        weakref.finalize(block, self._freed, nbytes)
+        return block
+
+    def _freed(self, nbytes: int) -> None:
+        self.block_bytes -= nbytes
+
+    def retry(self) -> None:
+        """Try pinning again on devices where it failed (once per load: a failure under memory pressure, or for
+        one range, must not turn pinning off for the rest of the process)."""
+        self.failed.clear()
 
     def pin(self, tensor: torch.Tensor, target: Target) -> bool:
         """Pin ``tensor``'s host memory in place for copies to ``target``; ``False`` (and nothing changes) when
-        that cannot be done: the backend cannot pin, the cap is reached, or pinning failed before."""
+        that cannot be done: the backend cannot pin, the cap is reached, the memory is locked already, or pinning
+        failed since the last :meth:`retry`."""
         label, backend = label_of(target), backend_of(target)
         if not backend.can_pin or label in self.failed or not backend_of(target_of(tensor)).is_host:
             return False
@@ -205,6 +245,8 @@ class PinnedMemory:
         pointer = tensor.untyped_storage().data_ptr()
         if pointer in self.pinned or self.pinned_bytes + size > self.max_bytes:
             return False
+        if backend.is_pinned(tensor):  # locked already (a ring's slab, ComfyUI's own pinned memory): locking it
+            return False  # again fails, and the runtime would report that failure at the next kernel launch
         if not backend.pin(pointer, size):  # e.g. a locked-memory limit: stop trying; copies stay correct
             self.failed.add(label)
             log.info("[Device Control] pinning host memory failed; weight copies to %s will be blocking", label)

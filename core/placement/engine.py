@@ -23,13 +23,17 @@ from dataclasses import dataclass
 import torch
 
 from ..devices.backends import backend_of
-from ..devices.memory import empty_cache
+from ..devices.memory import empty_cache, is_out_of_memory
+from ..devices.slices import SLICES
 from ..devices.tensors import HOST, Target, label_of, same_target
+from ..devices.transfer import pinned_memory
 from ..errors import DeviceControlError, first_line
 from ..progress import ProgressCallback
 from ..units import format_bytes
 from .plan import DEFAULT_POLICY, Layer, Plan, Policy, layers_of, plan_layers
 from .prefetch import Lookahead
+from .ring import Ring
+from .slabs import groupable
 from .streaming import NO_HOOKS, LayerHooks, apply_plan, is_streaming, leave, reset_flags, to_host
 
 log = logging.getLogger("device_control")
@@ -92,6 +96,7 @@ class PartialModel:
         self.policy = DEFAULT_POLICY
         self.limits: dict[str, int] = {}
         self.lookahead = Lookahead()
+        self.ring = Ring()
         self._layers: list[Layer] | None = None
 
     def layers(self) -> list[Layer]:
@@ -170,6 +175,10 @@ class PartialModel:
         """
         self.policy = policy or self.policy
         key = label_of(target)
+        # The copy stream first: making a device's first stream takes driver memory of its own (tens of MiB on
+        # CUDA), which must not be what a full device lacks in the middle of the first streamed step.
+        backend_of(target).side_stream(target)
+        pinned_memory().retry()
         if fresh:
             self.limits.pop(key, None)
         before_in, before_out = self.resident_bytes(target), self._resident_elsewhere(target)
@@ -208,6 +217,7 @@ class PartialModel:
         target = self.target
         freed = 0
         self.lookahead.detach()
+        self.ring.detach()  # copies in flight waited for; each weight its own host memory again
         for layer in self.layers():
             if target is not None and layer.is_resident(target):
                 hooks.before_leaving(layer)  # patched weights are restored, on the host too
@@ -217,6 +227,12 @@ class PartialModel:
         self.target = None
         self.plan = None
         return freed
+
+    def release_streaming(self) -> None:
+        """Another loader moved the tree since (ComfyUI's own, through a clone): stop streaming through the ring
+        and the prefetch, giving their device memory back; every weight stays where that loader put it."""
+        self.lookahead.detach()
+        self.ring.detach(unpack_slabs=False)
 
     # -- internals ---------------------------------------------------------------------------------
 
@@ -237,28 +253,56 @@ class PartialModel:
     def _apply(self, plan: Plan, target: Target, hooks: LayerHooks, progress: ProgressCallback | None) -> None:
         self.plan = None  # until the plan is in place, the tree is in between
         self.lookahead.detach()
+        self.ring.detach(unpack_slabs=False)  # slabs kept for groups that stay the same
         leave(self.layers(), self.target, target, hooks)
         self.target = target
         try:
             apply_plan(self.layers(), plan, target, hooks, progress)
-        finally:  # whatever streams now prefetches, within the streaming reserve the plan keeps
-            self.lookahead.attach([la.module for la in self.streamed_layers()], plan.reserve_bytes)
+        finally:  # whatever streams now streams through the ring, or prefetches, within the plan's reserve
+            self._attach_streaming(plan, target)
         self.plan = plan
+
+    def _attach_streaming(self, plan: Plan, target: Target) -> None:
+        """Layers streamed whole go through the ring in groups; the others (in row slices, or with a cast of
+        their own) through the per-tensor prefetch."""
+        grouped, other = [], []
+        for layer in self.streamed_layers():
+            whole = SLICES not in layer.module.__dict__ and groupable(layer.module)
+            (grouped if whole and not backend_of(target).is_host else other).append(layer.module)
+        self.ring.attach(grouped, target, plan.reserve_bytes)
+        self.lookahead.attach(other, plan.reserve_bytes)
 
     def _apply_guarded(
         self, plan: Plan, target: Target, hooks: LayerHooks, progress: ProgressCallback | None
     ) -> tuple[Plan, str | None]:
-        """Apply ``plan``; out of memory lowers the budget once, then streams all that can stream."""
+        """Apply ``plan``; out of memory (whichever torch class says it: :func:`is_out_of_memory`) lowers the
+        budget once, then streams all that can stream. Any other error goes on unchanged."""
         try:
             self._apply(plan, target, hooks, progress)
             return plan, None
-        except torch.OutOfMemoryError as error:
+        except RuntimeError as error:
+            if not is_out_of_memory(error):
+                raise
             oom = self._lower_limit(target, error)
+        try:
+            return self._apply_lowered(target, hooks, progress, oom)
+        finally:
+            # The layers the lowered plan sent back to the host left their memory in torch's cache, where only
+            # torch's allocator reuses it; what runs next outside it (a stream, a library's handle or workspace,
+            # another program) is short of memory too, so the device gets it back.
+            empty_cache(target)
+
+    def _apply_lowered(
+        self, target: Target, hooks: LayerHooks, progress: ProgressCallback | None, oom: str
+    ) -> tuple[Plan, str]:
+        """Apply the plan for the lowered budget; out of memory again streams all that can stream."""
         lowered = self._plan(target, self.limits[label_of(target)], hooks)
         try:
             self._apply(lowered, target, hooks, progress)
             return lowered, oom
-        except torch.OutOfMemoryError:
+        except RuntimeError as error:
+            if not is_out_of_memory(error):
+                raise
             oom += "; out of memory again, so every layer that can stream streams"
         return self._stream_all_that_can(target, hooks, progress), oom
 
@@ -283,7 +327,9 @@ class PartialModel:
         plan = self._plan(target, 0, hooks)
         try:
             self._apply(plan, target, hooks, progress)
-        except torch.OutOfMemoryError as last:
+        except RuntimeError as last:
+            if not is_out_of_memory(last):
+                raise
             self.unload_all(hooks=hooks)
             raise DeviceControlError(
                 f"{key} has no room even for the {format_bytes(plan.fixed_bytes)} of this model that cannot stream "

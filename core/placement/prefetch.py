@@ -41,7 +41,7 @@ import torch
 from ..devices.backends import Target, backend_of, same_target
 from ..devices.slices import SLICES
 from ..devices.tensors import tensor_bytes
-from ..devices.transfer import LOOKAHEAD, QueuedCopy, queue_copy, use_copy
+from ..devices.transfer import GROUPED, LOOKAHEAD, QueuedCopy, queue_copy, use_copy
 from ..errors import InvalidSizeError
 
 PREFETCH_ENV = "DEVICE_CONTROL_PREFETCH"
@@ -67,6 +67,11 @@ def use_prefetch(enabled: bool) -> None:
     """Prefetch (or not) for models loaded from now on (the settings do this at start)."""
     global _enabled
     _enabled = enabled
+
+
+def prefetching() -> bool:
+    """Whether models loaded from now on prefetch (:func:`use_prefetch`)."""
+    return _enabled
 
 
 @dataclass
@@ -322,9 +327,18 @@ class Lookahead:
 
 def settle(root: torch.nn.Module) -> int:
     """Sampling with ``root`` ended: every prefetch over its layers drops what it queued for a next step (see
-    :meth:`Lookahead.settle`). Bytes dropped."""
-    lookaheads = {id(found): found for module in root.modules() if (found := module.__dict__.get(LOOKAHEAD))}
-    return sum(lookahead.settle() for lookahead in lookaheads.values())
+    :meth:`Lookahead.settle`), and every ring over them waits for its copies and frees its slots
+    (``core.placement.ring``). Bytes dropped or freed on devices."""
+    lookaheads, rings = {}, {}
+    for module in root.modules():
+        if (found := module.__dict__.get(LOOKAHEAD)) is not None:
+            lookaheads[id(found)] = found
+        if (member := module.__dict__.get(GROUPED)) is not None:
+            rings[id(member.ring)] = member.ring
+    freed = sum(ring.ring_bytes for ring in rings.values())
+    for ring in rings.values():
+        ring.settle()
+    return freed + sum(lookahead.settle() for lookahead in lookaheads.values())
 
 
 @dataclass(frozen=True, eq=False)

@@ -18,6 +18,7 @@ from ..devices.tensors import HOST, Target, move_own, own_tensors, same_target
 from ..devices.transfer import pinned_memory
 from ..progress import ProgressCallback
 from .plan import Layer, Plan
+from .slabs import groupable
 
 
 class LayerHooks:
@@ -67,10 +68,14 @@ def stream(layer: Layer, target: Target | None, hooks: LayerHooks, slices: RowSl
         module.__dict__.pop(SLICES, None)
     else:
         module.__dict__[SLICES] = slices
+    # Copies from pinned memory run on the side stream without stopping the host. A layer its model's ring will
+    # carry is packed into a page-locked slab instead (``core.placement.ring``): pinning it in place first
+    # would only be undone.
+    pin = target is not None and not (slices is None and groupable(module))
     for _name, tensor, is_param in own_tensors(module):
         if is_param:
             mark_streamed(tensor)
-        if target is not None:  # copies from pinned memory run on the side stream without stopping the host
+        if pin:
             pinned_memory().pin(tensor, target)
     if is_streaming(layer):
         return  # streams already, with its functions in place

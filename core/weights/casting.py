@@ -22,7 +22,7 @@ import torch
 from ..devices.backends import backend_of
 from ..devices.slices import SLICES, RowSlices
 from ..devices.tensors import Target
-from ..devices.transfer import LOOKAHEAD, Prefetcher, compute_target, to_target
+from ..devices.transfer import GROUPED, LOOKAHEAD, Prefetcher, compute_target, to_target
 
 #: ``compute(input, weight, bias)`` of one layer (``F.linear``, a convolution) on a weight and bias ready to use.
 Compute = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -40,6 +40,17 @@ def cast_weight_bias(
         dtype = dtype or input.dtype
         bias_dtype = bias_dtype or dtype
         target = target if target is not None else compute_target(input)
+    grouped = layer.__dict__.get(GROUPED) if target is not None else None
+    views = grouped.fetch(target) if grouped is not None else None  # streamed through its model's ring
+    if views is not None:
+        return _ready(layer, views, dtype, bias_dtype)
+    return _copied(layer, target, dtype, bias_dtype)
+
+
+def _copied(
+    layer: torch.nn.Module, target: Target | None, dtype: torch.dtype | None, bias_dtype: torch.dtype | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``layer``'s weight and bias copied to ``target`` one by one (or taken from its prefetch's queue)."""
     ahead = layer.__dict__.get(LOOKAHEAD) if target is not None else None
     if ahead is not None:  # a streamed layer of a model that prefetches: its copies were (or are now) queued
         ahead.before_use(layer, target, dtype)
@@ -48,6 +59,34 @@ def cast_weight_bias(
         bias = cast_one(layer.bias, target, bias_dtype, getattr(layer, "bias_function", ()), ahead, always=True)
     weight = cast_one(layer.weight, target, dtype, getattr(layer, "weight_function", ()), ahead, always=False)
     return weight, bias
+
+
+def _ready(
+    layer: torch.nn.Module,
+    views: tuple[torch.Tensor | None, torch.Tensor | None],
+    dtype: torch.dtype | None,
+    bias_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A ring's views of ``layer``'s weight and bias made ready as :func:`cast_one` makes copies: the bias always
+    in its dtype, the weight cast only when needed; a private copy where patch functions apply (the slot is
+    shared with the next groups)."""
+    weight, bias = views
+    if bias is not None:
+        bias = _finish(bias, bias_dtype, getattr(layer, "bias_function", ()), always=True)
+    if weight is not None:
+        weight = _finish(weight, dtype, getattr(layer, "weight_function", ()), always=False)
+    return weight, bias
+
+
+def _finish(view: torch.Tensor, dtype: torch.dtype | None, functions: Sequence, *, always: bool) -> torch.Tensor:
+    if functions:
+        result = view.to(dtype=dtype or view.dtype, copy=True)
+        for function in functions:
+            result = function(result)
+        return result
+    if dtype is not None and (always or view.dtype != dtype):
+        return view.to(dtype=dtype)
+    return view
 
 
 def cast_one(

@@ -67,7 +67,10 @@ def displacements() -> int:
         undone = [root for root in list(_placed) if holding_of(root) is None]
         for root in undone:
             _placed.discard(root)
-    for _root in undone:
+    for root in undone:
+        engine = engine_of(root)
+        if engine is not None:
+            engine.release_streaming()  # the ring's slots are not the other loader's to keep
         note_displacement()
     return _displacements
 

@@ -1,8 +1,9 @@
 """ComfyUI's standard layers compute with the pack's cast layers while Device Control places their model.
 
-A model ComfyUI's own loaders built has ComfyUI's layers, which stream with ComfyUI's cast code, whole. So that
-such a model streams its large layers in row slices too (with the pack's prefetch), the patcher turns ComfyUI's
-standard Linear and 1-d/2-d convolution layers (``surface.standard_layer_classes``) into the pack's cast layers
+A model ComfyUI's own loaders built has ComfyUI's layers, which stream with ComfyUI's cast code, a tensor at a
+time. So that such a model streams through the pack's ring (groups of layers, one copy each) and its large layers in
+row slices, the patcher turns ComfyUI's standard Linear, 1-d/2-d convolution, group and layer norm layers
+(``surface.standard_layer_classes``) into the pack's cast layers
 when it loads the model (``core.weights.ops.convert``: each layer's class changes, its weights and attributes do
 not), and turns them back when ComfyUI unloads it. The pack's layers compute what ComfyUI's compute, bit for bit
 (``integration/test_ops_oracle.py``), and speak ComfyUI's layer protocol, so a branch of the graph that uses the

@@ -1,11 +1,14 @@
 """The paths only a CUDA GPU takes. Each test skips without one and says what it would prove.
 
 Everything else in these paths (plans, books, patching, casting) is shared with the CPU and simulated-GPU
-code the other tests run; what is left here is what only a real device can show.
+code the other tests run; what is left here is what only a real device can show. Each starts from the same
+state of the GPU (``cuda_clean`` in ``tests/conftest.py``: cache given back, cuBLAS's workspace made by a
+warm-up before any baseline is read) and fills it only through ``vram_blocker``, which gives the memory back.
 """
 
 from __future__ import annotations
 
+import gc
 from functools import partial
 
 import pytest
@@ -48,6 +51,20 @@ def test_pinning_respects_its_cap():
     pinned.unpin(small)
 
 
+@pytest.mark.gpu(proves="a slab is page-locked in place at its own size, counted, and unlocked when freed")
+def test_pinned_blocks_are_locked_at_their_size_and_counted_until_freed():
+    pinned = PinnedMemory(max_bytes=64 * 1024**2)
+    block = pinned.pinned_block(41 * 1024**2, CUDA)  # not a power of two: nothing rounded up
+    assert block is not None and block.is_pinned() and block.numel() == 41 * 1024**2
+    assert pinned.pinned_bytes == 41 * 1024**2 and pinned.pinned_block(41 * 1024**2, CUDA) is None  # over the cap
+    moved = torch.empty_like(block, device=CUDA)
+    moved.copy_(block, non_blocking=True)
+    torch.cuda.synchronize(CUDA)
+    del block, moved
+    gc.collect()
+    assert pinned.pinned_bytes == 0
+
+
 @pytest.mark.gpu(proves="the free and total memory the engine plans with match the driver's figures")
 def test_memory_figures_come_from_the_driver():
     free, total = torch.cuda.mem_get_info(CUDA)
@@ -72,17 +89,15 @@ def test_streamed_layers_are_pinned_and_released():
 
 
 @pytest.mark.gpu(proves="a real CUDA out-of-memory during a move triggers the guard and the model keeps working")
-def test_real_out_of_memory_is_guarded():
+def test_real_out_of_memory_is_guarded(vram_blocker):
     net = torch.nn.Sequential(*(ops.Linear(4096, 4096) for _ in range(4)))
     total = partial_model_of(net).total_bytes()
-    free = torch.cuda.mem_get_info(CUDA)[0]
-    blocker = torch.empty(max(0, free - total // 2), dtype=torch.uint8, device=CUDA)  # leaves room for half
+    vram_blocker.leave(total // 2, CUDA)  # room for half
     try:
         report = partial_model_of(net).load(CUDA, total)
         assert report.oom is not None and report.resident_bytes < total
         assert net(torch.randn(1, 4096, device=CUDA)).device == CUDA
     finally:
-        del blocker
         partial_model_of(net).unload_all()
 
 
@@ -108,25 +123,53 @@ def test_two_gpus_hold_a_model_each_and_a_move_between_them_frees_the_first():
 
 
 @pytest.mark.gpu(
-    proves="prefetch queues the next layers' copies on the side stream; result and VRAM after sampling unchanged"
+    proves="the ring copies groups on the side stream into its slots, ahead of use; same result as on the host; only "
+    "the ring beside the resident layers while sampling, nothing after it ends; slabs page-locked"
 )
-def test_prefetch_on_a_real_gpu_gives_the_same_result_and_leaves_nothing_behind_when_sampling_ends():
+def test_the_ring_on_a_real_gpu_gives_the_same_result_and_leaves_nothing_behind_when_sampling_ends():
     torch.manual_seed(0)
     net = torch.nn.Sequential(*(ops.Linear(2048, 2048) for _ in range(8)))
+    x = torch.randn(4, 2048)
+    with torch.no_grad():
+        expected = net(x)
     engine = partial_model_of(net)
     layer = engine.layers()[0].nbytes
-    x = torch.randn(4, 2048, device=CUDA)
+    x = x.to(CUDA)
     base = torch.cuda.memory_allocated(CUDA)
-    engine.load(CUDA, (2 + 3) * layer)  # two layers resident, six streaming
-    first = net(x)  # learns the order: every copy made when its layer is reached
-    second = net(x)  # copies queued ahead on the side stream
+    engine.load(CUDA, (2 + 3) * layer)  # two layers resident, six streaming through the ring
+    assert engine.ring.host_bytes[0] > 0 and all(group.block.is_pinned() for group in engine.ring._groups)
+    with torch.no_grad():
+        first = net(x)
+        second = net(x)  # the next pass's first group was copied ahead at the end of the first
     torch.cuda.synchronize(CUDA)
-    assert engine.lookahead.stats.ahead > 0 and torch.equal(first, second)
+    assert engine.ring.stats.ahead > 0 and torch.equal(first, second)
+    torch.testing.assert_close(first.cpu(), expected, rtol=1e-3, atol=1e-3)  # TF32 / kernel order on the GPU
     del first, second
-    assert 0 < engine.lookahead.in_flight_bytes <= engine.lookahead.room  # the next step's first copies
+    assert torch.cuda.memory_allocated(CUDA) - base == engine.resident_bytes(CUDA) + engine.ring.ring_bytes
     settle(net)  # sampling ended
-    assert engine.lookahead.in_flight_bytes == 0
     assert torch.cuda.memory_allocated(CUDA) - base == engine.resident_bytes(CUDA)
+    engine.unload_all()
+    assert torch.cuda.memory_allocated(CUDA) == base
+
+
+@pytest.mark.gpu(proves="a weight rewritten in place after sampling settled reaches the GPU as it is now")
+def test_a_weight_written_in_place_between_runs_is_copied_as_it_is_now():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*(ops.Linear(1024, 1024) for _ in range(8)))
+    engine = partial_model_of(net)
+    engine.load(CUDA, 5 * engine.layers()[0].nbytes)
+    x = torch.randn(2, 1024, device=CUDA)
+    with torch.no_grad():
+        net(x)
+        net(x)
+        settle(net)  # what the patcher does before ComfyUI's hooks rewrite weights
+        for layer in net:
+            layer.weight.data.mul_(0.5)  # on the host for streamed layers, on the GPU for resident ones
+        got = net(x)
+        expected = x.cpu()
+        for layer in net:
+            expected = torch.nn.functional.linear(expected, layer.weight.cpu(), layer.bias.cpu())
+    torch.testing.assert_close(got.cpu(), expected, rtol=1e-3, atol=1e-3)
     engine.unload_all()
 
 
@@ -154,16 +197,12 @@ def test_weights_are_written_straight_into_vram(tmp_path):
 
 
 @pytest.mark.gpu(proves="a real out-of-memory during a fill is raised as torch's, and what was filled is given back")
-def test_a_fill_that_runs_out_of_vram_gives_back_what_it_filled(tmp_path):
+def test_a_fill_that_runs_out_of_vram_gives_back_what_it_filled(tmp_path, vram_blocker):
     header, tensors, net = _weights_file(tmp_path, 8, 4096)
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    free = torch.cuda.mem_get_info(CUDA)[0]
-    blocker = torch.empty(max(0, free - total // 2), dtype=torch.uint8, device=CUDA)  # room for about half
+    vram_blocker.leave(total // 2, CUDA)  # room for about half
     base = torch.cuda.memory_allocated(CUDA)
-    try:
-        with WeightReader(header) as reader, pytest.raises(torch.OutOfMemoryError):
-            materialize(net, {name: name for name in tensors}, reader, partial(backend_of(CUDA).empty, CUDA))
-        del net
-        assert torch.cuda.memory_allocated(CUDA) == base
-    finally:
-        del blocker
+    with WeightReader(header) as reader, pytest.raises(torch.OutOfMemoryError):
+        materialize(net, {name: name for name in tensors}, reader, partial(backend_of(CUDA).empty, CUDA))
+    del net
+    assert torch.cuda.memory_allocated(CUDA) == base

@@ -10,6 +10,8 @@ import torch
 
 from core.devices.simulated import SimulatedDevice
 from core.devices.slices import RowSlices, row_geometry
+from core.devices.transfer import GROUPED
+from core.placement.engine import partial_model_of
 from core.placement.plan import Layer
 from core.placement.streaming import NO_HOOKS, reset_flags, stream
 from core.weights import ops
@@ -126,3 +128,38 @@ def test_comfyuis_standard_layers_converted_and_streamed_in_slices_compute_as_co
     handle.undo()
     assert type(theirs) is cls and set(attributes) <= set(theirs.__dict__)
     assert set(theirs.__dict__) - set(attributes) <= {"weight_function", "bias_function"}  # emptied, as ComfyUI does
+
+
+@pytest.mark.parametrize("storage", STORAGE[:3], ids=str)
+@pytest.mark.parametrize("family", ["disable_weight_init", "manual_cast"])
+def test_comfyuis_standard_layers_converted_and_streamed_through_a_ring_compute_as_comfyui(comfy_ops, family, storage):
+    """How Move To GPU streams a model ComfyUI's own loader built: its standard layers (norms too) become cast
+    layers, packed in groups into a ring's slabs, and computing from the ring's slots they give, bit for bit, what
+    ComfyUI's own layers give streaming their way."""
+    comfy, standard = comfy_ops
+    kinds = getattr(comfy, family)
+    torch.manual_seed(3)
+    net = torch.nn.Sequential(
+        kinds.Conv2d(4, 8, 3, padding=1, dtype=storage),
+        kinds.GroupNorm(2, 8, dtype=storage),
+        kinds.Conv2d(8, 8, 1, dtype=storage),
+    )
+    head = torch.nn.Sequential(kinds.Linear(8, 16, dtype=storage), kinds.LayerNorm(16, dtype=storage))
+    with torch.no_grad():
+        for parameter in [*net.parameters(), *head.parameters()]:
+            parameter.copy_((torch.randn(parameter.shape) * 0.5).to(storage))
+    for layer in [*net, *head]:
+        layer.comfy_cast_weights = True  # as ComfyUI streams them
+    x = torch.randn(1, 4, 5, 5)
+    expected = head(net(x).mean(dim=(2, 3)))
+    assert all(type(layer) in standard for layer in [*net, *head])
+    model = torch.nn.ModuleDict({"net": net, "head": head})
+    ops.convert(model, accept=lambda cls: cls in standard)
+    device = SimulatedDevice(64 * 1024**2)
+    engine = partial_model_of(model)
+    engine.load(device, 0)  # everything streams
+    assert all(GROUPED in layer.__dict__ for layer in [*net, *head])  # the norms too: they join the groups
+    with torch.no_grad():
+        out = head(net(device.place(x)).mean(dim=(2, 3)))
+    assert torch.equal(device.release(out).clone(), expected), (family, storage)
+    engine.unload_all()

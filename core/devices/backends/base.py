@@ -200,6 +200,15 @@ class DeviceBackend:
     def synchronize(self, target: Target) -> None:
         """Wait on the host until everything queued on ``target`` is done."""
 
+    def wait_host(self, event: Any) -> None:
+        """Wait on the host until the work ``event`` marks is done (before the host writes to or frees memory a
+        copy may still read or write)."""
+
+    def copy_into(self, destination: torch.Tensor, source: torch.Tensor, *, non_blocking: bool) -> None:
+        """Copy ``source`` into ``destination`` (memory of this backend's device) on the current stream, one copy
+        for the whole range: how a group of streamed weights crosses (``core.placement.ring``)."""
+        destination.copy_(source, non_blocking=non_blocking)
+
     # -- pinned host memory ----------------------------------------------------------------------
 
     def pin(self, pointer: int, size: int) -> bool:
@@ -213,6 +222,11 @@ class DeviceBackend:
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         """Whether copies of ``tensor`` to this backend's devices can run without the host waiting."""
         return False
+
+    def pinned_buffer(self, nbytes: int) -> torch.Tensor | None:
+        """``nbytes`` of page-locked host memory (uint8) for copies to this backend's devices, allocated as one
+        block; ``None`` where the backend cannot (the caller then uses pageable memory, and copies block)."""
+        return None
 
 
 def _no_memory_figures(target: Target) -> Exception:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import weakref
 from typing import Any
 
 import torch
@@ -32,7 +34,45 @@ class CudaBackend(TorchModuleBackend):
         super().__init__("cuda", "rocm" if torch.version.hip else "cuda", cuda_capabilities)
 
     def pin(self, pointer: int, size: int) -> bool:
-        return torch.cuda.cudart().cudaHostRegister(pointer, size, _REGISTER_PORTABLE) == 0
+        cudart = torch.cuda.cudart()
+        if cudart.cudaHostRegister(pointer, size, _REGISTER_PORTABLE) == 0:
+            return True
+        # The failed call left its error as the runtime's last one, which the next kernel launch's check reports
+        # as its own (seen on an H100: "part or all of the requested memory range is already mapped" raised by a
+        # forward after a failed registration). Read it back, which clears it.
+        _clear_last_error(cudart)
+        return False
 
     def unpin(self, pointer: int) -> None:
         torch.cuda.cudart().cudaHostUnregister(pointer)
+
+    def pinned_buffer(self, nbytes: int) -> torch.Tensor | None:
+        # Pageable memory page-locked in place, not torch's pinned allocator: that one rounds every block up to a
+        # power of two (a 41 MB group would lock 64 MB). Unlocked when the block's tensor goes; a view that
+        # outlives it copies as pageable memory does, slower and still correct.
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        pointer = buffer.data_ptr()
+        if not self.pin(pointer, nbytes):
+            return None
+        weakref.finalize(buffer, self.unpin, pointer)
+        return buffer
+
+
+def _clear_last_error(cudart: Any) -> None:
+    """Clear the CUDA runtime's last error: through torch's binding where it has the call, else through the runtime
+    library this process loaded (found in its memory map, so it is the same instance torch uses)."""
+    clear = getattr(cudart, "cudaGetLastError", None)
+    if clear is None:
+        clear = _runtime_call("cudaGetLastError")
+    if clear is not None:
+        clear()
+
+
+def _runtime_call(name: str) -> Any | None:
+    """Function ``name`` of the CUDA runtime library loaded in this process, or ``None`` where none is found."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart" in line}
+        return next((getattr(ctypes.CDLL(path), name) for path in sorted(paths)), None)
+    except (OSError, AttributeError):
+        return None

@@ -10,6 +10,8 @@ host memory (booked; copies from it overlap the host's work), copies that take t
 from __future__ import annotations
 
 import contextlib
+import time
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -127,6 +129,16 @@ class SimulatedBackend(DeviceBackend):
     def synchronize(self, target: Target) -> None:
         target.link.synchronize()
 
+    def wait_host(self, event: Any) -> None:
+        left = event.ready_at - time.monotonic() if event is not None else 0.0
+        if left > 0:
+            time.sleep(left)
+
+    def copy_into(self, destination: torch.Tensor, source: torch.Tensor, *, non_blocking: bool) -> None:
+        destination.sim_device.copy_into(
+            destination, source, pinned=self.is_pinned(source), host_waits=not non_blocking
+        )
+
     # -- pinned host memory ----------------------------------------------------------------------
 
     def pin(self, pointer: int, size: int) -> bool:
@@ -138,6 +150,13 @@ class SimulatedBackend(DeviceBackend):
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         return tensor.untyped_storage().data_ptr() in self._pinned
+
+    def pinned_buffer(self, nbytes: int) -> torch.Tensor | None:
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        pointer = buffer.untyped_storage().data_ptr()
+        self._pinned.add(pointer)
+        weakref.finalize(buffer, self._pinned.discard, pointer)  # the owner keeps the block while it is used
+        return buffer
 
 
 def _own_storage(tensor: torch.Tensor) -> torch.Tensor:

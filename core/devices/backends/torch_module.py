@@ -132,5 +132,9 @@ class TorchModuleBackend(DeviceBackend):
     def synchronize(self, target: Target) -> None:
         self._torch_module().synchronize(target)
 
+    def wait_host(self, event: Any) -> None:
+        if event is not None:
+            event.synchronize()
+
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == "cpu" and tensor.is_pinned()

@@ -1,0 +1,128 @@
+"""Host slabs: the weights a ring carries, packed group by group into one block of host memory each.
+
+One block per group means one page-locking per group (not per tensor: small tensors share pages, and each
+registration is a driver call) and one copy per group to the device. Each weight becomes a view of its slab, so
+host memory is not doubled; its place (offset, dtype, shape) is the same in the slab and in a ring slot, so a
+layer's views of every slot are made once (``core.placement.ring``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..devices.backends import Target
+from ..devices.transfer import CASTS_ANYWHERE, pinned_memory
+
+#: Offsets inside a slab and a slot are aligned to this many bytes (vectorised kernels read aligned memory).
+ALIGN = 256
+
+
+@dataclass(frozen=True)
+class Part:
+    """One tensor of a group: where it lies in the group's slab (and in a slot), its dtype and shape."""
+
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: torch.Size
+
+    def view(self, block: torch.Tensor) -> torch.Tensor:
+        """This tensor's bytes in ``block`` (a slab or a slot), as a tensor of its dtype and shape."""
+        return block.narrow(0, self.offset, self.nbytes).view(self.dtype).view(self.shape)
+
+
+@dataclass(eq=False)
+class Slab:
+    """Layers that cross together: their block in host memory, its size, and whether it is page-locked."""
+
+    modules: list[torch.nn.Module]
+    block: torch.Tensor
+    nbytes: int
+    pinned: bool
+    #: Each tensor's parameter table, name and data pointer when packed: what a replaced weight changes.
+    places: list[tuple[dict, str, int]] = field(default_factory=list)
+
+    def note_places(self) -> None:
+        """Record where each of the slab's tensors is now (after packing, or after a replaced one came back)."""
+        self.places = [
+            (module._parameters, name, tensor.data_ptr())
+            for module in self.modules
+            for name, tensor in tensors_of(module)
+        ]
+
+
+def groupable(module: torch.nn.Module) -> bool:
+    """Whether ``module``, streamed whole, can be carried by a ring: its cast asks for its weight and bias through
+    ``core.weights.casting`` (the pack's cast layers), not through code of its own."""
+    return bool(getattr(type(module), CASTS_ANYWHERE, False))
+
+
+def tensors_of(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The tensors a ring carries for ``module``: its weight and bias (what its cast uses)."""
+    found = []
+    for name in ("weight", "bias"):
+        tensor = module._parameters.get(name)
+        if tensor is not None:
+            found.append((name, tensor))
+    return found
+
+
+def layer_bytes(module: torch.nn.Module) -> int:
+    return sum(aligned(tensor.numel() * tensor.element_size()) for _name, tensor in tensors_of(module))
+
+
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def key_of(modules: Sequence[torch.nn.Module]) -> tuple[int, ...]:
+    return tuple(id(module) for module in modules)
+
+
+def in_slab(module: torch.nn.Module, slab: torch.Tensor) -> bool:
+    """Whether ``module``'s tensors are views of ``slab`` now (they were not moved or replaced since)."""
+    return all(in_slab_tensor(tensor, slab) for _name, tensor in tensors_of(module))
+
+
+def in_slab_tensor(tensor: torch.Tensor, slab: torch.Tensor) -> bool:
+    return slab.data_ptr() <= tensor.data_ptr() < slab.data_ptr() + slab.numel()
+
+
+def parts_of(module: torch.nn.Module, slab: torch.Tensor) -> tuple[Part | None, Part | None]:
+    """Where ``module``'s weight and bias lie in ``slab``."""
+    parts: dict[str, Part] = {}
+    for name, tensor in tensors_of(module):
+        offset = tensor.data_ptr() - slab.data_ptr()
+        parts[name] = Part(offset, tensor.numel() * tensor.element_size(), tensor.dtype, tensor.shape)
+    return parts.get("weight"), parts.get("bias")
+
+
+def pack(modules: list[torch.nn.Module], target: Target) -> Slab:
+    """A new slab holding ``modules``' weights and biases (page-locked where the backend and the cap allow); each
+    tensor becomes a view of it, and its own memory is freed when nothing else holds it."""
+    size = sum(layer_bytes(module) for module in modules)
+    slab = pinned_memory().pinned_block(size, target)
+    pinned = slab is not None
+    if slab is None:
+        slab = torch.empty(size, dtype=torch.uint8)
+    offset = 0
+    for module in modules:
+        for _name, tensor in tensors_of(module):
+            nbytes = tensor.numel() * tensor.element_size()
+            part = Part(offset, nbytes, tensor.dtype, tensor.shape)
+            view = part.view(slab)
+            view.copy_(tensor.data)
+            tensor.data = view
+            offset += aligned(nbytes)
+    return Slab(list(modules), slab, size, pinned)
+
+
+def unpack(module: torch.nn.Module, slab: torch.Tensor) -> None:
+    """Give ``module``'s tensors that are views of ``slab`` host memory of their own again."""
+    start, end = slab.data_ptr(), slab.data_ptr() + slab.numel()
+    for _name, tensor in tensors_of(module):
+        if tensor.device.type == "cpu" and start <= tensor.data_ptr() < end:
+            tensor.data = tensor.data.clone()

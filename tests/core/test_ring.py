@@ -1,0 +1,202 @@
+"""The ring: a model's whole streamed layers cross in groups, one copy per group into a fixed ring of device
+buffers, in the order the model runs, and never at the cost of a wrong result.
+
+These run the product's engine and cast layers on a simulated GPU whose streams check both orders a real GPU
+needs: a read waits for the copy that filled its slot, and a copy waits for the reads of the slot's old contents
+(either missing raises).
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from core.devices.simlink import LinkCost
+from core.devices.transfer import GROUPED, LOOKAHEAD, to_target
+from core.placement import prefetch
+from core.placement.engine import partial_model_of
+from tests.core.order_net import LAYERS, on_host, streamed_net
+
+
+def test_whole_streamed_layers_go_through_the_ring_one_copy_per_group():
+    net, device, x = streamed_net()
+    ring = partial_model_of(net).ring
+    grouped = [layer for layer in net.layers if GROUPED in layer.__dict__]
+    assert len(grouped) == LAYERS - 2 and not any(LOOKAHEAD in layer.__dict__ for layer in net.layers)
+    assert ring.slots == 2 and ring.host_bytes[0] > 0  # page-locked slabs on a backend that can pin
+    first = net(device.place(x))
+    assert ring.stats.copies == len(ring._groups) and ring.stats.ahead == ring.stats.copies - 1
+    assert torch.equal(first.cpu(), on_host(net, x))
+
+
+def test_a_sampled_model_copies_the_next_steps_first_group_ahead_and_settling_frees_the_ring():
+    net, device, x = streamed_net()
+    engine = partial_model_of(net)
+    resident, groups = engine.resident_bytes(), len(engine.ring._groups)
+    with torch.no_grad():  # as a sampler runs it: no graph keeping activations alive
+        for _step in range(3):
+            out = net(device.place(x)).cpu()
+    gc.collect()
+    assert device.allocated() == resident + engine.ring.ring_bytes
+    # From the second pass on, the last group's layers copy the next pass's first (a sampler's next step): the
+    # last pass's too, for a step that does not come, which settling drops.
+    assert engine.ring.stats.copies == 3 * groups + 1 and engine.ring.stats.ahead == 3 * groups - 1
+    assert 0 < engine.ring.ring_bytes <= engine.plan.reserve_bytes
+    assert prefetch.settle(net) > 0 and device.allocated() == resident  # nothing streamed stays after sampling
+    assert torch.equal(out.cpu(), on_host(net, x))
+
+
+def test_a_model_run_once_per_use_copies_nothing_for_a_next_run():
+    net, device, x = streamed_net()
+    ring = partial_model_of(net).ring
+    ring.wraps = False  # a text encoder, a VAE
+    resident = partial_model_of(net).resident_bytes()
+    with torch.no_grad():
+        for _use in range(3):
+            out = net(device.place(x)).cpu()
+            gc.collect()
+            # Nothing settles such a model: its ring goes once its last group computed.
+            assert ring.ring_bytes == 0 and device.allocated() == resident
+    groups = len(ring._groups)
+    assert ring.stats.copies == 3 * groups and ring.stats.ahead == 3 * (groups - 1)  # no pass starts ahead
+    assert torch.equal(out.cpu(), on_host(net, x))
+
+
+@pytest.mark.parametrize("stored", [torch.float32, torch.float16], ids=["computes as stored", "cast to fp32"])
+def test_the_ring_and_a_cast_layer_stay_within_the_budget_plus_the_ring(stored):
+    net, device, x = streamed_net(resident_layers=0, stored=stored)
+    engine = partial_model_of(net)
+    device.reset_peak()
+    net(device.place(x))
+    # The reserve holds the ring's two slots and the computing layer as stored; a layer cast to a wider dtype
+    # may take its cast copy beyond it, within the budget plus the ring (the issue's bound).
+    peak = device.peak_allocated() - engine.resident_bytes() - x.numel() * 4 * 2
+    assert peak <= engine.plan.reserve_bytes + engine.ring.ring_bytes
+
+
+def test_a_changed_order_is_learned_and_stays_right():
+    net, device, x = streamed_net()
+    ring = partial_model_of(net).ring
+    net(device.place(x))
+    net.reverse = True
+    first = net(device.place(x))  # learns the new order
+    net(device.place(x))  # its last group still copied the old order's next ahead: learned now
+    copies = ring.stats.copies
+    second = net(device.place(x))
+    assert ring.stats.copies - copies == len(ring._groups)  # every group copied once a pass, in the new order
+    assert torch.equal(first.cpu(), on_host(net, x)) and torch.equal(second.cpu(), first.cpu())
+
+
+def test_a_weight_replaced_by_another_tensor_is_packed_before_its_next_copy():
+    net, device, x = streamed_net()
+    net(device.place(x))
+    layer = next(layer for layer in net.layers if GROUPED in layer.__dict__)
+    layer.weight.data = torch.full_like(layer.weight, 0.01)  # replaced, not written in place
+    prefetch.settle(net)
+    assert torch.equal(net(device.place(x)).cpu(), on_host(net, x))
+
+
+def test_a_weight_written_in_place_after_settling_is_copied_as_it_is_now():
+    net, device, x = streamed_net()
+    net(device.place(x))
+    prefetch.settle(net)  # what the patcher does before ComfyUI's hooks rewrite weights in place
+    for layer in net.layers:
+        if GROUPED in layer.__dict__:
+            layer.weight.data.mul_(0.5)
+    assert torch.equal(net(device.place(x)).cpu(), on_host(net, x))
+
+
+def test_a_patch_function_never_changes_the_slot_or_the_stored_weight():
+    net, device, x = streamed_net()
+    layer = next(layer for layer in net.layers if GROUPED in layer.__dict__)
+    stored = layer.weight.detach().clone()
+
+    def doubled(weight: torch.Tensor) -> torch.Tensor:
+        return weight.mul_(2)  # in place, on the private copy it is given
+
+    layer.weight_function = [doubled]
+    first = net(device.place(x))
+    second = net(device.place(x))
+    assert torch.equal(layer.weight.detach(), stored) and torch.equal(first.cpu(), second.cpu())
+
+
+def test_prefetch_off_keeps_one_slot_copied_when_reached(monkeypatch):
+    monkeypatch.setattr(prefetch, "_enabled", False)
+    net, device, x = streamed_net()
+    ring = partial_model_of(net).ring
+    out = net(device.place(x))
+    assert ring.slots == 1 and ring.stats.ahead == 0 and ring.stats.copies == len(ring._groups)
+    assert torch.equal(out.cpu(), on_host(net, x))
+
+
+def test_weights_made_in_inference_mode_stream_through_the_ring():
+    with torch.inference_mode():
+        net, device, x = streamed_net()
+        out = net(device.place(x))
+        again = net(device.place(x))
+    assert partial_model_of(net).ring.stats.copies > 0
+    assert torch.equal(out.cpu(), again.cpu()) and torch.equal(out.cpu(), on_host(net, x))
+
+
+def test_unloading_waits_for_the_copies_and_gives_each_weight_its_own_host_memory():
+    net, device, x = streamed_net()
+    engine = partial_model_of(net)
+    net(device.place(x))
+    engine.unload_all()
+    assert device.allocated() == 0 and not any(GROUPED in layer.__dict__ for layer in net.layers)
+    pointers = {layer.weight.untyped_storage().data_ptr() for layer in net.layers}
+    assert len(pointers) == LAYERS  # no weight is a view of a slab any more
+    assert torch.equal(net(x), on_host(net, x))
+
+
+def test_a_ring_without_room_for_both_slots_streams_with_one():
+    net, device, x = streamed_net()
+    engine = partial_model_of(net)
+    x = device.place(x)
+    # Another program took memory after the plan was made: room for one slot and the computing layer only.
+    blocker = device.place(torch.empty(device.free() - 3 * engine.ring.group_bytes // 2, dtype=torch.uint8))
+    out = net(x)
+    assert engine.ring.slots == 1 and engine.ring.ring_bytes > 0
+    assert torch.equal(out.cpu(), on_host(net, x.cpu()))
+    del blocker
+
+
+def test_grouped_copies_cost_the_host_less_than_one_copy_per_tensor():
+    """On a link that charges what a real GPU's host pays per copy, the ring's copies (one per group) cost less
+    host time than the per-tensor copies the layers make without it."""
+    link = LinkCost.parse("53GB/s,10us,issue=100us")
+    net, device, x = streamed_net(resident_layers=0, link=link)
+    engine = partial_model_of(net)
+    before = device.link.host_issue_seconds
+    net(device.place(x))
+    grouped = device.link.host_issue_seconds - before
+    before = device.link.host_issue_seconds
+    for layer in engine.streamed_layers():
+        for tensor in (layer.module.weight, layer.module.bias):
+            to_target(tensor, device)
+    per_tensor = device.link.host_issue_seconds - before
+    assert grouped < per_tensor
+
+
+def test_a_weight_given_another_dtype_leaves_the_ring_and_still_computes_right():
+    net, device, x = streamed_net()
+    net(device.place(x))
+    layer = next(layer for layer in net.layers if GROUPED in layer.__dict__)
+    layer.weight.data = layer.weight.data.to(torch.float64).to(torch.float32).half()  # another tensor, fp16
+    prefetch.settle(net)
+    out = net(device.place(x))
+    assert GROUPED not in layer.__dict__  # its layer copies its own tensors now
+    assert torch.equal(out.cpu(), on_host(net, x))
+
+
+def test_loading_again_with_the_same_groups_keeps_their_slabs():
+    """ComfyUI loads a model again at every sampler (Move To GPU's load, then the sampler's): the weights are
+    packed once, not at every load."""
+    net, device, x = streamed_net()
+    engine = partial_model_of(net)
+    blocks = [group.block for group in engine.ring._groups]
+    engine.load(device, engine.plan.budget)
+    assert all(a is b for a, b in zip((group.block for group in engine.ring._groups), blocks, strict=True))
+    assert torch.equal(net(device.place(x)).cpu(), on_host(net, x))
