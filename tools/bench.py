@@ -2,7 +2,7 @@
 
     python3 tools/bench.py                       # every section, 5 runs each
     python3 tools/bench.py --only ops --runs 7   # one section (loader, split_loaders, detection, ops,
-                                                 # patching, policy, panel, soak, streaming, slices), more runs
+                                                 # patching, policy, panel, soak, streaming, slices, host), more runs
     python3 tools/bench.py --out /tmp/bench      # write elsewhere
 
 Every measurement runs in a fresh process (``tools/bench_workers.py``, ``tools/bench_panel.py``,

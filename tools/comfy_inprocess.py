@@ -15,21 +15,24 @@ from types import ModuleType
 from tools.runtime import DEFAULT_VERSION, PACK_FOLDER, REPO, comfyui_dir, release_paths
 
 
-def import_comfy(version: str = DEFAULT_VERSION) -> ModuleType:
+def import_comfy(version: str = DEFAULT_VERSION, *, root: Path | None = None, cpu: bool = True) -> ModuleType:
     """Put ComfyUI ``version`` on ``sys.path`` in CPU mode and return ``comfy.model_management``.
+
+    ``root``: a ComfyUI tree unpacked elsewhere (a GPU machine that has no provisioned runtime), put on the path
+    alone. ``cpu=False`` lets ComfyUI use the machine's GPU, as its ``main.py`` does without ``--cpu``.
 
     Raises:
         RuntimeError: ComfyUI is not provisioned (run ``python3 tools/runtime.py`` first).
     """
-    root = comfyui_dir(version)
-    if not (root / "comfy").is_dir():
-        raise RuntimeError(f"ComfyUI {version} is not provisioned at {root}; run 'python3 tools/runtime.py' first.")
-    for path in (root, *reversed(release_paths(version))):  # its own pins end up first, as on its server
+    paths = [root] if root is not None else [comfyui_dir(version), *reversed(release_paths(version))]
+    if not (paths[0] / "comfy").is_dir():
+        raise RuntimeError(f"ComfyUI {version} is not provisioned at {paths[0]}; run 'python3 tools/runtime.py' first.")
+    for path in paths:  # its own pins end up first, as on its server
         if str(path) not in sys.path:
             sys.path.insert(0, str(path))
     cli_args = importlib.import_module("comfy.cli_args")
     # Without a GPU ComfyUI must run with --cpu, or model_management fails at import.
-    cli_args.args.cpu = True
+    cli_args.args.cpu = cpu
     return importlib.import_module("comfy.model_management")
 
 
