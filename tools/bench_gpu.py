@@ -22,9 +22,10 @@ seed on:
 Per run: the ms per step over the ``--timed`` steps after ``--warm-up`` steps (the host waits for the device when
 the warm-up ends and when the last step ends, not between: steps run as in a real run), the model's bytes resident
 on the GPU (the pack's VRAM Report, which reads where every weight is; ComfyUI's own and ours alike), the bytes that
-must cross per step (the model's bytes less the resident ones), the link floor ``max(compute, streamed bytes /
-pinned host-to-device bandwidth)`` (compute: the fastest fully resident step; bandwidth: a 1 GiB pinned copy,
-measured first) and the step over it, the peak allocated during the run, and the largest difference of the decoded
+must cross per pass (the model's bytes less the resident ones), the passes the sampler made a step (two where it
+runs a batch's halves apart), the link floor ``max(compute, passes x streamed bytes / pinned host-to-device
+bandwidth)`` (compute: the fastest fully resident step; bandwidth: a 1 GiB pinned copy, measured first) and the
+step over it, the peak allocated during the run, and the largest difference of the decoded
 image (0-255) from ComfyUI's own fully resident run (decoded after all runs, with the whole card free). A run that
 fails is logged with its traceback and recorded; the others still run. ``--time-limit`` stops starting runs after
 that many seconds, so the output always comes back.

@@ -35,6 +35,7 @@ import torch
 
 from ..devices.backends import Target, backend_of, label_of, same_target, target_of
 from ..devices.memory import is_out_of_memory
+from ..devices.tensors import HOST, count_copy
 from ..devices.transfer import GROUPED
 from .prefetch import prefetching
 from .slabs import (
@@ -258,6 +259,7 @@ class Ring:
                 event = backend.record(side)
         self._holding[slot], self._filled[slot], self._waited[slot] = group, event, event is None
         self._slot_of[group] = slot
+        count_copy(HOST, self.target, source.nbytes)  # the device's traffic books (memory profile, benchmarks)
         self.stats.copies += 1
         self.stats.ahead += ahead
         self.stats.nbytes += source.nbytes

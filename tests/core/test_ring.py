@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from core.devices.simlink import LinkCost
+from core.devices.tensors import traffic
 from core.devices.transfer import GROUPED, LOOKAHEAD, to_target
 from core.placement import prefetch
 from core.placement.engine import partial_model_of
@@ -200,3 +201,12 @@ def test_loading_again_with_the_same_groups_keeps_their_slabs():
     engine.load(device, engine.plan.budget)
     assert all(a is b for a, b in zip((group.block for group in engine.ring._groups), blocks, strict=True))
     assert torch.equal(net(device.place(x)).cpu(), on_host(net, x))
+
+
+def test_the_ring_s_copies_are_booked_in_the_device_s_traffic():
+    """The memory profile's "streamed" bytes and the benchmarks read the device's traffic books."""
+    net, device, x = streamed_net()
+    ring = partial_model_of(net).ring
+    before, copied = traffic(device).to_device, ring.stats.nbytes
+    net(device.place(x))
+    assert traffic(device).to_device - before >= ring.stats.nbytes - copied > 0
