@@ -203,31 +203,43 @@ class PinnedMemory:
         self.max_bytes = max_bytes
         self.pinned: dict[int, tuple[int, Target]] = {}  # data pointer -> (bytes, the device it was pinned for)
         self.failed: set[str] = set()  # labels of devices whose pinning failed since the last retry
-        self.block_bytes = 0  # bytes of the live blocks allocated page-locked
+        self.blocks: dict[int, tuple[int, Target, weakref.finalize]] = {}  # blocks locked: see :meth:`lock`
 
     @property
     def pinned_bytes(self) -> int:
-        """Bytes pinned now: tensors pinned in place, and blocks allocated page-locked (:meth:`pinned_block`)."""
-        return sum(size for size, _target in self.pinned.values()) + self.block_bytes
+        """Bytes pinned now: tensors pinned in place, and blocks locked (:meth:`lock`)."""
+        return sum(size for size, _target in self.pinned.values()) + sum(size for size, *_rest in self.blocks.values())
 
-    def pinned_block(self, nbytes: int, target: Target) -> torch.Tensor | None:
-        """``nbytes`` of page-locked host memory (uint8, one block) for copies to ``target``, counted against the
-        cap until the block is freed; ``None`` when the backend cannot, the cap is reached, or the allocation
-        failed (then the caller uses pageable memory: copies stay correct, and block)."""
+    def lock(self, block: torch.Tensor, target: Target) -> bool:
+        """Page-lock ``block`` (one host tensor, a ring's slab) in place for copies to ``target``, at its exact size,
+        counted against the cap until :meth:`unlock` or until the block's tensor is freed; ``False`` where the
+        backend cannot, the cap is reached, or locking failed (the block stays pageable: copies stay correct, and
+        block the host)."""
         label, backend = label_of(target), backend_of(target)
+        pointer, nbytes = block.data_ptr(), block.numel() * block.element_size()
+        if pointer in self.blocks:
+            return True
         if not backend.can_pin or label in self.failed or self.pinned_bytes + nbytes > self.max_bytes:
-            return None
-        block = backend.pinned_buffer(nbytes)
-        if block is None:
+            return False
+        if not backend.pin(pointer, nbytes):
             self.failed.add(label)
-            log.info("[Device Control] page-locked host memory could not be had; copies to %s will block", label)
-            return None
-        self.block_bytes += nbytes
-        weakref.finalize(block, self._freed, nbytes)
-        return block
+            log.info("[Device Control] host memory could not be page-locked; copies to %s will block", label)
+            return False
+        # Unlocked when the tensor goes; a view that outlives it then copies as pageable memory: slower, correct.
+        self.blocks[pointer] = (nbytes, target, weakref.finalize(block, self._release, pointer))
+        return True
 
-    def _freed(self, nbytes: int) -> None:
-        self.block_bytes -= nbytes
+    def unlock(self, block: torch.Tensor) -> None:
+        """Undo :meth:`lock`: the block stays, as pageable memory (its weights keep living in it)."""
+        entry = self.blocks.get(block.data_ptr())
+        if entry is not None:
+            entry[2].detach()
+            self._release(block.data_ptr())
+
+    def _release(self, pointer: int) -> None:
+        entry = self.blocks.pop(pointer, None)
+        if entry is not None:
+            backend_of(entry[1]).unpin(pointer)
 
     def retry(self) -> None:
         """Try pinning again on devices where it failed (once per load: a failure under memory pressure, or for

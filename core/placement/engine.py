@@ -217,7 +217,7 @@ class PartialModel:
         target = self.target
         freed = 0
         self.lookahead.detach()
-        self.ring.detach()  # copies in flight waited for; each weight its own host memory again
+        self.ring.detach()  # copies in flight waited for; slabs unlocked, kept as the weights' home
         for layer in self.layers():
             if target is not None and layer.is_resident(target):
                 hooks.before_leaving(layer)  # patched weights are restored, on the host too
@@ -232,7 +232,7 @@ class PartialModel:
         """Another loader moved the tree since (ComfyUI's own, through a clone): stop streaming through the ring
         and the prefetch, giving their device memory back; every weight stays where that loader put it."""
         self.lookahead.detach()
-        self.ring.detach(unpack_slabs=False)
+        self.ring.detach()
 
     # -- internals ---------------------------------------------------------------------------------
 
@@ -253,7 +253,7 @@ class PartialModel:
     def _apply(self, plan: Plan, target: Target, hooks: LayerHooks, progress: ProgressCallback | None) -> None:
         self.plan = None  # until the plan is in place, the tree is in between
         self.lookahead.detach()
-        self.ring.detach(unpack_slabs=False)  # slabs kept for groups that stay the same
+        self.ring.detach(unlock=False)  # slabs kept, locked, for groups that stay the same
         leave(self.layers(), self.target, target, hooks)
         self.target = target
         try:

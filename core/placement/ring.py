@@ -49,7 +49,6 @@ from .slabs import (
     pack,
     parts_of,
     tensors_of,
-    unpack,
 )
 
 log = logging.getLogger("device_control")
@@ -119,7 +118,7 @@ class Ring:
     def attach(self, modules: Sequence[torch.nn.Module], target: Target, reserve: int) -> None:
         """Stream ``modules`` (whole streamed layers in host memory, in the model's order) to ``target`` through a
         ring that fits in ``reserve`` bytes (the plan's streaming reserve)."""
-        self.detach(unpack_slabs=False)
+        self.detach(unlock=False)
         if not modules:
             return
         sizes = [layer_bytes(module) for module in modules]
@@ -138,20 +137,18 @@ class Ring:
             self._groups.append(self._slab_for(group, number, kept, target))
         self._next = [*range(1, len(groups)), None]
 
-    def detach(self, *, unpack_slabs: bool = True) -> None:
-        """Stop streaming through the ring (layers move, or the model is unloaded): the copies in flight are
-        waited for and the ring freed. ``unpack_slabs``: each weight gets host memory of its own again, so the slabs
-        (page-locked) are freed; otherwise they are kept for a next plan with the same groups."""
+    def detach(self, *, unlock: bool = True) -> None:
+        """Stop streaming through the ring (layers move, the model is unloaded, or another loader took it): the
+        copies in flight are waited for and the ring freed. The slabs stay their weights' home and are kept for a
+        next plan with the same groups; ``unlock``: they are unlocked too (the model leaves the device; a re-plan
+        keeps them locked)."""
         self.settle()
         for module, _member in self._members:
             module.__dict__.pop(GROUPED, None)
-        if unpack_slabs:
-            for group in self._groups:
-                for module in group.modules:
-                    unpack(module, group.block)
-            self._kept = {}
-        else:  # added to (not replacing) what a detach just before kept: attach detaches first too
-            self._kept.update((key_of(group.modules), group) for group in self._groups)
+        for group in self._groups:
+            if unlock:
+                group.unlock()
+            self._kept[key_of(group.modules)] = group  # added to: attach detaches first too
         self._members, self._groups, self._next = [], [], []
         self.target = None
 
@@ -332,6 +329,8 @@ class Ring:
         group = kept.get(key_of(modules))
         if group is None or not all(in_slab(module, group.block) for module in modules):
             group = pack(modules, target)
+        else:
+            group.lock(target)
         group.note_places()
         for module in modules:
             member = Member(self, number, *parts_of(module, group.block))

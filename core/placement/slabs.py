@@ -3,7 +3,10 @@
 One block per group means one page-locking per group (not per tensor: small tensors share pages, and each
 registration is a driver call) and one copy per group to the device. Each weight becomes a view of its slab, so
 host memory is not doubled; its place (offset, dtype, shape) is the same in the slab and in a ring slot, so a
-layer's views of every slot are made once (``core.placement.ring``).
+layer's views of every slot are made once (``core.placement.ring``). A slab stays its weights' home when their model
+leaves the device (unlocked, so no memory stays page-locked for an offloaded model) and is locked again when the
+next plan streams the same group: packing copies the weights once, not at every load and offload, which a long run
+of loads and offloads would otherwise pay in RAM the allocator keeps.
 """
 
 from __future__ import annotations
@@ -44,6 +47,17 @@ class Slab:
     pinned: bool
     #: Each tensor's parameter table, name and data pointer when packed: what a replaced weight changes.
     places: list[tuple[dict, str, int]] = field(default_factory=list)
+
+    def lock(self, target: Target) -> None:
+        """Page-lock the block again (it was unlocked when its model left the device), where the cap allows."""
+        if not self.pinned:
+            self.pinned = pinned_memory().lock(self.block, target)
+
+    def unlock(self) -> None:
+        """Unlock the block; its weights keep living in it, as pageable memory (no copy, nothing freed)."""
+        if self.pinned:
+            pinned_memory().unlock(self.block)
+            self.pinned = False
 
     def note_places(self) -> None:
         """Record where each of the slab's tensors is now (after packing, or after a replaced one came back)."""
@@ -104,10 +118,8 @@ def pack(modules: list[torch.nn.Module], target: Target) -> Slab:
     """A new slab holding ``modules``' weights and biases (page-locked where the backend and the cap allow); each
     tensor becomes a view of it, and its own memory is freed when nothing else holds it."""
     size = sum(layer_bytes(module) for module in modules)
-    slab = pinned_memory().pinned_block(size, target)
-    pinned = slab is not None
-    if slab is None:
-        slab = torch.empty(size, dtype=torch.uint8)
+    slab = torch.empty(size, dtype=torch.uint8)
+    pinned = pinned_memory().lock(slab, target)
     offset = 0
     for module in modules:
         for _name, tensor in tensors_of(module):
@@ -118,11 +130,3 @@ def pack(modules: list[torch.nn.Module], target: Target) -> Slab:
             tensor.data = view
             offset += aligned(nbytes)
     return Slab(list(modules), slab, size, pinned)
-
-
-def unpack(module: torch.nn.Module, slab: torch.Tensor) -> None:
-    """Give ``module``'s tensors that are views of ``slab`` host memory of their own again."""
-    start, end = slab.data_ptr(), slab.data_ptr() + slab.numel()
-    for _name, tensor in tensors_of(module):
-        if tensor.device.type == "cpu" and start <= tensor.data_ptr() < end:
-            tensor.data = tensor.data.clone()

@@ -51,15 +51,18 @@ def test_pinning_respects_its_cap():
     pinned.unpin(small)
 
 
-@pytest.mark.gpu(proves="a slab is page-locked in place at its own size, counted, and unlocked when freed")
-def test_pinned_blocks_are_locked_at_their_size_and_counted_until_freed():
+@pytest.mark.gpu(proves="a slab is page-locked in place at its own size, counted, unlocked on demand or when freed")
+def test_slabs_are_locked_at_their_size_and_counted_until_unlocked_or_freed():
     pinned = PinnedMemory(max_bytes=64 * 1024**2)
-    block = pinned.pinned_block(41 * 1024**2, CUDA)  # not a power of two: nothing rounded up
-    assert block is not None and block.is_pinned() and block.numel() == 41 * 1024**2
-    assert pinned.pinned_bytes == 41 * 1024**2 and pinned.pinned_block(41 * 1024**2, CUDA) is None  # over the cap
+    block = torch.empty(41 * 1024**2, dtype=torch.uint8)  # not a power of two: nothing rounded up
+    assert pinned.lock(block, CUDA) and block.is_pinned() and pinned.pinned_bytes == 41 * 1024**2
+    assert not pinned.lock(torch.empty(41 * 1024**2, dtype=torch.uint8), CUDA)  # over the cap
     moved = torch.empty_like(block, device=CUDA)
     moved.copy_(block, non_blocking=True)
     torch.cuda.synchronize(CUDA)
+    pinned.unlock(block)
+    assert not block.is_pinned() and pinned.pinned_bytes == 0
+    assert pinned.lock(block, CUDA)  # again: a model placed again
     del block, moved
     gc.collect()
     assert pinned.pinned_bytes == 0

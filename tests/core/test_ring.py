@@ -15,7 +15,7 @@ import torch
 
 from core.devices.simlink import LinkCost
 from core.devices.tensors import traffic
-from core.devices.transfer import GROUPED, LOOKAHEAD, to_target
+from core.devices.transfer import GROUPED, LOOKAHEAD, pinned_memory, to_target
 from core.placement import prefetch
 from core.placement.engine import partial_model_of
 from tests.core.order_net import LAYERS, on_host, streamed_net
@@ -141,15 +141,23 @@ def test_weights_made_in_inference_mode_stream_through_the_ring():
     assert torch.equal(out.cpu(), again.cpu()) and torch.equal(out.cpu(), on_host(net, x))
 
 
-def test_unloading_waits_for_the_copies_and_gives_each_weight_its_own_host_memory():
+def test_unloading_frees_the_ring_and_unlocks_the_slabs_which_stay_the_weights_home():
+    """Offload To CPU: nothing on the device, nothing page-locked, no weight copied (copying at every offload and
+    load is RAM a long run's allocator keeps); the next load locks the same slabs again."""
     net, device, x = streamed_net()
     engine = partial_model_of(net)
+    budget = engine.plan.budget
     net(device.place(x))
+    blocks = [group.block for group in engine.ring._groups]
+    assert pinned_memory().pinned_bytes >= sum(block.numel() for block in blocks) > 0
     engine.unload_all()
     assert device.allocated() == 0 and not any(GROUPED in layer.__dict__ for layer in net.layers)
-    pointers = {layer.weight.untyped_storage().data_ptr() for layer in net.layers}
-    assert len(pointers) == LAYERS  # no weight is a view of a slab any more
+    assert not any(pinned_memory().blocks.get(block.data_ptr()) for block in blocks)  # unlocked
     assert torch.equal(net(x), on_host(net, x))
+    engine.load(device, budget)
+    assert all(a is b for a, b in zip((group.block for group in engine.ring._groups), blocks, strict=True))
+    assert all(group.pinned for group in engine.ring._groups)
+    assert torch.equal(net(device.place(x)).cpu(), on_host(net, x))
 
 
 def test_a_ring_without_room_for_both_slots_streams_with_one():
@@ -210,3 +218,19 @@ def test_the_ring_s_copies_are_booked_in_the_device_s_traffic():
     before, copied = traffic(device).to_device, ring.stats.nbytes
     net(device.place(x))
     assert traffic(device).to_device - before >= ring.stats.nbytes - copied > 0
+
+
+def test_releasing_the_streaming_frees_the_ring_and_leaves_every_weight_where_it_is():
+    """What Device Control does when it finds another loader took a model it placed (ComfyUI's own, through a
+    clone): the ring's slots are not that loader's to keep, and nothing is moved back."""
+    net, device, x = streamed_net()
+    engine = partial_model_of(net)
+    with torch.no_grad():
+        net(device.place(x))
+    resident = engine.resident_bytes()
+    weights = [layer.weight.data_ptr() for layer in net.layers]
+    engine.release_streaming()
+    gc.collect()
+    assert engine.ring.ring_bytes == 0 and device.allocated() == resident
+    assert not any(GROUPED in layer.__dict__ for layer in net.layers)
+    assert [layer.weight.data_ptr() for layer in net.layers] == weights

@@ -223,11 +223,6 @@ class DeviceBackend:
         """Whether copies of ``tensor`` to this backend's devices can run without the host waiting."""
         return False
 
-    def pinned_buffer(self, nbytes: int) -> torch.Tensor | None:
-        """``nbytes`` of page-locked host memory (uint8) for copies to this backend's devices, allocated as one
-        block; ``None`` where the backend cannot (the caller then uses pageable memory, and copies block)."""
-        return None
-
 
 def _no_memory_figures(target: Target) -> Exception:
     from ...errors import DeviceControlError

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import weakref
 from typing import Any
 
 import torch
@@ -45,17 +44,6 @@ class CudaBackend(TorchModuleBackend):
 
     def unpin(self, pointer: int) -> None:
         torch.cuda.cudart().cudaHostUnregister(pointer)
-
-    def pinned_buffer(self, nbytes: int) -> torch.Tensor | None:
-        # Pageable memory page-locked in place, not torch's pinned allocator: that one rounds every block up to a
-        # power of two (a 41 MB group would lock 64 MB). Unlocked when the block's tensor goes; a view that
-        # outlives it copies as pageable memory does, slower and still correct.
-        buffer = torch.empty(nbytes, dtype=torch.uint8)
-        pointer = buffer.data_ptr()
-        if not self.pin(pointer, nbytes):
-            return None
-        weakref.finalize(buffer, self.unpin, pointer)
-        return buffer
 
 
 def _clear_last_error(cudart: Any) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -150,13 +149,6 @@ class SimulatedBackend(DeviceBackend):
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         return tensor.untyped_storage().data_ptr() in self._pinned
-
-    def pinned_buffer(self, nbytes: int) -> torch.Tensor | None:
-        buffer = torch.empty(nbytes, dtype=torch.uint8)
-        pointer = buffer.untyped_storage().data_ptr()
-        self._pinned.add(pointer)
-        weakref.finalize(buffer, self._pinned.discard, pointer)  # the owner keeps the block while it is used
-        return buffer
 
 
 def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
