@@ -57,6 +57,12 @@ def _gpu_allocated(report: dict[str, Any]) -> int:
     return next(d for d in report["devices"] if d["id"] == "gpu:0")["torch_allocated"]
 
 
+#: Cycles before the baseline. ComfyUI's caches settle in two; with the ring, whose slabs (tens of MB each) are made
+#: and freed as the two checkpoint names are loaded in turn, the allocator's heap settles in four (a fresh-clone
+#: run's RSS, MB: 5127, 5472, 5527, 5596, then 5598 for six cycles: docs/bench/raw/soak_slab_copies_2026-11-26.txt).
+WARMUP_CYCLES = 4
+
+
 @dataclass
 class SoakResult:
     """RSS and simulated-GPU books, per cycle, after the model was offloaded and the image decoded."""
@@ -65,11 +71,11 @@ class SoakResult:
     gpu_after_offload: list[int] = field(default_factory=list)
     gpu_before: list[int] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
-    warmup: int = 2
+    warmup: int = WARMUP_CYCLES
 
     @property
     def baseline_rss(self) -> int:
-        """RSS at the end of the last warm-up cycle (ComfyUI's own caches have settled by then)."""
+        """RSS at the end of the last warm-up cycle (ComfyUI's caches and the allocator's heap have settled by then)."""
         return self.rss[self.warmup - 1]
 
     @property
@@ -97,7 +103,7 @@ def soak(
     """Run ``cycles`` load -> move (``budget``) -> sample -> offload -> decode prompts; see :class:`SoakResult`."""
     prompt = example_prompt(server)
     prompt[MOVE]["inputs"]["vram_budget"] = budget
-    result = SoakResult(warmup=min(2, cycles))
+    result = SoakResult(warmup=min(WARMUP_CYCLES, cycles))
     for cycle in range(cycles):
         prompt[LOADER]["inputs"]["ckpt_name"] = SECOND_NAME if cycle % 2 else SD15_CHECKPOINT
         started = time.perf_counter()
