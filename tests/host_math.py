@@ -1,11 +1,11 @@
 """Whether this machine's matrix library computes a linear layer's rows alike whole and cut into row slices.
 
-Bit-exact streaming in row slices rests on it (README, "How partial loading works"): a slice's output elements
-must come out as the whole layer's do. Libraries choose their kernels by shape, and some choose, for a narrower
-output, one that sums in another order: Intel's MKL on an AVX-512 Xeon computes 16 tokens by 2048 inputs into
-512 outputs otherwise than into 128-row slices of them (the last bit of some elements), where on an AMD EPYC it
-does not. On such a machine a sliced model cannot give ComfyUI's result bit for bit, and the tests that compare
-a sliced model with ComfyUI's whole one compare within float32 rounding instead, saying why.
+Bit-exact streaming in row slices rests on it (docs/how-it-works.md, "How partial loading works"): a slice's output
+elements must come out as the whole layer's do. Libraries choose their kernels by shape, and some choose, for a
+narrower output, one that sums in another order: Intel's MKL on an AVX-512 Xeon computes 16 tokens by 2048 inputs
+into 512 outputs otherwise than into 128-row slices of them (the last bit of some elements), where on an AMD EPYC it
+does not. On such a machine a sliced model cannot give ComfyUI's result bit for bit, and the tests that compare a
+sliced model with ComfyUI's whole one compare within float32 rounding instead, saying why.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ Every measurement runs in a fresh process (``tools/bench_workers.py``, ``tools/b
 the median of the runs with their minimum and maximum: ``4.0 s (3.8-4.4)``. A figure that is itself measured
 over thousands of samples in one long run (the 10,000-request load, the 200-cycle soak) comes from one run,
 and says so. Each section writes ``<section>.md`` (its table, the machine, its load) and ``raw/<section>.json``
-(every run's output) under the output folder; README's figures are those tables.
+(every run's output) under the output folder; the figures README and docs/ quote are those tables
+(index: docs/bench/README.md).
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ class Policy(str, Enum):
 
 
 #: Largest-first streams the fewest bytes per streamed layer and needs the smallest casting room (see
-#: ``tools/bench.py --only policy`` and README for the measurements behind this choice).
+#: ``tools/bench.py --only policy`` and docs/bench/policy.md for the measurements behind this choice).
 DEFAULT_POLICY = Policy.LARGEST_FIRST
 
 
