@@ -1,0 +1,96 @@
+"""Nodes 2.0 (the frontend's Vue nodes, ``Comfy.VueNodes.Enabled``; the default of new desktop and cloud installs
+since frontend 1.41): on the newest frontend served, with it switched on, the memory profile's badges are drawn over
+the nodes that ran (the heaviest marked), our nodes show their reports in their own DOM node, and the panel works."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.browser.profile_checks import assert_badges_show_the_profile, assert_run_chart_is_readable, drawn_badges
+from tests.browser.test_panel import GPU_ROW, PANEL, UNET_BYTES, open_panel, run_workflow
+from tests.passes import ONCE
+from tools.runtime import NEWEST_FRONTEND
+
+REPO = Path(__file__).resolve().parents[2]
+PLACED = REPO / "workflows" / "sd15_unet_on_gpu_text_encoder_on_cpu.json"
+VUE_NODES_SETTING = "Comfy.VueNodes.Enabled"
+
+# Nodes 2.0 exists on newer frontends only; the newest one served is the same in every pass, so it runs once.
+pytestmark = [pytest.mark.parametrize("frontend_version", [NEWEST_FRONTEND], indirect=True, scope="module"), ONCE]
+
+
+def _report_in_vue_node(page: Any, node_id: str) -> str | None:
+    """The report text shown inside the Vue node ``node_id`` (its DOM element), as a user would read it."""
+    return page.evaluate(
+        """(id) => {
+            const el = document.querySelector(`[data-node-id="${id}"]`);
+            const area = el?.querySelector("textarea.device-control-report");
+            return area && area.offsetParent !== null ? area.value : null;
+        }""",
+        node_id,
+    )
+
+
+def _on_top(page: Any, badge: dict) -> bool:
+    """Whether the middle of ``badge`` (graph coordinates) is on screen with the canvas on top there: Vue nodes are
+    DOM elements over the canvas, so a badge under one of them is not seen."""
+    return page.evaluate(
+        """(b) => {
+            const canvas = window.app.canvas;
+            const [x, y] = canvas.ds.convertOffsetToCanvas([b.x + b.width / 2, b.y + b.height / 2]);
+            const r = canvas.canvas.getBoundingClientRect();
+            return document.elementFromPoint(r.x + x, r.y + y) === canvas.canvas;
+        }""",
+        badge,
+    )
+
+
+def test_profile_badges_node_texts_and_panel_with_nodes_2(frontend, artifacts):
+    frontend.server.post(f"/settings/{VUE_NODES_SETTING}", True)
+    page = open_panel(frontend)
+    assert page.evaluate("(id) => window.app.extensionManager.setting.get(id)", VUE_NODES_SETTING) is True
+    assert "Simulated GPU 0" in page.locator(GPU_ROW).inner_text()
+
+    run_workflow(frontend, PLACED)
+    ours = page.evaluate(
+        """() => window.app.graph.nodes.filter((n) => n.type.startsWith("DeviceControl_")).map((n) => String(n.id))"""
+    )
+    assert sorted(ours) == ["1", "2", "7", "9"]
+    for node_id in ours:  # each a Vue node: a DOM element of its own, not drawn on the canvas
+        page.wait_for_selector(f'[data-node-id="{node_id}"]', timeout=30_000)
+    texts = {node_id: _report_in_vue_node(page, node_id) for node_id in ours}
+    assert texts["1"] and texts["1"].startswith("Stable Diffusion 1.5 (SD15, EPS)"), texts
+    assert all(texts[i] and texts[i].startswith("VRAM Report - ") for i in ("2", "7", "9")), texts
+    assert "MODEL SD15 diffusion model (BaseModel), 3.20 GiB: 3.20 GiB on gpu:0" in texts["9"]
+
+    page.wait_for_function("window.__dcProfile", timeout=30_000)
+    profile = frontend.server.get("/device_control/profile")
+    assert_run_chart_is_readable(page, PANEL, profile)
+    assert_badges_show_the_profile(page, profile)
+    badges = drawn_badges(page, 0.85, (35, 110))
+    heaviest = badges[profile["heaviest"]["node"]]
+    assert heaviest["text"].startswith("▲") and _on_top(page, heaviest), heaviest
+    page.screenshot(path=str(artifacts / "profile_badges_nodes2.png"))
+    _offload_the_unet(page)
+    assert frontend.our_errors() == []
+
+
+def _offload_the_unet(page: Any) -> None:
+    """The panel's Offload button on the UNet's row, confirmed: the model leaves gpu:0 and the GPU row says so."""
+    unet = page.locator(f"{PANEL} .dc-model", has_text="MODEL SD15 diffusion model")
+    assert int(unet.get_attribute("data-resident")) >= UNET_BYTES * 0.95
+    own_before = int(page.locator(GPU_ROW).get_attribute("data-own"))
+    unet.locator(".dc-offload").click()
+    page.get_by_role("button", name="Confirm").click()
+    page.wait_for_function(
+        "([row, most]) => Number(document.querySelector(row).dataset.own) <= most",
+        arg=[GPU_ROW, own_before - UNET_BYTES * 0.95],
+        timeout=30_000,
+    )
+    resident = page.locator(f"{PANEL} .dc-model").evaluate_all(
+        "(rows) => rows.map((r) => [r.textContent, r.dataset.resident])"
+    )
+    assert not [name for name, size in resident if name.startswith("MODEL") and int(size) > 0], resident
