@@ -4,9 +4,10 @@
 // and, when the page opens, by GET /device_control/profile. Documented extension APIs only.
 import { api } from "../../scripts/api.js";
 import { app } from "../../scripts/app.js";
-import { drawBadge, drawn, nodeBadges } from "./panel/badges.js";
+import { badgeFill, drawBadge, drawn, nodeBadges } from "./panel/badges.js";
 import { profileExports } from "./panel/exports.js";
 import { RunView } from "./panel/run_view.js";
+import { showDomBadges, vueNodesOn } from "./panel/vue_badges.js";
 
 const BADGES_SETTING = "DeviceControl.Profile.Badges";
 const PUSH_EVENT = "device_control.profile";
@@ -94,16 +95,21 @@ async function loadLatest() {
 /** Draw the badges of the nodes in view, after every node and link, so none is hidden under another node (the
  * canvas's foreground hook, in graph coordinates). A node whose id now holds another class gets none. */
 function drawNodeBadges(ctx, canvas) {
-  if (!state.badges.size || !badgesShown()) return;
-  const titleHeight = globalThis.LiteGraph?.NODE_TITLE_HEIGHT ?? 30;
-  for (const node of canvas.visible_nodes ?? []) {
-    const badge = state.badges.get(String(node.id));
-    if (!badge || (badge.classType && badge.classType !== (node.comfyClass ?? node.type))) continue;
-    ctx.save();
-    ctx.translate(node.pos[0], node.pos[1]);
-    drawBadge(ctx, node, badge, titleHeight);
-    ctx.restore();
+  const onTop = [];
+  if (state.badges.size && badgesShown()) {
+    const titleHeight = globalThis.LiteGraph?.NODE_TITLE_HEIGHT ?? 30;
+    for (const node of canvas.visible_nodes ?? []) {
+      const badge = state.badges.get(String(node.id));
+      if (!badge || (badge.classType && badge.classType !== (node.comfyClass ?? node.type))) continue;
+      ctx.save();
+      ctx.translate(node.pos[0], node.pos[1]);
+      drawBadge(ctx, node, badge, titleHeight);
+      ctx.restore();
+      onTop.push({ ...drawn.get(badge.node), fill: badgeFill(badge) });
+    }
   }
+  // Under Nodes 2.0 the nodes are DOM elements over the canvas: the same badges, as DOM elements above them.
+  showDomBadges(vueNodesOn(app) ? onTop : []);
 }
 
 let bottomView = null;

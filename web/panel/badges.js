@@ -45,13 +45,18 @@ export function nodeBadges(profile, decimal) {
   return badges;
 }
 
+/** The colour of a badge: orange for the heaviest node, red for a failed one. */
+export function badgeFill(badge) {
+  return badge.heaviest ? FILLS.heaviest : badge.status === "failed" ? FILLS.failed : FILLS.normal;
+}
+
 /** Draw `badge` above the title bar of `node` (the context is at the node's top left, below its title). */
 export function drawBadge(ctx, node, badge, titleHeight) {
   ctx.save();
   ctx.font = FONT;
   const width = Math.ceil(ctx.measureText(badge.text).width) + 10;
   const y = -titleHeight - HEIGHT - GAP;
-  ctx.fillStyle = badge.heaviest ? FILLS.heaviest : badge.status === "failed" ? FILLS.failed : FILLS.normal;
+  ctx.fillStyle = badgeFill(badge);
   ctx.beginPath();
   if (ctx.roundRect) ctx.roundRect(0, y, width, HEIGHT, 4);
   else ctx.rect(0, y, width, HEIGHT);
