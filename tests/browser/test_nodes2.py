@@ -9,7 +9,12 @@ from typing import Any
 
 import pytest
 
-from tests.browser.profile_checks import assert_badges_show_the_profile, assert_run_chart_is_readable, drawn_badges
+from tests.browser.profile_checks import (
+    BADGES_SETTING,
+    assert_badges_show_the_profile,
+    assert_run_chart_is_readable,
+    drawn_badges,
+)
 from tests.browser.test_panel import GPU_ROW, PANEL, UNET_BYTES, open_panel, run_workflow
 from tests.passes import ONCE
 from tools.runtime import NEWEST_FRONTEND
@@ -80,6 +85,9 @@ def test_profile_badges_node_texts_and_panel_with_nodes_2(frontend, artifacts):
     in_view = {node: _on_top(page, badge) for node, badge in badges.items() if node not in ("1", "2")}
     assert all(in_view.values()), in_view
     page.screenshot(path=str(artifacts / "profile_badges_nodes2.png"))
+    page.evaluate("(id) => window.app.extensionManager.setting.set(id, false)", BADGES_SETTING)
+    assert drawn_badges(page) == {} and page.locator(".dc-badge").count() == 0  # the setting hides the DOM ones too
+    page.evaluate("(id) => window.app.extensionManager.setting.set(id, true)", BADGES_SETTING)
     _offload_the_unet(page)
     assert frontend.our_errors() == []
 
