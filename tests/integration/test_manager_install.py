@@ -8,6 +8,7 @@ by name from the Comfy Registry, and the manager's own UI inside ComfyUI.
 
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 
@@ -17,15 +18,19 @@ from tools.comfy_server import ComfyServer
 from tools.manager import cm_cli, manager_reads, served_repository
 from tools.runtime import PACK_FOLDER, REPO, comfyui_dir
 
-OUR_NODES = {
-    "DeviceControl_LoadCheckpoint",
-    "DeviceControl_LoadDiffusionModel",
-    "DeviceControl_LoadTextEncoders",
-    "DeviceControl_LoadVAE",
-    "DeviceControl_MoveToGPU",
-    "DeviceControl_OffloadToCPU",
-    "DeviceControl_VRAMReport",
-}
+
+def _registered_nodes() -> set[str]:
+    """Every ``node_id`` the pack's node schemas declare, read from ``nodes/`` (not a copy that falls behind)."""
+    found = set()
+    for source in sorted((REPO / "nodes").glob("*.py")):
+        for call in ast.walk(ast.parse(source.read_text(encoding="utf-8"))):
+            for keyword in getattr(call, "keywords", ()):
+                if keyword.arg == "node_id" and isinstance(keyword.value, ast.Constant):
+                    found.add(keyword.value.value)
+    return found
+
+
+OUR_NODES = _registered_nodes()
 
 
 @pytest.fixture(scope="module")
