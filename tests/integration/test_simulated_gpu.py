@@ -73,3 +73,15 @@ def test_invalid_settings_are_logged_with_the_fix_and_comfyui_still_starts(comfy
         assert "Offload To CPU (all models)" in server.run(move)["outputs"]["2"]["text"][0]  # moves still work
     finally:
         server.stop()
+
+
+def test_an_invalid_simulation_setting_is_logged_and_comfyui_still_starts(comfy_factory, tmp_path, api):
+    env = {"DEVICE_CONTROL_SIMULATE_GPU": "8GiB", "DEVICE_CONTROL_SIMULATE_LINK": "fast"}
+    server = comfy_factory(tmp_path / "bad-link-base", env=env)
+    try:
+        log = server.log_tail(2000)
+        assert "DEVICE_CONTROL_SIMULATE_LINK='fast'" in log  # the problem, with the text as written
+        assert "write it like DEVICE_CONTROL_SIMULATE_LINK=16GB/s,10us" in log  # and the fix
+        assert api.report_text(server.run(api.report_prompt()))  # ComfyUI started and runs a prompt
+    finally:
+        server.stop()
