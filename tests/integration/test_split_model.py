@@ -361,3 +361,16 @@ def test_auto_fills_the_gpus_with_most_free_memory_first(server, api):
     resident = dict(_model(entry, api, "20")["resident"])
     assert resident.pop("cpu", 0) < 2**20, resident  # 3.20 GiB fit on one 4 GiB GPU with 512 MiB kept free
     assert list(resident) == ["gpu:0"], resident
+
+
+def test_the_example_workflow_on_a_machine_without_a_gpu_leaves_both_gpus_out_with_a_warning(
+    comfy_factory, tmp_path, api
+):
+    server = comfy_factory(tmp_path / "no-gpu-base")  # no simulated GPU: this machine has only the CPU
+    try:
+        entry = server.run(api.load_prompt(server, EXAMPLE))
+        texts = " ".join(str(text) for output in entry["outputs"].values() for text in output.get("text", ()))
+        assert "warning: device 'gpu:0' does not exist" in texts and "device 'gpu:1' does not exist" in texts, texts
+        assert set(_model(entry, api, "3")["resident"]) == {"cpu"}  # the model stays in RAM
+    finally:
+        server.stop()
