@@ -148,8 +148,12 @@ def _split_clip(prompt: dict, allocation: str, mode: str) -> dict:
 
 @pytest.mark.parametrize(
     ("mode", "lora"),
-    [("pipeline", False), pytest.param("stream", True, id="stream-lora", marks=ONCE)],
-    ids=["pipeline", "stream-lora"],
+    [
+        pytest.param("pipeline", False, id="pipeline"),
+        pytest.param("pipeline", True, id="pipeline-lora", marks=ONCE),
+        pytest.param("stream", False, id="stream", marks=ONCE),
+        pytest.param("stream", True, id="stream-lora", marks=ONCE),
+    ],
 )
 def test_a_text_encoder_split_gives_comfyuis_image_and_each_device_holds_its_part(server, api, mode, lora):
     stock = api.image_of(server, server.run(_clip_prompt(lora)))
