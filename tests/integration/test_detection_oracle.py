@@ -15,6 +15,10 @@ from core.detection.detect import detect_header
 from core.detection.family_table import FAMILIES
 from core.detection.headers import SAFETENSORS_DTYPES, FileHeader, TensorInfo
 from tools.layouts import layouts
+from tools.runtime import DEFAULT_VERSION
+
+#: How many model classes each tested ComfyUI builds (``comfy.supported_models.models``): the counts users read.
+MODEL_CLASSES = {"0.3.52": 54, "0.3.75": 65, "0.28.0": 96}
 
 CHECKPOINTS = sorted(name for name, layout in layouts().items() if layout["kind"] == "checkpoint")
 
@@ -47,6 +51,7 @@ def test_the_family_table_knows_every_model_class_the_running_comfyui_builds(mod
     that the table lacks is named here (such a file still loads, through ComfyUI's own detection)."""
     supported = importlib.import_module("comfy.supported_models")
     theirs = {cls.__name__ for cls in supported.models}
+    assert len(supported.models) == len(theirs) == MODEL_CLASSES[DEFAULT_VERSION]
     ours = {family.comfy_class for family in FAMILIES}
     missing = sorted(theirs - ours)
     assert not missing, f"the family table lacks {len(missing)} of ComfyUI's classes: {', '.join(missing)}"
