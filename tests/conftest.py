@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.passes import LONG_PASS
 from tools.comfy_server import ComfyServer
-from tools.runtime import DEFAULT_VERSION, NEWEST_VERSION, comfyui_dir, missing_source
+from tools.runtime import DEFAULT_VERSION, comfyui_dir, missing_source
 
 REPO = Path(__file__).resolve().parent.parent
 STRICT = (
@@ -28,9 +29,9 @@ STRICT = (
 ARTIFACTS = REPO / "tests" / "artifacts"
 
 
-#: Cycles of the soak test in a normal run (sized for CI: ten in the newest ComfyUI's pass, six, four after the
+#: Cycles of the soak test in a normal run (sized for CI: ten in the long checks' pass, six, four after the
 #: warm-up, in the others); ``--soak-cycles 200`` runs the long soak.
-SOAK_CYCLES = 10 if DEFAULT_VERSION == NEWEST_VERSION else 6
+SOAK_CYCLES = 10 if LONG_PASS else 6
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

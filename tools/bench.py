@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 from tools.bench_format import DETECTED_FILES, SD15
 from tools.bench_loads import SPLIT_FILES
 from tools.bench_tables import TABLES
-from tools.runtime import NEWEST_VERSION, REPO, fixtures_dir, provision, venv_python
+from tools.runtime import PRIMARY_VERSION, REPO, fixtures_dir, provision, venv_python
 
 log = logging.getLogger("device_control.tools")
 #: Every sparse file the sections read: label -> (name in the layouts, file name).
@@ -111,7 +111,7 @@ def machine() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "ram_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3, 1),
         "python": platform.python_version(),
-        "comfyui": NEWEST_VERSION,
+        "comfyui": PRIMARY_VERSION,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "load_average": [round(value, 2) for value in os.getloadavg()],
         "cpu_busy_percent": _cpu_busy(1.0),

@@ -29,7 +29,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tools.runtime import NEWEST_VERSION, REPO, comfyui_dir
+from tools.runtime import PRIMARY_VERSION, REPO, comfyui_dir
 
 log = logging.getLogger("device_control.tools")
 
@@ -79,7 +79,7 @@ def download_wheels(dest: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--version", default=NEWEST_VERSION, help="the ComfyUI version to pack")
+    parser.add_argument("--version", default=PRIMARY_VERSION, help="the ComfyUI version to pack")
     parser.add_argument("--dest", type=Path, default=REPO / "gpu_carry")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -55,11 +55,11 @@ def main() -> int:
         log.warning("[Device Control] SKIPPED the ComfyUI %s tiers: %s.", version, reason)
     python = provision(browser=True, versions=tuple(v for v in RELEASES if v not in absent))
     env = {**os.environ, "DEVICE_CONTROL_REQUIRE_ALL_TIERS": "1"}
-    newest, *older = (v for v in TESTED_VERSIONS if v not in absent)
+    primary, *older = (v for v in TESTED_VERSIONS if v not in absent)
     steps: list[tuple[str, list[str]]] = [
         ("", [str(python), "-m", "ruff", "check", "."]),
         ("", [str(python), "-m", "ruff", "format", "--check", "."]),
-        (newest, [str(python), "-m", "pytest", *DURATIONS, *pytest_args]),
+        (primary, [str(python), "-m", "pytest", *DURATIONS, *pytest_args]),
     ]
     # The tiers that run ComfyUI, again on each older version (core/ does not depend on ComfyUI).
     tiers = pytest_args or ["tests/integration", "tests/browser"]

@@ -86,21 +86,26 @@ RELEASES = {
     ),
     "pre-v3": ComfyRelease("pre-v3", None, wheel_version="2.20.12", modern=False),
 }
-NEWEST_VERSION = "0.3.75"
+#: The ComfyUI whose pass runs every tier (the newest a wheel vendors unmodified); checks whose outcome does not
+#: depend on the version run in its pass only.
+PRIMARY_VERSION = "0.3.75"
 OLDEST_VERSION = "0.3.52"
 #: The 2026 ComfyUI, provisioned from :func:`sources_dir` when that folder holds its archive.
 ARCHIVE_VERSION = "0.28.0"
 #: The versions every integration and browser test runs on (the first one runs every tier).
-TESTED_VERSIONS = (NEWEST_VERSION, OLDEST_VERSION, ARCHIVE_VERSION)
-#: The ComfyUI the tests and tools use: ``$DEVICE_CONTROL_COMFYUI``, or the newest.
-DEFAULT_VERSION = os.environ.get("DEVICE_CONTROL_COMFYUI") or NEWEST_VERSION
+TESTED_VERSIONS = (PRIMARY_VERSION, OLDEST_VERSION, ARCHIVE_VERSION)
+#: The newest ComfyUI the tests run: the long reliability checks (the 10-cycle soak, 100 drift cycles, the
+#: 10,000-snapshot load) run in its pass, where it can be provisioned (:func:`long_checks_version`).
+NEWEST_TESTED = ARCHIVE_VERSION
+#: The ComfyUI the tests and tools use: ``$DEVICE_CONTROL_COMFYUI``, or the primary one.
+DEFAULT_VERSION = os.environ.get("DEVICE_CONTROL_COMFYUI") or PRIMARY_VERSION
 if DEFAULT_VERSION not in RELEASES:
     raise SystemExit(
         f"[Device Control] DEVICE_CONTROL_COMFYUI={DEFAULT_VERSION!r} is not a ComfyUI we provision; "
         f"choose one of {sorted(RELEASES)}."
     )
 #: The frontend installed in the runtime's venv (what ComfyUI 0.3.75 serves without ``--front-end-root``).
-VENV_FRONTEND = RELEASES[NEWEST_VERSION].frontend
+VENV_FRONTEND = RELEASES[PRIMARY_VERSION].frontend
 #: The newest comfyui-frontend-package checked by the browser tests, besides the one ComfyUI pins (served
 #: with ComfyUI's ``--front-end-root``).
 NEWEST_FRONTEND = "1.58.1"
@@ -139,6 +144,12 @@ def missing_source(version: str) -> str | None:
         f"ComfyUI {version} comes from the source archive {sources_dir() / archive}, which is not on this "
         "machine (set DEVICE_CONTROL_COMFYUI_SOURCES to the folder that holds it)"
     )
+
+
+def long_checks_version() -> str:
+    """The pass the long reliability checks run in: the newest ComfyUI tested, or, in a clone without its source
+    archive (where its pass is skipped), the primary one, so that they always run somewhere."""
+    return PRIMARY_VERSION if missing_source(NEWEST_TESTED) else NEWEST_TESTED
 
 
 def _unpacked_stamp(version: str) -> Path:

@@ -34,7 +34,7 @@ GPU_ROW = f'{PANEL} .dc-device[data-device="gpu:0"]'
 TAB_BUTTON = '.device-control-tab-button, .side-bar-button[aria-label^="Device Control"]'
 
 # Every test runs on the frontend the ComfyUI under test pins (each pass), and on the newest comfyui-frontend-package,
-# which is the same in every pass, with the newest ComfyUI (once).
+# which is the same in every pass, in the primary ComfyUI's pass (once).
 pytestmark = pytest.mark.parametrize(
     "frontend_version", [PINNED, pytest.param(NEWEST_FRONTEND, marks=ONCE)], indirect=True, scope="module"
 )

@@ -1,6 +1,6 @@
 """The host-cost benchmark runs end to end: its real worker, in a fresh process of the runtime, times ComfyUI's cast
 path and the ring on the same layers, and the table comes out with both figures and their ratio. The benchmark runs
-against the newest ComfyUI tested (``tools/bench.py``), so this test runs in that version's pass."""
+against the primary ComfyUI (``tools/bench.py``), so this test runs in that version's pass."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The split-loaders benchmark runs end to end on small files: its real worker, in fresh processes, loads each
 with ComfyUI's loader and ours, and the table comes out with a row per model and loader, and both loaders
 building the same weights (so a broken benchmark, or one that compares different things, fails here). The
-benchmark runs against the newest ComfyUI tested (``tools/bench.py``), so this test runs in that version's pass."""
+benchmark runs against the primary ComfyUI (``tools/bench.py``), so this test runs in that version's pass."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Every model family that ships as separate files, end to end in a real ComfyUI on a simulated 12 GiB GPU:
 SDXL, SD3.5, Flux, Chroma and Wan 2.1 (five frames), on every ComfyUI the suite runs on (all three build them;
-SDXL's tests in the newest version's pass only, below).
+SDXL's tests in the primary version's pass only, below).
 
 For each family:
 
@@ -101,7 +101,7 @@ def _same_images(server, ours: dict[str, Any], stock: dict[str, Any], what: str)
 
 #: SDXL's UNet is ComfyUI's SD1.5 class (openaimodel) at a larger size, which the SD1.5 family and the LoRA tests
 #: stream in every version's pass; its two tests, the longest of a pass (ComfyUI's stock loader holds the UNet in
-#: fp32 on a CPU, 9.6 GiB), run once, in the newest version's. The other families run in every pass.
+#: fp32 on a CPU, 9.6 GiB), run once, in the primary version's (0.3.75). The other families run in every pass.
 ONCE_FOR_SDXL = [
     pytest.param(
         f,

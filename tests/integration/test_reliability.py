@@ -13,7 +13,7 @@ import uuid
 import numpy as np
 import pytest
 
-from tests.passes import ONCE
+from tests.passes import LONG
 from tools.comfy_server import ComfyError
 from tools.stress import AFTER_OFFLOAD, LOADER, example_prompt, fresh, snapshot_load, soak
 
@@ -134,7 +134,7 @@ def test_soak_load_move_sample_offload_returns_to_the_baseline(soak_server, requ
     assert max(result.rss[result.warmup :]) <= result.baseline_rss + max(tolerance, 256 * MiB), figures
 
 
-@ONCE
+@LONG
 def test_ten_thousand_snapshots_and_a_hundred_listeners_while_workflows_run(soak_server, artifacts):
     # Each run loads the checkpoint under its other name, so the previous models are freed while the
     # snapshots list them: a model garbage-collected mid-snapshot must not fail a request.

@@ -107,7 +107,7 @@ def _modules(split: Any, index: int) -> list[torch.nn.Module]:
 
 
 #: A T5 encoder of ComfyUI's class at a small size: what Flux, SD3.5 and Chroma encode their prompts with. Its test
-#: runs once, in the newest version's pass: the node's own text-encoder split runs in every pass.
+#: runs once, in the primary version's pass: the node's own text-encoder split runs in every pass.
 T5_CONFIG = {
     "d_ff": 64,
     "d_kv": 8,

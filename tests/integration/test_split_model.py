@@ -16,7 +16,7 @@ from tools.make_fixtures import SD15_CHECKPOINT, SD15_CHECKPOINT_B, SD15_LORA
 
 GiB = 1024**3
 #: Tests of what the node decides before ComfyUI loads anything (the allocation's text, its devices, the input's
-#: kind): the same code in every ComfyUI version, so they run once, in the newest version's pass.
+#: kind): the same code in every ComfyUI version, so they run once, in the primary version's pass.
 WORKFLOWS = Path(__file__).resolve().parents[2] / "workflows"
 EXAMPLE = WORKFLOWS / "flux_split_across_two_gpus.json"
 ALLOCATION = "gpu:0=40%, gpu:1=30%, gpu:2=*"
