@@ -17,6 +17,7 @@ from ..core.units import format_bytes
 from . import surface
 from .bridge.checkpoint import BuiltCheckpoint, build_checkpoint, built_dtypes
 from .placing import (
+    VAE_DTYPES,
     check_devices,
     detection_for_this_comfyui,
     device_input,
@@ -28,6 +29,7 @@ from .placing import (
     require_kind,
     resolve_placement,
     summary_output,
+    vae_dtype_problem,
     with_fit,
 )
 from .state import inventory
@@ -61,7 +63,7 @@ class LoadCheckpointWithDevice(surface.io.ComfyNode):
                 device_input("vae_device", "VAE"),
                 dtype_input("model_dtype", "diffusion model"),
                 dtype_input("clip_dtype", "text encoder(s)"),
-                dtype_input("vae_dtype", "VAE (fp8 is not possible for a VAE)"),
+                dtype_input("vae_dtype", "VAE (a VAE has no fp8)", VAE_DTYPES),
             ],
             hidden=[io.Hidden.unique_id],
             outputs=[
@@ -73,7 +75,11 @@ class LoadCheckpointWithDevice(surface.io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, model_device: str, clip_device: str, vae_device: str) -> bool | str:
+    def validate_inputs(cls, model_device: str, clip_device: str, vae_device: str, vae_dtype: str) -> bool | str:
+        # Taking ``vae_dtype`` makes ComfyUI leave its check to us: an fp8 VAE (a workflow saved before the list
+        # offered only what a VAE takes) is told why when queued, not only that it is not in the list.
+        if vae_dtype not in VAE_DTYPES:
+            return f"vae_dtype: {vae_dtype_problem(vae_dtype, 'vae_dtype')}"
         return check_devices(model_device=model_device, clip_device=clip_device, vae_device=vae_device)
 
     @classmethod

@@ -9,6 +9,12 @@ from .bridge.offloads import OFFLOAD_MODES, offload
 from .move_to_gpu import model_input, trigger_input, trigger_output
 from .state import inventory
 
+#: A fresh node's mode: the one that needs no model connected.
+DEFAULT_MODE = "all models"
+#: The mode that reads ``free_amount``.
+FREE_MODE = "free N GB"
+DEFAULT_FREE_AMOUNT = "2GB"
+
 
 class OffloadToCPU(surface.io.ComfyNode):
     """Thin node: the unloading is ``bridge.offloads.offload`` over ComfyUI's own list of loaded models."""
@@ -30,17 +36,19 @@ class OffloadToCPU(surface.io.ComfyNode):
                 io.Combo.Input(
                     "mode",
                     options=list(OFFLOAD_MODES),
-                    default="full",
+                    default=DEFAULT_MODE,
                     tooltip=(
-                        "full: this model entirely. free N GB: free_amount from this model (or, with no model "
-                        "connected, from the least recently used models). all models: every loaded model. all except "
-                        "this one: every model but this one. Models kept resident are offloaded too: you asked."
+                        "all models (the default, needs nothing connected): every loaded model. full: the connected "
+                        "model entirely. free N GB: free_amount from the connected model (or, with none connected, "
+                        "from the least recently used models). all except this one: every model but the connected "
+                        "one. Models kept resident are offloaded too: you asked."
                     ),
                 ),
                 io.String.Input(
                     "free_amount",
-                    default="2GB",
-                    tooltip="For 'free N GB': how much to free, such as '2GB' or '512MiB'.",
+                    default=DEFAULT_FREE_AMOUNT,
+                    tooltip="Read in mode 'free N GB' only (the other modes ignore it): how much to free, "
+                    "such as '2GB' or '512MiB'.",
                 ),
                 io.Boolean.Input(
                     "empty_cache",
@@ -64,5 +72,7 @@ class OffloadToCPU(surface.io.ComfyNode):
     @classmethod
     def execute(cls, mode: str, free_amount: str, empty_cache: bool, model: Any = None, trigger: Any = None) -> Any:
         text = offload(model, mode, free_amount, empty_cache, inventory)
+        if mode != FREE_MODE and free_amount.strip() != DEFAULT_FREE_AMOUNT:
+            text += f"\nfree_amount {free_amount!r} was not read: only mode '{FREE_MODE}' reads it."
         panel.announce()
         return surface.io.NodeOutput(trigger, text, ui={"text": (text,)})

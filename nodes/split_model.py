@@ -33,10 +33,10 @@ class SplitModel(surface.io.ComfyNode):
             inputs=[
                 io.MultiType.Input(
                     "model",
-                    types=[io.Model, io.Clip, io.Vae],
+                    types=[io.Model, io.Clip],
                     tooltip=(
-                        "The diffusion model (MODEL) or the text encoders (CLIP) from any loader. A VAE is refused "
-                        "with what to do instead (Move To GPU puts it on one device)."
+                        "The diffusion model (MODEL) or the text encoders (CLIP) from any loader. A VAE cannot be "
+                        "connected: it is not split (Move To GPU puts it on one device)."
                     ),
                 ),
                 io.String.Input(

@@ -28,9 +28,9 @@ def documents() -> list[Path]:
 
 
 @cache
-def modules_of_tests() -> dict[str, str]:
-    """Every test module of the repository, by file name, with its text."""
-    return {path.name: path.read_text() for path in (REPO / "tests").rglob("test_*.py")}
+def modules_of_tests() -> dict[Path, str]:
+    """Every test module of the repository, with its text (two tiers may hold modules of the same name)."""
+    return {path: path.read_text() for path in (REPO / "tests").rglob("test_*.py")}
 
 
 def defined_tests() -> set[str]:
@@ -46,7 +46,7 @@ def test_every_test_file_the_docs_name_exists() -> None:
         f"{page.relative_to(REPO)}: {name}.py"
         for page in documents()
         for name in sorted(set(TEST_FILE.findall(page.read_text())))
-        if f"{name}.py" not in modules_of_tests()
+        if f"{name}.py" not in {path.name for path in modules_of_tests()}
     ]
     assert not missing, "the documentation names test files that do not exist:\n" + "\n".join(missing)
 

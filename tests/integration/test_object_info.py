@@ -69,3 +69,36 @@ def test_our_loaders_offer_every_dtype_and_text_encoder_type_the_running_comfyui
         assert set(types) >= set(offered[1]["options"] if offered[0] == "COMBO" else offered[0]), loader
     vae = info["DeviceControl_LoadVAE"]["input"]["required"]["dtype"][1]["options"]
     assert vae == ["auto", "fp32", "fp16", "bf16"]
+
+
+def _defaults(node: dict) -> dict:
+    """The inputs a node dropped in fresh carries: each required widget's default."""
+    return {name: spec[1]["default"] for name, spec in node["input"]["required"].items() if "default" in spec[1]}
+
+
+def test_no_node_offers_a_choice_it_then_refuses(comfy_server):
+    info = comfy_server.get("/object_info")
+    # A VAE has no cast path: the checkpoint loader offers for it what Load VAE With Device offers, no fp8.
+    checkpoint = info["DeviceControl_LoadCheckpoint"]["input"]["required"]
+    assert (
+        checkpoint["vae_dtype"][1]["options"]
+        == info["DeviceControl_LoadVAE"]["input"]["required"]["dtype"][1]["options"]
+    )
+    assert not [o for o in checkpoint["vae_dtype"][1]["options"] if "fp8" in o]
+    assert [o for o in checkpoint["model_dtype"][1]["options"] if "fp8" in o]  # the diffusion model keeps them
+    # Split Model shares out a MODEL or a CLIP; a VAE cannot be wired into it.
+    assert info["DeviceControl_SplitModel"]["input"]["required"]["model"][0] == "MODEL,CLIP"
+    # Offload To CPU dropped in fresh needs nothing connected, and says which mode reads free_amount.
+    offload = info["DeviceControl_OffloadToCPU"]["input"]
+    assert offload["required"]["mode"][1]["default"] == "all models"
+    assert "free N GB' only" in offload["required"]["free_amount"][1]["tooltip"]
+
+
+def test_a_fresh_offload_to_cpu_runs_and_says_when_free_amount_is_not_read(comfy_server):
+    node = comfy_server.get("/object_info/DeviceControl_OffloadToCPU")["DeviceControl_OffloadToCPU"]
+    fresh = comfy_server.run({"1": {"class_type": "DeviceControl_OffloadToCPU", "inputs": _defaults(node)}})
+    summary = fresh["outputs"]["1"]["text"][0]
+    assert summary.startswith("Offload To CPU (all models)") and "was not read" not in summary
+    changed = _defaults(node) | {"free_amount": "1GB"}
+    ignored = comfy_server.run({"1": {"class_type": "DeviceControl_OffloadToCPU", "inputs": changed}})
+    assert "free_amount '1GB' was not read: only mode 'free N GB' reads it." in ignored["outputs"]["1"]["text"][0]

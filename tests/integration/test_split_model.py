@@ -252,13 +252,15 @@ def test_bad_allocations_are_refused_before_a_weight_moves(server, api, allocati
 
 
 @ONCE
-def test_a_vae_is_refused_with_what_to_do_instead(server, api):
+def test_a_vae_cannot_be_wired_into_a_split_it_is_refused_when_queued(server, api):
+    # The input takes MODEL or CLIP only, so ComfyUI refuses the link before anything runs (it once took a VAE
+    # and refused it at run time).
     prompt = _prompt({"allocation": ALLOCATION, "mode": "pipeline"})
     prompt["6"]["inputs"]["model"] = ["1", 2]
     prompt["7"]["inputs"]["model"] = ["1", 0]
-    with pytest.raises(ComfyError) as caught:
+    with pytest.raises(ComfyError, match="refused nodes") as caught:
         server.run(prompt)
-    assert "a VAE cannot be split" in str(caught.value) and "Move To GPU" in str(caught.value)
+    assert "VAE" in str(caught.value) and "MODEL,CLIP" in str(caught.value)
 
 
 def test_the_example_workflow_splits_flux_over_two_gpus_with_the_stock_image(server, api):
