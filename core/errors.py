@@ -19,7 +19,17 @@ class InvalidDeviceSpecError(DeviceControlError, ValueError):
 
 
 class DeviceNotFoundError(DeviceControlError, LookupError):
-    """A well-formed device string names a device that this machine does not have."""
+    """A well-formed device string names a device that this machine does not have.
+
+    ``problem`` (what is missing, and what the machine has) and ``fix`` (what to choose instead) are kept apart:
+    a node that falls back to another device reports the problem with its own fix, never by cutting this
+    message's text.
+    """
+
+    def __init__(self, problem: str, fix: str = "") -> None:
+        super().__init__(f"{problem}; {fix}" if fix else problem)
+        self.problem = problem
+        self.fix = fix
 
 
 class InvalidSizeError(DeviceControlError, ValueError):

@@ -83,7 +83,7 @@ def _chosen_device(
             return info, torch.device(info.torch_device or "cpu"), True
         except DeviceNotFoundError as exc:  # a workflow from another machine: run anyway, and say so
             what = role.replace("_", " ")
-            notes.append(f"{what}: {str(exc).split('; pick')[0]}; using auto (ComfyUI's choice) instead")
+            notes.append(f"{what}: {exc.problem}; using auto (ComfyUI's choice) instead")
     torch_device = _comfy_default_device(role)
     return snapshot.get(device_id(torch_device, snapshot)) or snapshot.get("cpu"), torch_device, False
 

@@ -254,7 +254,7 @@ class DeviceInventory:
         here = ", ".join(f"{d.id} ({d.name})" for d in snapshot.devices if d.id) or "none"
         problem = f"device '{spec}' does not exist on this machine (devices here: {here})"
         if not fallback:
-            raise DeviceNotFoundError(f"{problem}; pick one of those, or 'auto'.")
+            raise DeviceNotFoundError(problem, "pick one of those, or 'auto'.")
         chosen = _find(DeviceSpec("auto"), snapshot)
         if chosen is None:
             raise DeviceNotFoundError(f"{problem}, and no device is usable at all; check the errors above.")

@@ -132,6 +132,18 @@ def test_missing_device_raises_with_what_exists_or_falls_back_visibly():
         inventory.resolve("gpu:three", fallback=True)
 
 
+def test_a_missing_device_error_keeps_the_problem_and_the_fix_apart():
+    # A node that falls back to another device reports the problem with its own fix: it reads ``problem``, never
+    # cuts the message's text (which once broke whenever the fix was reworded).
+    inventory = DeviceInventory(backends=[StaticBackend("cuda", [cuda(0)]), CpuBackend()])
+    with pytest.raises(DeviceNotFoundError) as caught:
+        inventory.resolve("gpu:3")
+    assert caught.value.problem.startswith("device 'gpu:3' does not exist on this machine (devices here: ")
+    assert "gpu:0 (NVIDIA Test 0)" in caught.value.problem and "pick" not in caught.value.problem
+    assert caught.value.fix == "pick one of those, or 'auto'."
+    assert str(caught.value) == f"{caught.value.problem}; {caught.value.fix}"
+
+
 def test_a_broken_backend_is_reported_and_the_others_still_work():
     inventory = DeviceInventory(
         backends=[BrokenBackend(), CpuBackend()], extra=simulated_backends([SimulatedDevice(GiB)])
