@@ -4,7 +4,6 @@ the nodes that ran (the heaviest marked), our nodes show their reports in their 
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,12 +14,10 @@ from tests.browser.profile_checks import (
     assert_run_chart_is_readable,
     drawn_badges,
 )
-from tests.browser.test_panel import GPU_ROW, PANEL, UNET_BYTES, open_panel, run_workflow
+from tests.browser.test_panel import GPU_ROW, PANEL, PLACED, UNET_BYTES, open_panel, run_workflow
 from tests.passes import ONCE
 from tools.runtime import NEWEST_FRONTEND
 
-REPO = Path(__file__).resolve().parents[2]
-PLACED = REPO / "workflows" / "sd15_unet_on_gpu_text_encoder_on_cpu.json"
 VUE_NODES_SETTING = "Comfy.VueNodes.Enabled"
 
 # Nodes 2.0 exists on newer frontends only; the newest one served is the same in every pass, so it runs once.
