@@ -1,0 +1,108 @@
+"""Our GGML block reader (``core.weights.ggml_blocks``) against the GGML project's own (``gguf.quants``, numpy), the
+oracle: every type, bit for bit in float32, on blocks ``gguf`` quantised from real values and on random blocks
+(every bit pattern a block can hold, its fp16 scales finite), plus the errors a damaged tensor gets."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from core.errors import ModelFileError
+from core.weights.ggml_blocks import BLOCK_TYPES, block_type, dequantize
+
+#: Where each type keeps its fp16 scales (byte ranges in a block): random bytes there could be NaN or infinite.
+SCALES = {
+    "Q4_0": [(0, 2)],
+    "Q4_1": [(0, 2), (2, 4)],
+    "Q5_0": [(0, 2)],
+    "Q5_1": [(0, 2), (2, 4)],
+    "Q8_0": [(0, 2)],
+    "Q2_K": [(80, 82), (82, 84)],
+    "Q3_K": [(108, 110)],
+    "Q4_K": [(0, 2), (2, 4)],
+    "Q5_K": [(0, 2), (2, 4)],
+    "Q6_K": [(208, 210)],
+}
+#: The types ``gguf`` can also quantise (it only dequantises the K types).
+QUANTISABLE = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "BF16", "F16"]
+
+
+def _kind(name: str):
+    return next(t for t in BLOCK_TYPES.values() if t.name == name)
+
+
+def _random_blocks(name: str, rows: int, blocks_per_row: int, seed: int) -> np.ndarray:
+    """``rows`` rows of random blocks of type ``name``, with finite fp16 scales."""
+    kind = _kind(name)
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, size=(rows, blocks_per_row, kind.size), dtype=np.uint8)
+    for start, stop in SCALES.get(name, []):
+        scales = rng.normal(0, 0.05, size=(rows, blocks_per_row)).astype(np.float16)
+        data[..., start:stop] = scales.view(np.uint8).reshape(rows, blocks_per_row, 2)
+    return data.reshape(rows, blocks_per_row * kind.size)
+
+
+def _ours(data: np.ndarray, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    kind = _kind(name)
+    rows = data.shape[0]
+    shape = (rows, data.shape[1] // kind.size * kind.values)
+    return dequantize(torch.from_numpy(data.copy()).reshape(-1), kind, shape, dtype)
+
+
+def _same_bits(ours: torch.Tensor, oracle: np.ndarray) -> None:
+    expected = torch.from_numpy(np.ascontiguousarray(oracle, dtype=np.float32))
+    assert ours.shape == expected.shape
+    assert torch.equal(ours.view(torch.int32), expected.view(torch.int32))
+
+
+@pytest.mark.parametrize("name", list(SCALES))
+def test_random_blocks_match_the_ggml_reader_bit_for_bit(name):
+    data = _random_blocks(name, rows=3, blocks_per_row=4, seed=len(name) * 7 + ord(name[1]))
+    oracle = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[name])
+    _same_bits(_ours(data, name), oracle)
+
+
+@pytest.mark.parametrize("name", QUANTISABLE)
+def test_blocks_quantised_by_gguf_from_real_weights_match_bit_for_bit(name):
+    weights = torch.nn.Linear(512, 6).weight.detach().numpy().astype(np.float32)
+    data = gguf.quants.quantize(weights, gguf.GGMLQuantizationType[name])
+    oracle = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[name])
+    ours = _ours(data.view(np.uint8), name)  # gguf hands F16 back as float16 values, the rest as bytes
+    _same_bits(ours, oracle)
+    assert torch.allclose(ours, torch.from_numpy(weights), atol=0.05)  # a quantisation of these weights, not noise
+
+
+def test_f32_tensors_come_back_as_stored():
+    weights = torch.randn(4, 8)
+    raw = weights.view(torch.uint8).reshape(-1)
+    assert torch.equal(dequantize(raw, _kind("F32"), (4, 8)), weights)
+
+
+def test_the_result_is_rounded_once_to_the_dtype_asked_for():
+    data = _random_blocks("Q4_K", rows=2, blocks_per_row=1, seed=3)
+    assert torch.equal(_ours(data, "Q4_K", torch.float16), _ours(data, "Q4_K").to(torch.float16))
+
+
+def test_a_truncated_tensor_is_refused_naming_the_bytes_it_needs():
+    raw = torch.zeros(34 * 2 - 1, dtype=torch.uint8)
+    with pytest.raises(ModelFileError, match=r"needs 68 bytes, and 67 were given: the file is truncated"):
+        dequantize(raw, _kind("Q8_0"), (2, 32))
+
+
+def test_a_row_that_is_not_whole_blocks_is_refused():
+    with pytest.raises(ModelFileError, match=r"does not split into blocks of 256 values"):
+        dequantize(torch.zeros(144, dtype=torch.uint8), _kind("Q4_K"), (1, 255))
+
+
+def test_an_unknown_type_is_refused_with_the_ones_we_read():
+    with pytest.raises(ModelFileError, match=r"GGML type 16, which Device Control does not dequantise \(it reads F32"):
+        block_type(16, "blk.0.attn_q.weight")
+    assert block_type(12).name == "Q4_K"
+
+
+def test_every_type_we_read_has_the_size_ggml_gives_it():
+    for kind in BLOCK_TYPES.values():
+        assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind.ggml_id)] == (kind.values, kind.size), kind.name
+        assert gguf.GGMLQuantizationType(kind.ggml_id).name == kind.name
