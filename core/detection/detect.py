@@ -65,7 +65,7 @@ def detect(path: str | PathLike[str]) -> Detection:
         UnsafePickleError: a pickle that ``weights_only`` refuses.
     """
     started = time.perf_counter()
-    header = read_header(path)
+    header = read_header(path, gguf=True)
     found = detect_header(header)
     return Detection(**{**found.__dict__, "seconds": time.perf_counter() - started})
 

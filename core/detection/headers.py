@@ -5,100 +5,56 @@
 * PyTorch pickles (``.ckpt``, ``.pt``, ``.pth``, ``.bin``): only through ``torch.load(weights_only=True)``,
   memory-mapped so no weight is read; a pickle that ``weights_only`` refuses is reported as unsafe, never
   loaded another way;
-* GGUF is recognised and refused with a pointer to a GGUF loader (out of scope here).
+* GGUF (``.gguf``): its header through ``gguf_header``, for detection; the loaders refuse it, naming what it
+  holds and pointing to a GGUF loader (loading GGUF is not built yet).
 
 Every problem raises :class:`~core.errors.ModelFileError` naming the file, what is wrong and what to do.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
-import math
 import os
 import pickle
 import struct
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from ..errors import ModelFileError, UnsafePickleError, first_line
+from .gguf_header import read_gguf_header
+from .tensor_info import (
+    FLOAT_DTYPES,
+    MAX_DIM,
+    SAFETENSORS_DTYPES,
+    FileHeader,
+    TensorInfo,
+    check_overlaps,
+)
 
-#: safetensors dtype name -> (bytes per element, torch dtype or None where torch has none).
-SAFETENSORS_DTYPES: dict[str, tuple[int, torch.dtype | None]] = {
-    "F64": (8, torch.float64),
-    "F32": (4, torch.float32),
-    "F16": (2, torch.float16),
-    "BF16": (2, torch.bfloat16),
-    "F8_E4M3": (1, getattr(torch, "float8_e4m3fn", None)),
-    "F8_E5M2": (1, getattr(torch, "float8_e5m2", None)),
-    "F8_E8M0": (1, getattr(torch, "float8_e8m0fnu", None)),
-    "I64": (8, torch.int64),
-    "I32": (4, torch.int32),
-    "I16": (2, torch.int16),
-    "I8": (1, torch.int8),
-    "U64": (8, getattr(torch, "uint64", None)),
-    "U32": (4, getattr(torch, "uint32", None)),
-    "U16": (2, getattr(torch, "uint16", None)),
-    "U8": (1, torch.uint8),
-    "BOOL": (1, torch.bool),
-}
-FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0"})
+#: Re-exported: what a file holds is described by ``tensor_info``'s types, which callers import from here.
+__all__ = [
+    "FLOAT_DTYPES",
+    "MAX_DIM",
+    "SAFETENSORS_DTYPES",
+    "FileHeader",
+    "TensorInfo",
+    "check_overlaps",
+    "load_pickled_state",
+    "read_header",
+]
+
 SAFETENSORS_SUFFIXES = (".safetensors", ".sft")
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit
 MAX_DIMS = 64  # torch's limit on a tensor's dimensions
-MAX_DIM = 2**48  # no real tensor is larger in any dimension; bigger values are crafted (and overflow int64 math)
-
 _TORCH_TO_NAME = {dtype: name for name, (_, dtype) in SAFETENSORS_DTYPES.items() if dtype is not None}
 
 
-@dataclass(frozen=True)
-class TensorInfo:
-    """One tensor of a file: its shape, stored dtype, and where its bytes are (safetensors only)."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    begin: int = 0
-    end: int = 0
-
-    @property
-    def numel(self) -> int:
-        """Number of elements."""
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes as stored."""
-        return self.numel * SAFETENSORS_DTYPES[self.dtype][0]
-
-    @property
-    def is_float(self) -> bool:
-        """True for floating-point tensors (weights), False for integer and boolean ones."""
-        return self.dtype in FLOAT_DTYPES
-
-
-@dataclass(frozen=True)
-class FileHeader:
-    """Everything known about a model file without reading its weights.
-
-    ``data_start`` is where tensor data begins in a safetensors file (offsets in :class:`TensorInfo` are
-    relative to it); 0 for pickles, whose tensors are not at fixed offsets.
-    """
-
-    path: str
-    format: str
-    tensors: dict[str, TensorInfo]
-    metadata: dict[str, str] = field(default_factory=dict)
-    data_start: int = 0
-    file_size: int = 0
-    identity: tuple[int, ...] = ()  # device, inode, size, mtime: the reader checks the file is still this one
-
-
-def read_header(path: str | os.PathLike[str]) -> FileHeader:
-    """Read and validate a model file's header.
+def read_header(path: str | os.PathLike[str], gguf: bool = False) -> FileHeader:
+    """Read and validate a model file's header; a GGUF file's only where ``gguf`` is true (detection reads one,
+    the loaders do not load one yet).
 
     Raises:
         ModelFileError: the file is missing, empty, a directory, truncated, garbled, or of an unsupported
@@ -117,15 +73,26 @@ def read_header(path: str | os.PathLike[str]) -> FileHeader:
     with open(file, "rb") as handle:
         magic = handle.read(8)
     if magic[:4] == b"GGUF":
-        raise ModelFileError(
-            f"{file.name} is a GGUF file; Device Control reads safetensors and PyTorch checkpoints. "
-            "Load GGUF files with a GGUF loader pack (e.g. ComfyUI-GGUF)."
-        )
+        return _gguf(file, size, gguf)
     identity = (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
     zipped = magic[:4] == b"PK\x03\x04" and file.suffix.lower() not in SAFETENSORS_SUFFIXES
     if zipped or file.suffix.lower() in PICKLE_SUFFIXES:
         return replace(_read_pickle(file, size), identity=identity)
     return replace(_read_safetensors(file, size), identity=identity)
+
+
+def _gguf(file: Path, size: int, wanted: bool) -> FileHeader:
+    """A GGUF file's header where ``wanted``; otherwise the refusal, naming what the file holds."""
+    header = read_gguf_header(file, size)
+    if wanted:
+        return header
+    kinds = "/".join(sorted({t.dtype for t in header.tensors.values()}))
+    architecture = header.metadata.get("general.architecture", "an unnamed architecture")
+    raise ModelFileError(
+        f"{file.name} is a GGUF file ({architecture}, {len(header.tensors)} tensors in {kinds}); Device Control's "
+        "loaders read safetensors and PyTorch checkpoints, not GGUF yet. Load it with a GGUF loader pack "
+        "(e.g. ComfyUI-GGUF): Move To GPU, Offload To CPU and VRAM Report take the model it gives."
+    )
 
 
 def _broken(file: Path, problem: str) -> ModelFileError:
@@ -157,7 +124,7 @@ def _read_safetensors(file: Path, size: int) -> FileHeader:
     data_start = 8 + header_len
     data_size = size - data_start
     tensors = {name: _tensor_info(file, name, entry, data_size) for name, entry in header.items()}
-    _check_overlaps(file, tensors)
+    check_overlaps(file, tensors, _broken)
     metadata = {str(k): str(v) for k, v in metadata.items()}
     return FileHeader(str(file), "safetensors", tensors, metadata, data_start, size)
 
@@ -196,13 +163,6 @@ def _is_counts(values: object, limit: int, most: int) -> bool:
 
 def _is_count(value: object, limit: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < limit
-
-
-def _check_overlaps(file: Path, tensors: dict[str, TensorInfo]) -> None:
-    ordered = sorted((t for t in tensors.values() if t.end > t.begin), key=lambda t: t.begin)
-    for before, after in itertools.pairwise(ordered):
-        if after.begin < before.end:
-            raise _broken(file, f"tensors {before.name!r} and {after.name!r} overlap in the file")
 
 
 def load_pickled_state(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:

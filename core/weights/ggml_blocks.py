@@ -15,7 +15,7 @@ for every type on random blocks. A caller that wants fp16 or bf16 gets that floa
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -144,60 +144,36 @@ def _bf16(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.bfloat16).to(torch.float32)
 
 
-@dataclass(frozen=True)
-class BlockType:
-    """One GGML tensor type: its name and number in GGUF, ``values`` per block in ``size`` bytes."""
+class BlockLayout(Protocol):
+    """What :func:`dequantize` needs of a GGML type (``core.detection.ggml_types.GgmlType`` is one)."""
 
     name: str
-    ggml_id: int
     values: int
     size: int
-    decode: Callable[[torch.Tensor], torch.Tensor]
 
-    def nbytes(self, count: int) -> int:
-        """The bytes ``count`` values take (``count`` a multiple of :attr:`values`)."""
-        return count // self.values * self.size
+    def nbytes(self, count: int) -> int: ...
 
 
-#: The types we read, by GGUF type number (the numbers are GGML's ``ggml_type``).
-BLOCK_TYPES: dict[int, BlockType] = {
-    t.ggml_id: t
-    for t in (
-        BlockType("F32", 0, 1, 4, _f32),
-        BlockType("F16", 1, 1, 2, _f16_values),
-        BlockType("Q4_0", 2, 32, 18, _q4_0),
-        BlockType("Q4_1", 3, 32, 20, _q4_1),
-        BlockType("Q5_0", 6, 32, 22, _q5_0),
-        BlockType("Q5_1", 7, 32, 24, _q5_1),
-        BlockType("Q8_0", 8, 32, 34, _q8_0),
-        BlockType("Q2_K", 10, QK_K, 84, _q2_k),
-        BlockType("Q3_K", 11, QK_K, 110, _q3_k),
-        BlockType("Q4_K", 12, QK_K, 144, _q4_k),
-        BlockType("Q5_K", 13, QK_K, 176, _q5_k),
-        BlockType("Q6_K", 14, QK_K, 210, _q6_k),
-        BlockType("BF16", 30, 1, 2, _bf16),
-    )
+#: The decoder of each GGML type we read, by its name: ``(n, size)`` bytes in, ``(n, values)`` float32 out.
+DECODERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "F32": _f32,
+    "F16": _f16_values,
+    "BF16": _bf16,
+    "Q4_0": _q4_0,
+    "Q4_1": _q4_1,
+    "Q5_0": _q5_0,
+    "Q5_1": _q5_1,
+    "Q8_0": _q8_0,
+    "Q2_K": _q2_k,
+    "Q3_K": _q3_k,
+    "Q4_K": _q4_k,
+    "Q5_K": _q5_k,
+    "Q6_K": _q6_k,
 }
 
 
-def block_type(ggml_id: int, tensor: str = "a tensor") -> BlockType:
-    """The block type of GGUF type number ``ggml_id``.
-
-    Raises:
-        ModelFileError: a type this pack does not read (an ``IQ`` or ternary type, say), named with the ones it does.
-    """
-    found = BLOCK_TYPES.get(ggml_id)
-    if found is None:
-        known = ", ".join(t.name for t in BLOCK_TYPES.values())
-        raise ModelFileError(
-            f"{tensor} is stored in GGML type {ggml_id}, which Device Control does not dequantise (it reads {known}); "
-            "requantise the model to one of those, or load it with a GGUF loader that reads that type."
-        )
-    return found
-
-
 def dequantize(
-    raw: torch.Tensor, kind: BlockType, shape: Sequence[int], dtype: torch.dtype = torch.float32
+    raw: torch.Tensor, kind: BlockLayout, shape: Sequence[int], dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """The float tensor of ``shape`` that the bytes ``raw`` (a flat ``uint8`` tensor, on any device) hold in
     ``kind``'s blocks, computed in float32 on ``raw``'s device and returned as ``dtype``.
@@ -219,5 +195,5 @@ def dequantize(
             f"a {kind.name} tensor of shape {tuple(shape)} needs {kind.nbytes(count)} bytes, and {raw.numel()} "
             "were given: the file is truncated or damaged; download it again."
         )
-    values = kind.decode(raw.reshape(-1, kind.size)) if count else raw.new_empty(0, dtype=torch.float32)
+    values = DECODERS[kind.name](raw.reshape(-1, kind.size)) if count else raw.new_empty(0, dtype=torch.float32)
     return values.reshape(tuple(shape)).to(dtype)

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from core.detection.ggml_types import GGML_TYPES, ggml_type
 from core.errors import ModelFileError
-from core.weights.ggml_blocks import BLOCK_TYPES, block_type, dequantize
+from core.weights.ggml_blocks import DECODERS, dequantize
 
 #: Where each type keeps its fp16 scales (byte ranges in a block): random bytes there could be NaN or infinite.
 SCALES = {
@@ -30,7 +31,7 @@ QUANTISABLE = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "BF16", "F16"]
 
 
 def _kind(name: str):
-    return next(t for t in BLOCK_TYPES.values() if t.name == name)
+    return GGML_TYPES[name]
 
 
 def _random_blocks(name: str, rows: int, blocks_per_row: int, seed: int) -> np.ndarray:
@@ -98,11 +99,12 @@ def test_a_row_that_is_not_whole_blocks_is_refused():
 
 def test_an_unknown_type_is_refused_with_the_ones_we_read():
     with pytest.raises(ModelFileError, match=r"GGML type 16, which Device Control does not dequantise \(it reads F32"):
-        block_type(16, "blk.0.attn_q.weight")
-    assert block_type(12).name == "Q4_K"
+        ggml_type(16, "blk.0.attn_q.weight")
+    assert ggml_type(12).name == "Q4_K"
 
 
-def test_every_type_we_read_has_the_size_ggml_gives_it():
-    for kind in BLOCK_TYPES.values():
+def test_every_type_we_read_has_the_size_ggml_gives_it_and_a_decoder():
+    assert set(DECODERS) == set(GGML_TYPES)
+    for kind in GGML_TYPES.values():
         assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind.ggml_id)] == (kind.values, kind.size), kind.name
         assert gguf.GGMLQuantizationType(kind.ggml_id).name == kind.name
