@@ -13,7 +13,9 @@ after the queue went idle.
 
 ``GET /device_control/profile`` answers the latest prompt's profile, ``?prompt_id=`` a given one (of the last
 20), ``?format=markdown`` as a table for a bug report; at the end of each prompt ``device_control.profile`` goes
-to the client that queued it and to every open panel. ``DEVICE_CONTROL_PROFILE=off`` records nothing.
+to the client that queued it and to every open panel. ``DEVICE_CONTROL_PROFILE=off`` records nothing. A node's
+peak comes from the device's peak counter, which the readings do not reset unless ``DEVICE_CONTROL_PEAKS=reset``
+(``core.devices.peaks``): a node that set no new high has a peak of at least what the readings saw.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from aiohttp import web
 
 from ..core.devices.backends import label_of
 from ..core.devices.inventory import InventorySnapshot
+from ..core.devices.peaks import Peak
 from ..core.devices.tensors import copied_onto
 from ..core.monitor.profile import Reading, Recorder
 from . import bridge, surface
@@ -50,13 +53,20 @@ def _read() -> Reading:
     }
     used["cpu"] = snapshot.host.process_rss
     models, _notes = bridge.loaded_models(snapshot)
+    values, bounded = _peak_figures(peaks)
     return Reading(
         used,
-        peaks,
+        values,
         {model.key: (model.name, dict(model.resident)) for model in models},
         frozenset(model.key for model in models if model.partial),
         _streamed(snapshot),
+        bounded,
     )
+
+
+def _peak_figures(peaks: Mapping[str, Peak]) -> tuple[dict[str, int], frozenset[str]]:
+    """Each device's peak in bytes, and the devices whose peak is only a lower bound."""
+    return {d: peak.value for d, peak in peaks.items()}, frozenset(d for d, peak in peaks.items() if not peak.exact)
 
 
 def _streamed(snapshot: InventorySnapshot) -> dict[str, int]:

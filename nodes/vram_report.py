@@ -141,7 +141,9 @@ class VRAMReport(io.ComfyNode):
         cls, label: str = "", devices: str = ALL_DEVICES, value: Any = None, profile: bool = False
     ) -> io.NodeOutput:
         report = make_report(value, label, devices)
-        inventory.reset_peaks()  # the next report's peaks are those since this one (a sampler's, say)
+        # The next report's peaks are those since this one (a sampler's, say); the counters are reset only under
+        # DEVICE_CONTROL_PEAKS=reset.
+        inventory.reset_peaks()
         text, as_json = report.to_text(), report.to_json()
         if profile:
             text += "\n" + profile_so_far()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -28,6 +29,7 @@ from .backends import (
     default_backends,
     this_process,
 )
+from .peaks import RESET, Mark, Peak, interval_peak, peaks_from_env
 
 log = logging.getLogger("device_control")
 
@@ -133,24 +135,39 @@ class DeviceInventory:
     """All devices: those every backend probe finds, then those of the backends the settings add (numbered after
     the real accelerators).
 
+    Two measures of each device's peak allocation run side by side, each from its own start: the VRAM Report's,
+    since the previous report (:meth:`snapshot`, restarted by :meth:`reset_peaks`), and the memory profile's,
+    since its previous reading (:meth:`take_reading`); the report's interval counts the profile's readings taken
+    inside it. With ``peak_mode`` ``keep`` no backend's peak counter is ever reset (``core.devices.peaks``).
+
     Args:
         backends: the probes to ask (default: every backend torch may have).
         extra: backends the settings add (the simulated GPUs of ``DEVICE_CONTROL_SIMULATE_GPU``).
+        peak_mode: ``keep`` or ``reset`` (default: ``DEVICE_CONTROL_PEAKS``, else ``keep``).
     """
 
     backends: Sequence[DeviceBackend] = field(default_factory=default_backends)
     extra: Sequence[DeviceBackend] = ()
-    #: The peaks :meth:`take_reading` started again, by device id: still part of the peak :meth:`snapshot` reports.
-    _carried: dict[str, int] = field(default_factory=dict, init=False, repr=False)
+    peak_mode: str = field(default_factory=peaks_from_env)
+    #: Where each measure's current interval started, by device id (absent: when the counter itself started).
+    _report_start: dict[str, Mark] = field(default_factory=dict, init=False, repr=False)
+    _reading_start: dict[str, Mark] = field(default_factory=dict, init=False, repr=False)
+    #: The highest peak the profile's readings took inside the report's interval, by device id.
+    _carried: dict[str, Peak] = field(default_factory=dict, init=False, repr=False)
+    #: Whether the profile's current reading began inside the report's interval (only then is its peak carried).
+    _reading_inside: bool = field(default=True, init=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def _probes(self) -> list[DeviceBackend]:
         """The probes in numbering order: real accelerators, then the added ones (the host is not numbered)."""
         return [*self.backends, *self.extra]
 
     def snapshot(self) -> InventorySnapshot:
-        """Query every backend now. Never raises because a backend failed."""
+        """Query every backend now, each device's peak since the previous report. Never raises because a backend
+        failed."""
         queried = self._query()
-        return replace(queried, devices=tuple(self._with_carried(queried.devices)))
+        with self._lock:
+            return replace(queried, devices=tuple(self._report_peaks(queried.devices)))
 
     def _query(self) -> InventorySnapshot:
         """Every backend's answer now, its peaks as the backend counts them."""
@@ -174,34 +191,50 @@ class DeviceInventory:
             statuses.append(BackendStatus(backend.name, True, len(found)))
         return InventorySnapshot(tuple(devices), tuple(statuses), host_memory())
 
-    def _with_carried(self, devices: Sequence[DeviceInfo]) -> Iterator[DeviceInfo]:
+    def _report_peaks(self, devices: Sequence[DeviceInfo]) -> Iterator[DeviceInfo]:
+        """``devices`` with the peak of the report's interval (under the lock)."""
+        marks = _marks(devices)
         for info in devices:
-            carried = self._carried.get(info.id)
-            if carried is not None and info.peak_allocated is not None and carried > info.peak_allocated:
-                info = replace(info, peak_allocated=carried)
+            if info.id in marks:
+                peak = interval_peak(self._report_start.get(info.id), marks[info.id], self._carried.get(info.id))
+                info = replace(info, peak_allocated=peak.value, peak_bounded=not peak.exact)
             yield info
 
-    def take_reading(self) -> tuple[InventorySnapshot, dict[str, int]]:
-        """A snapshot, and each device's peak allocation since the previous reading (or the last
-        :meth:`reset_peaks`), by device id, which starts again: a shorter measure (one node of a profile)
-        inside the longer one the VRAM Report reads, which still counts the peaks taken. Never raises (a
-        device that fails is left out of the peaks)."""
+    def take_reading(self) -> tuple[InventorySnapshot, dict[str, Peak]]:
+        """A snapshot (its peaks the report's), and each device's peak since the previous reading, by device id: a
+        shorter measure (one node of a profile) inside the longer one the VRAM Report reads, which counts it.
+        Never raises (a device that fails is left out of the peaks)."""
         queried = self._query()
-        peaks = {
-            info.id: info.peak_allocated
-            for info in queried.devices
-            if info.id and info.peak_allocated is not None and info.error is None
-        }
-        self._restart_backends()
-        for device_id, peak in peaks.items():
-            self._carried[device_id] = max(self._carried.get(device_id, 0), peak)
-        return replace(queried, devices=tuple(self._with_carried(queried.devices))), peaks
+        marks = _marks(queried.devices)
+        restart = self.peak_mode == RESET
+        if restart:
+            self._restart_backends()
+        with self._lock:
+            peaks = {device: interval_peak(self._reading_start.get(device), mark) for device, mark in marks.items()}
+            if self._reading_inside:
+                for device, peak in peaks.items():
+                    held = self._carried.get(device)
+                    self._carried[device] = peak if held is None or peak.value > held.value else held
+            self._reading_start, self._reading_inside = ({} if restart else marks), True
+            devices = tuple(self._report_peaks(queried.devices))
+        return replace(queried, devices=devices), peaks
 
     def reset_peaks(self) -> None:
-        """Start measuring every device's peak allocation again from now. Never raises: a backend that fails
-        keeps its old peak, which only makes the next figure larger, never wrong the other way."""
-        self._carried.clear()
-        self._restart_backends()
+        """Start the VRAM Report's measure of every device's peak again from now. Under ``keep`` it notes each
+        counter where it stands; under ``reset`` it resets the counters. Never raises: a backend that fails keeps
+        its old peak, which only makes the next figure larger, never wrong the other way."""
+        if self.peak_mode == RESET:
+            self._restart_backends()
+            marks: dict[str, Mark] = {}
+        else:
+            marks = _marks(self._query().devices)
+        with self._lock:
+            self._carried.clear()
+            self._report_start = marks
+            if self.peak_mode == RESET:  # the profile's counters started again too
+                self._reading_start = {}
+            else:  # the profile's current reading began before: its peak may be from before this report
+                self._reading_inside = False
 
     def _restart_backends(self) -> None:
         for backend in self._probes():
@@ -275,6 +308,15 @@ def _usable_accelerators(snapshot: InventorySnapshot) -> Iterator[DeviceInfo]:
     for device in snapshot.devices:
         if device.id and device.error is None and device.is_accelerator:
             yield device
+
+
+def _marks(devices: Sequence[DeviceInfo]) -> dict[str, Mark]:
+    """Each device's peak counter and allocation, by id (those whose query failed, or with no counter, left out)."""
+    return {
+        info.id: Mark(info.peak_allocated, info.torch_allocated or 0)
+        for info in devices
+        if info.id and info.peak_allocated is not None and info.error is None
+    }
 
 
 def _with_id(info: DeviceInfo, device_id: str) -> DeviceInfo:

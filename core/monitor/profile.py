@@ -8,8 +8,8 @@ what changed between the two readings of a node: a model that appeared on a GPU 
 loaded`` when part of it stayed off its compute device), one that left every GPU was offloaded (``evicted``
 when another model arrived on that GPU in the same node), one whose bytes moved between devices was moved; and
 the bytes copied onto a GPU that did not stay there were streamed. The readings of memory are the books of each
-device: the allocator's bytes on a GPU (and its peak, which the host resets at each node's start), the process's
-resident set on the CPU.
+device: the allocator's bytes on a GPU (and its peak since the previous reading, which the host may know only as a
+lower bound: ``peak_bounded`` names those devices, shown with a "≥"), the process's resident set on the CPU.
 
 Profiles of the last :data:`KEEP` prompts are kept; a profile never grows past :data:`MAX_NODES` nodes nor
 :data:`MAX_EVENTS` events per node (what is left out is counted), and every method is quick and takes one lock
@@ -47,13 +47,15 @@ Models = Mapping[str, tuple[str, Mapping[str, int]]]
 class Reading:
     """One reading of the host: the bytes in use on every device, each device's peak since the previous reading
     (the reading starts it again), the resident models, the keys of those partly off their compute device
-    (``partial``), and the bytes copied onto each device so far (``streamed``: a running count)."""
+    (``partial``), the bytes copied onto each device so far (``streamed``: a running count), and the devices whose
+    peak is only a lower bound (``bounded``)."""
 
     used: Memory
     peaks: Memory
     models: Models
     partial: frozenset[str] = frozenset()
     streamed: Memory = field(default_factory=dict)
+    bounded: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,8 @@ class ModelEvent:
 @dataclass
 class NodeProfile:
     """One node of a run. ``status`` is ``running``, ``executed``, ``cached`` or ``failed``; ``start`` and ``wall``
-    are seconds from the prompt's start; memory figures are bytes by device id."""
+    are seconds from the prompt's start; memory figures are bytes by device id; ``peak_bounded`` lists the devices
+    whose peak is only a lower bound ("at least")."""
 
     node: str
     class_type: str
@@ -88,6 +91,11 @@ class NodeProfile:
     peak: dict[str, int] = field(default_factory=dict)
     events: list[ModelEvent] = field(default_factory=list)
     events_left_out: int = 0
+    peak_bounded: list[str] = field(default_factory=list)
+
+    def peak_text(self, device: str) -> str:
+        """The peak on ``device`` for people: ``3.20 GiB``, or ``≥ 3.20 GiB`` where it is a lower bound."""
+        return ("≥ " if device in self.peak_bounded else "") + format_bytes(self.peak[device])
 
 
 @dataclass
@@ -127,8 +135,8 @@ class PromptProfile:
         heaviest = self.heaviest()
         if heaviest is None:
             return "heaviest node so far: none (no node has run yet)"
-        node, device, peak = heaviest
-        return f"heaviest node so far: {node.title} ({node.node}), {format_bytes(peak)} on {device}"
+        node, device, _peak = heaviest
+        return f"heaviest node so far: {node.title} ({node.node}), {node.peak_text(device)} on {device}"
 
     def markdown(self) -> str:
         """A markdown table of the nodes, for a bug report."""
@@ -141,7 +149,7 @@ class PromptProfile:
             _row(["---"] * len(head)),
         ]
         for node in self.nodes:
-            peaks = [format_bytes(node.peak[device]) if device in node.peak else "" for device in devices]
+            peaks = [node.peak_text(device) if device in node.peak else "" for device in devices]
             events = "; ".join(f"{e.kind} {e.model} ({format_bytes(e.bytes)})" for e in node.events)
             lines.append(
                 _row(
@@ -188,7 +196,7 @@ class Recorder:
                 self._origin.pop(old, None)
 
     def node_started(self, prompt_id: str, node: str, class_type: str, title: str) -> None:
-        """``node`` starts executing: the memory before it, the peaks reset."""
+        """``node`` starts executing: the memory before it; its peaks are measured from here."""
         self.prompt_started(prompt_id)
         began = self._clock()
         reading = self._read()
@@ -212,6 +220,7 @@ class Recorder:
             used = reading.used
             record.status, record.wall, record.after = "executed", now - record.start, dict(used)
             record.peak = {d: max(reading.peaks.get(d, 0), record.before.get(d, 0), n) for d, n in used.items()}
+            record.peak_bounded = sorted(reading.bounded & record.peak.keys())
             events = model_events(first.models, reading.models, now, reading.partial)
             events += streamed_events(first, reading, now)
             record.events, record.events_left_out = events[:MAX_EVENTS], max(0, len(events) - MAX_EVENTS)

@@ -17,6 +17,7 @@ import torch
 
 from ..devices.backends import DeviceInfo
 from ..devices.inventory import HostMemory, InventorySnapshot
+from ..devices.peaks import PEAKS_ENV
 from ..units import format_bytes
 
 
@@ -163,12 +164,21 @@ def _device_line(device: DeviceInfo) -> str:
         allocated, reserved = format_bytes(device.torch_allocated), format_bytes(device.torch_reserved)
         parts.append(f"torch allocated {allocated} / reserved {reserved}")
     if device.peak_allocated is not None:
-        parts.append(f"peak since the previous report {format_bytes(device.peak_allocated)}")
+        parts.append(_peak_part(device))
     if device.used_by_others:
         parts.append(f"other processes {format_bytes(device.used_by_others)}")
     if device.is_accelerator:
         parts.append(f"computes in {'/'.join(device.dtypes)}")
     return f"{head}: " + "; ".join(parts)
+
+
+def _peak_part(device: DeviceInfo) -> str:
+    """The device's peak since the previous report; one that is only a lower bound says so, and how to get it
+    exact."""
+    figure = format_bytes(device.peak_allocated)
+    if not device.peak_bounded:
+        return f"peak since the previous report {figure}"
+    return f"peak since the previous report ≥ {figure} (not a new high; {PEAKS_ENV}=reset for exact peaks)"
 
 
 def _model_line(model: ModelResidency) -> str:

@@ -112,6 +112,19 @@ def test_cuda_reports_every_card_with_its_memory_and_what_it_computes_in(fake):
     assert module.reset == [0, 1]
 
 
+def test_reports_and_profile_readings_leave_torchs_peak_counters_alone_by_default(fake, monkeypatch):
+    monkeypatch.delenv("DEVICE_CONTROL_PEAKS", raising=False)
+    module = fake("cuda", FakeTorchModule([FakeCard("RTX 3090"), FakeCard("RTX 3060")]))
+    inventory = DeviceInventory(backends=[backends.CudaBackend(), backends.CpuBackend()])
+    inventory.take_reading()  # a node of the memory profile starts, and ends
+    inventory.take_reading()
+    inventory.snapshot()  # a VRAM Report, then the start of its next interval
+    inventory.reset_peaks()
+    assert module.reset == []  # another tool's torch.cuda.max_memory_allocated is what torch counted
+    DeviceInventory(backends=[backends.CudaBackend()], peak_mode="reset").reset_peaks()
+    assert module.reset == [0, 1]  # DEVICE_CONTROL_PEAKS=reset: the old exact measure
+
+
 def test_rocm_is_named_so_and_its_dtypes_come_from_the_gfx_architecture(fake):
     cards = [
         FakeCard("MI300X", arch="gfx942:sramecc+:xnack-"),

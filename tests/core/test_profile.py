@@ -11,6 +11,7 @@ import torch
 
 from core.devices.backends import CpuBackend, simulated_backends
 from core.devices.inventory import DeviceInventory
+from core.devices.peaks import KEEP, RESET, Peak
 from core.devices.simulated import SimulatedDevice
 from core.monitor import profile as profiling
 from core.monitor.profile import Reading, Recorder, model_events, streamed_events
@@ -19,11 +20,14 @@ MiB = 1024**2
 
 
 class Books:
-    """A simulated GPU in an inventory, and a model whose residency the recorder reads."""
+    """A simulated GPU in an inventory (its peak counters kept, unless ``peak_mode`` says reset), and a model
+    whose residency the recorder reads."""
 
-    def __init__(self) -> None:
+    def __init__(self, peak_mode: str = KEEP) -> None:
         self.gpu = SimulatedDevice(64 * MiB)
-        self.inventory = DeviceInventory(backends=[CpuBackend()], extra=simulated_backends([self.gpu]))
+        self.inventory = DeviceInventory(
+            backends=[CpuBackend()], extra=simulated_backends([self.gpu]), peak_mode=peak_mode
+        )
         self.model = torch.nn.Linear(1024, 1024)  # 4 MiB of weights in fp32
         self.held: torch.Tensor | None = None
 
@@ -31,7 +35,9 @@ class Books:
         snapshot, peaks = self.inventory.take_reading()
         used = {info.id: info.torch_allocated or 0 for info in snapshot.devices if info.id}
         resident = {"cpu": 4 * MiB} if self.held is None else {"gpu:0": self.held.nbytes}
-        return Reading(used, peaks, {"m": ("Linear", resident)})
+        bounded = frozenset(device for device, peak in peaks.items() if not peak.exact)
+        values = {device: peak.value for device, peak in peaks.items()}
+        return Reading(used, values, {"m": ("Linear", resident)}, bounded=bounded)
 
     def recorder(self, clock=None) -> Recorder:
         return Recorder(self.read) if clock is None else Recorder(self.read, clock=clock)
@@ -64,26 +70,46 @@ def test_each_node_gets_its_time_memory_peak_and_model_events():
     )
     assert [(e["kind"], e["bytes"]) for e in move["events"]] == [("loaded", 4 * MiB)]
     assert sampler["peak"]["gpu:0"] == 12 * MiB and sampler["after"]["gpu:0"] == 4 * MiB  # the allocator's peak
+    assert sampler["peak_bounded"] == [] and move["peak_bounded"] == []  # each set a new high: exact
     assert cached["status"] == "cached" and cached["peak"] == {}
     assert [(e["kind"], e["bytes"]) for e in offload["events"]] == [("offloaded", 4 * MiB)]
     assert offload["after"]["gpu:0"] == 0
+    assert offload["peak"]["gpu:0"] == 4 * MiB and offload["peak_bounded"] == ["gpu:0"]  # no new high: at least
     assert data["heaviest"] == {"node": "7", "device": "gpu:0"} and data["recording"] > 0
     assert recorder.latest().summary() == "heaviest node so far: KSampler (7), 12.00 MiB on gpu:0"
     table = recorder.markdown("p1")
     assert "| KSampler (7) | Sampler | executed |" in table and "| Load (2) | Loader | cached |" in table
+    assert "| Offload To CPU (9) | Offload | executed |" in table and "| ≥ 4.00 MiB |" in table
 
 
-def test_the_vram_reports_peak_still_counts_the_peaks_taken_per_node():
-    books = Books()
+def test_reset_mode_the_vram_reports_peak_still_counts_the_peaks_taken_per_node():
+    books = Books(peak_mode=RESET)
     books.inventory.reset_peaks()
     scratch = books.gpu.place(torch.zeros(16 * MiB // 4))
     del scratch
-    assert books.inventory.take_reading()[1]["gpu:0"] == 16 * MiB  # one node's peak
+    assert books.inventory.take_reading()[1]["gpu:0"] == Peak(16 * MiB)  # one node's peak
     snapshot, peaks = books.inventory.take_reading()
-    assert peaks["gpu:0"] == 0 and snapshot.get("gpu:0").peak_allocated == 16 * MiB  # started again, still counted
+    assert peaks["gpu:0"] == Peak(0) and snapshot.get("gpu:0").peak_allocated == 16 * MiB  # started again, counted
     assert books.inventory.snapshot().get("gpu:0").peak_allocated == 16 * MiB  # the report's: since it reset
     books.inventory.reset_peaks()
     assert books.inventory.snapshot().get("gpu:0").peak_allocated == 0
+
+
+def test_a_peak_known_only_as_a_lower_bound_reads_at_least_in_the_summary_and_the_table():
+    readings = iter(
+        [
+            Reading({"gpu:0": MiB}, {"gpu:0": MiB}, {}),
+            Reading({"gpu:0": 2 * MiB}, {"gpu:0": 2 * MiB}, {}, bounded=frozenset({"gpu:0"})),
+        ]
+    )
+    recorder = Recorder(lambda: next(readings))
+    recorder.node_started("p", "3", "Decode", "VAE Decode")
+    recorder.node_finished("p", "3")
+    node = recorder.profile("p")["nodes"][0]
+    assert (node["peak"], node["peak_bounded"]) == ({"gpu:0": 2 * MiB}, ["gpu:0"])
+    assert recorder.latest().summary() == "heaviest node so far: VAE Decode (3), ≥ 2.00 MiB on gpu:0"
+    table = recorder.markdown("p")
+    assert "| VAE Decode (3) | Decode | executed | " in table and "| ≥ 2.00 MiB |" in table
 
 
 def test_a_node_that_never_finished_failed_and_only_the_last_twenty_prompts_are_kept():

@@ -66,16 +66,32 @@ def test_text_report_has_every_section_and_figure():
     assert "Notes:\n  - something to know" in text
 
 
-def test_a_device_s_peak_since_the_previous_report_is_shown_and_reset_by_the_inventory():
+def test_a_device_s_peak_since_the_previous_report_is_shown_and_restarted_by_the_inventory():
     sim = SimulatedDevice(8 * GiB)
-    inventory = DeviceInventory(backends=[CpuBackend()], extra=simulated_backends([sim]))
+    inventory = DeviceInventory(backends=[CpuBackend()], extra=simulated_backends([sim]), peak_mode="keep")
     kept = sim.place(torch.zeros(256, 1024))  # 1 MiB that stays
     scratch = sim.place(torch.zeros(1024, 1024))  # 4 MiB, gone before the report: the peak remembers it
     del scratch
     text = build_report(inventory.snapshot(), [], MODE).to_text()
-    assert "peak since the previous report 5.00 MiB" in text
-    inventory.reset_peaks()  # the VRAM Report node does this after each report
-    assert inventory.snapshot().get("gpu:0").peak_allocated == sim.allocated() == 1024**2
+    assert "peak since the previous report 5.00 MiB;" in text
+    inventory.reset_peaks()  # the VRAM Report node does this after each report; the counter is not reset
+    assert sim.peak_allocated() == 5 * 1024**2
+    report = build_report(inventory.snapshot(), [], MODE)  # no new high since: at least what it holds
+    assert "peak since the previous report ≥ 1.00 MiB (not a new high; DEVICE_CONTROL_PEAKS=reset" in report.to_text()
+    device = next(d for d in report.to_dict()["devices"] if d["id"] == "gpu:0")
+    assert (device["peak_allocated"], device["peak_bounded"]) == (sim.allocated(), True) == (1024**2, True)
+    del kept
+
+
+def test_reset_mode_resets_the_counter_after_each_report_for_exact_peaks():
+    sim = SimulatedDevice(8 * GiB)
+    inventory = DeviceInventory(backends=[CpuBackend()], extra=simulated_backends([sim]), peak_mode="reset")
+    kept = sim.place(torch.zeros(256, 1024))
+    scratch = sim.place(torch.zeros(1024, 1024))
+    del scratch
+    inventory.reset_peaks()
+    info = inventory.snapshot().get("gpu:0")
+    assert (info.peak_allocated, info.peak_bounded) == (sim.peak_allocated(), False) == (1024**2, False)
     del kept
 
 

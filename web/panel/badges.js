@@ -1,10 +1,11 @@
 // Device Control: after a run, a badge above each node that ran, with its peak memory and its time; the heaviest
-// node's badge is orange and marked. The peak is the highest on an accelerator (RAM where the run used none).
+// node's badge is orange and marked. The peak is the highest on an accelerator (RAM where the run used none); a peak
+// the profile knows only as a lower bound (listed in the node's `peak_bounded`) reads "≥".
 // Pure module: it computes the badges from a profile and draws one on a canvas context it is given, in the node's
 // own coordinates; `drawn` keeps what was last drawn per node (graph coordinates), for the tests' geometry checks.
 
-import { formatBytes, seconds } from "./format.js";
-import { profileDevices, ranNodes } from "./run_chart.js";
+import { seconds } from "./format.js";
+import { peakText, profileDevices, ranNodes } from "./run_chart.js";
 
 const FONT = "11px sans-serif";
 const HEIGHT = 16;
@@ -20,7 +21,7 @@ function peakOf(node, accelerators) {
   return candidates.reduce((best, entry) => (best === null || entry[1] > best[1] ? entry : best), null);
 }
 
-/** The badges of a profile, by node id: {text, node, classType, device, peak, wall, status, heaviest}. */
+/** The badges of a profile, by node id: {text, node, classType, device, peak, bounded, wall, status, heaviest}. */
 export function nodeBadges(profile, decimal) {
   const badges = new Map();
   if (!profile) return badges;
@@ -28,7 +29,7 @@ export function nodeBadges(profile, decimal) {
   for (const node of ranNodes(profile)) {
     const [device, peak] = peakOf(node, accelerators) ?? peakOf(node, false) ?? [null, null];
     const heaviest = profile.heaviest?.node === node.node;
-    const memory = device === null ? "" : `${formatBytes(peak, decimal)} ${device === "cpu" ? "RAM" : device} · `;
+    const memory = device === null ? "" : `${peakText(node, device, decimal)} ${device === "cpu" ? "RAM" : device} · `;
     const status = node.status === "failed" ? "failed · " : "";
     const text = `${heaviest ? "▲ " : ""}${status}${memory}${seconds(node.wall)}`;
     badges.set(String(node.node), {
@@ -37,6 +38,7 @@ export function nodeBadges(profile, decimal) {
       classType: node.class_type,
       device,
       peak,
+      bounded: (node.peak_bounded ?? []).includes(device),
       wall: node.wall,
       status: node.status,
       heaviest,

@@ -27,6 +27,13 @@ export function ranNodes(profile) {
   return (profile?.nodes ?? []).filter((n) => n.status === "executed" || n.status === "failed");
 }
 
+/** A node's peak on device `id` for people: "3.20 GiB", or "≥ 3.20 GiB" where the profile knows only that much
+ * (no new high was set during the node, and the peak counters are kept: DEVICE_CONTROL_PEAKS). */
+export function peakText(node, id, decimal) {
+  const bounded = (node.peak_bounded ?? []).includes(id);
+  return `${bounded ? "≥ " : ""}${formatBytes(node.peak?.[id], decimal)}`;
+}
+
 /** The devices a profile measured: accelerators in name order, then the CPU. */
 export function profileDevices(profile) {
   const ids = new Set();
@@ -217,8 +224,8 @@ export class RunChart {
     const band = this.layout.bands.find((b) => x >= b.x0 && x <= b.x1);
     if (!band) return "";
     const node = ranNodes(this.profile).find((n) => n.node === band.node);
-    const peaks = Object.entries(node.peak ?? {})
-      .map(([id, bytes]) => `${formatBytes(bytes, decimal)} on ${id}`)
+    const peaks = Object.keys(node.peak ?? {})
+      .map((id) => `${peakText(node, id, decimal)} on ${id}`)
       .join(", ");
     const heaviest = band.heaviest ? ", the heaviest node" : "";
     return `${node.title} (#${node.node}, ${node.status}${heaviest}): ${seconds(node.wall)}; peak ${peaks || "n/a"}`;

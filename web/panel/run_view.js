@@ -3,10 +3,11 @@
 // one. Text goes in with textContent only. No ComfyUI imports: the entry file passes the exports in.
 
 import { button, element, legendEntry } from "./dom.js";
-import { formatBytes, seconds } from "./format.js";
-import { RunChart, deviceColor, profileDevices, ranNodes } from "./run_chart.js";
+import { seconds } from "./format.js";
+import { RunChart, deviceColor, peakText, profileDevices, ranNodes } from "./run_chart.js";
 
-/** "prompt 1a2b3c4d · success · 12.3 s · 9 nodes ran, 2 cached · heaviest: KSampler (8), 3.40 GiB on gpu:0". */
+/** "prompt 1a2b3c4d · success · 12.3 s · 9 nodes ran, 2 cached · heaviest: KSampler (8), 3.40 GiB on gpu:0" (a
+ * peak known only as a lower bound reads "≥ 3.40 GiB"). */
 export function runSummary(profile, decimal) {
   const ran = ranNodes(profile).length;
   const cached = (profile.nodes ?? []).filter((n) => n.status === "cached").length;
@@ -19,7 +20,7 @@ export function runSummary(profile, decimal) {
   const heaviest = profile.heaviest && profile.nodes.find((n) => n.node === profile.heaviest.node);
   if (heaviest) {
     const device = profile.heaviest.device;
-    parts.push(`heaviest: ${heaviest.title} (${heaviest.node}), ${formatBytes(heaviest.peak[device], decimal)} on ${device}`);
+    parts.push(`heaviest: ${heaviest.title} (${heaviest.node}), ${peakText(heaviest, device, decimal)} on ${device}`);
   }
   return parts.join(" · ");
 }

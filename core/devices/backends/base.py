@@ -35,8 +35,9 @@ class DeviceInfo:
     Memory figures are bytes, or ``None`` where the backend cannot tell. ``free`` is what the driver
     reports free; memory torch has reserved but not allocated (its cache) is counted in
     ``torch_reserved`` and can be given back with ``empty_cache``. ``peak_allocated`` is the most torch
-    held at once since the peaks were last reset (:meth:`DeviceInventory.reset_peaks`, which the VRAM
-    Report calls, so it reads "since the previous report").
+    held at once: as a backend reports it, its peak counter; in an inventory's snapshot, the peak since the VRAM
+    Report's previous report (:meth:`DeviceInventory.reset_peaks`), which ``peak_bounded`` marks as only a lower
+    bound (no new high was set since, and the counters are not reset: ``core.devices.peaks``).
     """
 
     id: str
@@ -52,6 +53,7 @@ class DeviceInfo:
     error: str | None = None
     peak_allocated: int | None = None
     torch_visible: bool = True
+    peak_bounded: bool = False
 
     @property
     def used(self) -> int | None:
@@ -110,7 +112,8 @@ class DeviceBackend:
         return []
 
     def reset_peaks(self) -> None:
-        """Start measuring each device's peak allocation again from now (a no-op where there is none)."""
+        """Start measuring each device's peak allocation again from now (a no-op where there is none). The counter
+        is global (other tools read torch's): the inventory calls this only under ``DEVICE_CONTROL_PEAKS=reset``."""
 
     def target_for(self, info: DeviceInfo) -> Target:
         """The target that places a model on the device ``info`` describes."""
