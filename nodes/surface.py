@@ -53,6 +53,7 @@ COMFY_SYMBOLS: dict[str, tuple[str, ...]] = {
         "ComfyNode",
         "Custom",
         "Hidden",
+        "MatchType",
         "Model",
         "MultiType",
         "NodeOutput",
@@ -181,6 +182,7 @@ COMFY_ATTRIBUTES: dict[str, tuple[str, ...]] = {
 OPTIONAL: frozenset[str] = frozenset(
     {
         "comfy.float._CK_STOCHASTIC_ROUNDING_AVAILABLE",
+        "comfy_api.latest.io.MatchType",
         "comfy.memory_management.aimdo_enabled",
         "comfy.model_management.TOTAL_PINNED_MEMORY",
         "comfy.utils.convert_old_quants",
@@ -354,11 +356,9 @@ def fp8_rounding_noise() -> str:
 
 
 def classic_clone(patcher: Any) -> Any:
-    """A classic (non-dynamic) clone of a Dynamic VRAM patcher, sharing weights as ComfyUI allows.
-
-    ComfyUI rebuilds a dynamic model's classic twin from its loader (``cached_patcher_init``: the file is read
-    again). Where the patcher offers ``get_non_dynamic_delegate`` (ComfyUI 0.2x), that twin is kept and reused,
-    so a second placement does not read the file again; before, every ``clone(disable_dynamic=True)`` read it."""
+    """A classic (non-dynamic) clone of a Dynamic VRAM patcher, sharing weights. Where the patcher offers
+    ``get_non_dynamic_delegate`` (ComfyUI 0.2x), its classic twin is kept and reused; before, every
+    ``clone(disable_dynamic=True)`` rebuilt one from the loader (``cached_patcher_init``), reading the file again."""
     delegate = getattr(patcher, "get_non_dynamic_delegate", None)
     return delegate() if callable(delegate) else patcher.clone(disable_dynamic=True)
 

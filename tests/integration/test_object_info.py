@@ -2,6 +2,18 @@
 
 from __future__ import annotations
 
+import pytest
+
+from tools.comfy_server import ComfyError
+from tools.make_fixtures import SD15_CLIP_L
+from tools.runtime import DEFAULT_VERSION
+
+MATCH_TYPE = "COMFY_MATCHTYPE_V3"
+#: The ComfyUIs tested whose MatchType works (its template writes the allowed types one per comma, the frontend is
+#: told which output follows it, and a link into it validates): 0.3.52 has no ``io.MatchType``, 0.3.75 writes
+#: ``MODELCLIPVAE``.
+MATCH_TYPE_WORKS = {"0.28.0"}
+
 
 def test_our_nodes_are_registered_with_descriptions_and_tooltips(comfy_server, api):
     info = comfy_server.get("/object_info")
@@ -47,8 +59,8 @@ def test_example_workflows_are_offered_as_templates(comfy_server, api):
 def test_move_and_offload_take_any_model_and_pass_a_trigger_through(comfy_server):
     info = comfy_server.get("/object_info")
     move, offload = info["DeviceControl_MoveToGPU"], info["DeviceControl_OffloadToCPU"]
-    assert move["input"]["required"]["model"][0] == "MODEL,CLIP,VAE"
-    assert move["output"] == ["MODEL,CLIP,VAE", "*", "STRING"]
+    assert move["input"]["required"]["model"][0] in ("MODEL,CLIP,VAE", MATCH_TYPE)  # the next test says which
+    assert move["output"][1:] == ["*", "STRING"]
     assert move["input"]["optional"]["trigger"][0] == "*"
     assert move["input"]["required"]["device"][1]["options"][0] == "auto"
     assert offload["output_node"] is True and offload["output"] == ["*", "STRING"]
@@ -102,3 +114,54 @@ def test_a_fresh_offload_to_cpu_runs_and_says_when_free_amount_is_not_read(comfy
     changed = _defaults(node) | {"free_amount": "1GB"}
     ignored = comfy_server.run({"1": {"class_type": "DeviceControl_OffloadToCPU", "inputs": changed}})
     assert "free_amount '1GB' was not read: only mode 'free N GB' reads it." in ignored["outputs"]["1"]["text"][0]
+
+
+def test_move_to_gpu_gives_back_the_type_it_was_given_where_comfyui_can_say_so(comfy_server):
+    move = comfy_server.get("/object_info/DeviceControl_MoveToGPU")["DeviceControl_MoveToGPU"]
+    model = move["input"]["required"]["model"]
+    if DEFAULT_VERSION in MATCH_TYPE_WORKS:  # the input and the output share a template: the editor types the
+        # output as whatever is connected to the input
+        assert model[0] == MATCH_TYPE
+        assert model[1]["template"] == {"template_id": "model", "allowed_types": "MODEL,CLIP,VAE"}
+        assert move["output"][0] == MATCH_TYPE and move["output_name"][0] == "model"
+        assert move["output_matchtypes"] == ["model", None, None]
+    else:  # the types of before: any of the three in, all three out
+        assert model[0] == "MODEL,CLIP,VAE" and "template" not in model[1]
+        assert move["output"][0] == "MODEL,CLIP,VAE" and move["output_name"][0] == "model"
+        assert not any(move.get("output_matchtypes") or [])
+    assert model[1]["tooltip"] and move["output_tooltips"][0]
+    offload = comfy_server.get("/object_info/DeviceControl_OffloadToCPU")["DeviceControl_OffloadToCPU"]
+    assert offload["input"]["optional"]["model"][0] == "MODEL,CLIP,VAE"  # no model output: nothing to follow
+
+
+def _moved_clip_prompt(encoder: str = "CLIPTextEncode") -> dict:
+    """A CLIP loaded by ComfyUI's CLIP loader, moved, and encoded; a VRAM Report makes it run."""
+    return {
+        "1": {"class_type": "CLIPLoader", "inputs": {"clip_name": SD15_CLIP_L, "type": "stable_diffusion"}},
+        "2": {
+            "class_type": "DeviceControl_MoveToGPU",
+            "inputs": {"model": ["1", 0], "device": "auto", "vram_budget": "all", "keep_resident": False},
+        },
+        "3": {"class_type": encoder, "inputs": {"clip": ["2", 0], "text": "a moved text encoder"}},
+        "4": {"class_type": "DeviceControl_VRAMReport", "inputs": {"label": "", "devices": "all", "value": ["3", 0]}},
+    }
+
+
+def test_a_clip_moved_by_move_to_gpu_feeds_clip_text_encode(comfy_server, api):
+    entry = comfy_server.run(_moved_clip_prompt())
+    assert "resident on" in entry["outputs"]["2"]["text"][0]
+    assert api.report_json(entry, "4")["label"] == ""
+
+
+@pytest.mark.parametrize(
+    ("name", "problem"),
+    [("model", r"CONDITIONING.*MODEL,CLIP,VAE"), ("vram_budget", r"CONDITIONING.*STRING")],
+)
+def test_move_to_gpu_refuses_a_link_of_the_wrong_type_when_queued(comfy_server, name, problem):
+    """ComfyUI's own check lets any link into a template's input: where one is used, the node checks them."""
+    prompt = _moved_clip_prompt()
+    prompt["3"]["inputs"]["clip"] = ["1", 0]
+    prompt["2"]["inputs"][name] = ["3", 0]  # the encoder's CONDITIONING, where a model or a budget goes
+    prompt["4"]["inputs"]["value"] = ["2", 2]  # the report runs after the move (only what an output needs is checked)
+    with pytest.raises(ComfyError, match=problem):
+        comfy_server.queue(prompt)
