@@ -11,6 +11,9 @@ cast and patched just before the rows it computes, and is released before the ne
 takes part in a slice through two methods, ``slice_multiple(shape)`` (the row multiple its slices must start on,
 or ``None`` when it needs the whole weight) and ``rows(weight, start, stop)`` (the patched slice, equal to
 the same rows of the whole patched weight). A layer with a function that cannot computes whole, as before.
+
+**Quantised weights** (``core.weights.quantized``) cross as their stored bytes and are dequantised where the
+stored dtype would be converted, whole or one row slice at a time, before any patch function.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from ..devices.backends import backend_of
 from ..devices.slices import SLICES, RowSlices
 from ..devices.tensors import Target
 from ..devices.transfer import GROUPED, LOOKAHEAD, Prefetcher, compute_target, to_target
+from .quantized import QuantizedLayout, layout_of, weight_shape
 
 #: ``compute(input, weight, bias)`` of one layer (``F.linear``, a convolution) on a weight and bias ready to use.
 Compute = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -56,8 +60,14 @@ def _copied(
         ahead.before_use(layer, target, dtype)
     bias = None
     if getattr(layer, "bias", None) is not None:
-        bias = cast_one(layer.bias, target, bias_dtype, getattr(layer, "bias_function", ()), ahead, always=True)
-    weight = cast_one(layer.weight, target, dtype, getattr(layer, "weight_function", ()), ahead, always=False)
+        bias_functions = getattr(layer, "bias_function", ())
+        bias = cast_one(
+            layer.bias, target, bias_dtype, bias_functions, ahead, always=True, layout=layout_of(layer, "bias")
+        )
+    weight_functions = getattr(layer, "weight_function", ())
+    weight = cast_one(
+        layer.weight, target, dtype, weight_functions, ahead, always=False, layout=layout_of(layer, "weight")
+    )
     return weight, bias
 
 
@@ -72,13 +82,25 @@ def _ready(
     shared with the next groups)."""
     weight, bias = views
     if bias is not None:
-        bias = _finish(bias, bias_dtype, getattr(layer, "bias_function", ()), always=True)
+        bias = _finish(
+            bias, bias_dtype, getattr(layer, "bias_function", ()), always=True, layout=layout_of(layer, "bias")
+        )
     if weight is not None:
-        weight = _finish(weight, dtype, getattr(layer, "weight_function", ()), always=False)
+        functions = getattr(layer, "weight_function", ())
+        weight = _finish(weight, dtype, functions, always=False, layout=layout_of(layer, "weight"))
     return weight, bias
 
 
-def _finish(view: torch.Tensor, dtype: torch.dtype | None, functions: Sequence, *, always: bool) -> torch.Tensor:
+def _finish(
+    view: torch.Tensor,
+    dtype: torch.dtype | None,
+    functions: Sequence,
+    *,
+    always: bool,
+    layout: QuantizedLayout | None = None,
+) -> torch.Tensor:
+    if layout is not None:  # decoding makes a private tensor: the slot stays as it is
+        return _patched(layout.decode(view, dtype), functions)
     if functions:
         result = view.to(dtype=dtype or view.dtype, copy=True)
         for function in functions:
@@ -98,22 +120,39 @@ def cast_one(
     *,
     always: bool,
     rows: tuple[int, int] | None = None,
+    layout: QuantizedLayout | None = None,
 ) -> torch.Tensor:
     """``tensor`` (its ``rows`` only, when given) on ``target`` in ``dtype`` with the owner's patch ``functions``
     applied (a copy when there are any, so the stored tensor is never changed). The weight is cast only when its
     dtype differs or functions apply; the bias is always brought to its dtype (ComfyUI's order of operations, for
-    identical results). A copy queued ahead by ``ahead`` is used when there is one."""
-    result = ahead.take(tensor, target, copy=bool(functions), rows=rows) if ahead is not None else None
-    if result is None:
-        source = tensor if rows is None else tensor.narrow(0, rows[0], rows[1] - rows[0])
-        result = to_target(source, target, copy=bool(functions))
+    identical results). A copy queued ahead by ``ahead`` is used when there is one. Quantised bytes (``layout``)
+    are dequantised on ``target`` (already a new tensor: no private copy is made first)."""
+    result = _fetch(tensor, target, ahead, copy=bool(functions) and layout is None, rows=rows)
+    if layout is not None:
+        return _patched(layout.decode(result, dtype, rows), functions)
     if always:
         result = result.to(dtype=dtype) if dtype is not None else result
     elif functions or (dtype is not None and result.dtype != dtype):
         result = result.to(dtype=dtype)
-    for function in functions:
-        result = function(result)
+    return _patched(result, functions)
+
+
+def _fetch(
+    tensor: torch.Tensor, target: Target | None, ahead: Prefetcher | None, *, copy: bool, rows: tuple[int, int] | None
+) -> torch.Tensor:
+    """``tensor`` (its ``rows``) on ``target`` as stored: the copy ``ahead`` queued for it, or one made now."""
+    result = ahead.take(tensor, target, copy=copy, rows=rows) if ahead is not None else None
+    if result is None:
+        source = tensor if rows is None else tensor.narrow(0, rows[0], rows[1] - rows[0])
+        result = to_target(source, target, copy=copy)
     return result
+
+
+def _patched(weight: torch.Tensor, functions: Sequence) -> torch.Tensor:
+    """``weight`` (a private tensor) with the owner's patch ``functions`` applied, in order."""
+    for function in functions:
+        weight = function(weight)
+    return weight
 
 
 def _take_slices(functions: Sequence, shape: tuple[int, ...], slices: RowSlices) -> bool:
@@ -135,7 +174,7 @@ def forward_in_slices(layer: torch.nn.Module, input: torch.Tensor, compute: Comp
         return None
     weight, functions = layer.weight, getattr(layer, "weight_function", ())
     dtype, target = input.dtype, compute_target(input)
-    shape = tuple(weight.shape)
+    shape, layout = weight_shape(layer), layout_of(layer, "weight")
     if backend_of(target).holds(weight, target) or not _take_slices(functions, shape, slices):
         return None  # computing where the weight is (the host, for a host input): nothing crosses
     ahead, bias = _start(layer, target, dtype)
@@ -144,7 +183,7 @@ def forward_in_slices(layer: torch.nn.Module, input: torch.Tensor, compute: Comp
         if index and ahead is not None:
             ahead.before_use(layer, target, dtype, index)
         on_rows = [_on_rows(function, start, stop) for function in functions]
-        part_weight = cast_one(weight, target, dtype, on_rows, ahead, always=False, rows=(start, stop))
+        part_weight = cast_one(weight, target, dtype, on_rows, ahead, always=False, rows=(start, stop), layout=layout)
         part = compute(input, part_weight, None if bias is None else bias[start:stop])
         del part_weight  # released before the next slice is used
         if out is None:
@@ -162,7 +201,8 @@ def _start(layer: torch.nn.Module, target: Target, dtype: torch.dtype) -> tuple[
         ahead.before_use(layer, target, dtype)
     bias = None
     if getattr(layer, "bias", None) is not None:
-        bias = cast_one(layer.bias, target, dtype, getattr(layer, "bias_function", ()), ahead, always=True)
+        functions = getattr(layer, "bias_function", ())
+        bias = cast_one(layer.bias, target, dtype, functions, ahead, always=True, layout=layout_of(layer, "bias"))
     return ahead, bias
 
 

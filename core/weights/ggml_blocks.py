@@ -172,11 +172,9 @@ DECODERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-def dequantize(
-    raw: torch.Tensor, kind: BlockLayout, shape: Sequence[int], dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    """The float tensor of ``shape`` that the bytes ``raw`` (a flat ``uint8`` tensor, on any device) hold in
-    ``kind``'s blocks, computed in float32 on ``raw``'s device and returned as ``dtype``.
+def check_bytes(raw: torch.Tensor, kind: BlockLayout, shape: Sequence[int]) -> int:
+    """The number of values ``shape`` holds, once ``raw`` is known to be the ``uint8`` bytes of that many in
+    ``kind``'s blocks.
 
     Raises:
         ModelFileError: ``raw`` is not the number of bytes ``shape`` takes in ``kind`` (a truncated tensor), or the
@@ -195,5 +193,18 @@ def dequantize(
             f"a {kind.name} tensor of shape {tuple(shape)} needs {kind.nbytes(count)} bytes, and {raw.numel()} "
             "were given: the file is truncated or damaged; download it again."
         )
+    return count
+
+
+def dequantize(
+    raw: torch.Tensor, kind: BlockLayout, shape: Sequence[int], dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The float tensor of ``shape`` that the bytes ``raw`` (a ``uint8`` tensor, on any device) hold in ``kind``'s
+    blocks, computed in float32 on ``raw``'s device and returned as ``dtype``.
+
+    Raises:
+        ModelFileError: as :func:`check_bytes`.
+    """
+    count = check_bytes(raw, kind, shape)
     values = DECODERS[kind.name](raw.reshape(-1, kind.size)) if count else raw.new_empty(0, dtype=torch.float32)
     return values.reshape(tuple(shape)).to(dtype)

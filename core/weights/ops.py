@@ -7,6 +7,8 @@ They speak the protocol of ComfyUI's own layers, so ComfyUI's model patcher driv
 * ``weight_function`` / ``bias_function``: callables applied to the cast weight and bias, in order (how a LoRA
   is applied to a layer that is not resident).
 
+A layer whose weight is quantised (``core.weights.quantized``, a GGUF model's) always computes through the cast.
+
 How the weights are made ready (and in which order, for results bit-identical to ``comfy.ops.manual_cast``)
 is ``core.weights.casting``; a Linear or convolution streamed in row slices computes its output slice by slice
 there. A per-tensor ``scale_weight`` (scaled fp8) is applied like ComfyUI's scaled-fp8 layers do.
@@ -26,6 +28,7 @@ from torch.nn import functional as F  # noqa: N812 - the name every torch user k
 from ..devices.transfer import CASTS_ANYWHERE, compute_target
 from ..progress import ProgressCallback
 from .casting import cast_weight_bias, forward_in_slices
+from .quantized import is_quantized
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float | None) -> torch.Tensor:
@@ -34,7 +37,9 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float | None) -
 
 
 def _casting(layer: torch.nn.Module) -> bool:
-    return bool(layer.comfy_cast_weights or layer.weight_function or layer.bias_function)
+    """Whether ``layer`` computes through the cast: told to, patched on the fly, or quantised (its bytes must be
+    dequantised wherever they are)."""
+    return bool(layer.comfy_cast_weights or layer.weight_function or layer.bias_function or is_quantized(layer))
 
 
 class CastLayer:

@@ -1,0 +1,82 @@
+"""Weights kept in GGML's quantised blocks (a GGUF model's), dequantised by the cast, where they compute.
+
+A quantised weight is an ordinary ``uint8`` parameter holding the file's bytes, shaped ``(rows, bytes per row)``
+for a weight of two or more dimensions: GGML quantises along the innermost dimension, so each output row is a run
+of whole blocks, and rows ``a:b`` of the bytes are the blocks of rows ``a:b`` of the weight. So the placement engine
+moves, books and budgets it like any other tensor, in quantised bytes, and streams it whole or in row slices
+unchanged. Its layer carries the GGML type and the weight's shape (:func:`layout_of`); the cast path
+(``core.weights.casting``) decodes the bytes where it would convert a stored dtype: after the copy to the compute
+device (quantised bytes cross the link, not fp16), before any patch function, so a LoRA applies to the
+dequantised weight with the same math as on any other weight. A quantised layer always computes through the cast
+(``core.weights.ops``): its stored bytes cannot be multiplied as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .ggml_blocks import BlockLayout, check_bytes, dequantize
+
+#: A layer's ``__dict__`` key: parameter name -> :class:`QuantizedLayout` of its quantised parameters.
+QUANTIZED = "device_control_quantized"
+
+
+@dataclass(frozen=True)
+class QuantizedLayout:
+    """How a quantised parameter's bytes read: its GGML type and the shape of the weight they hold."""
+
+    kind: BlockLayout
+    shape: tuple[int, ...]
+
+    def decode(self, raw: torch.Tensor, dtype: torch.dtype | None, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The weight (its ``rows`` only, when ``raw`` holds just those) in ``dtype`` (float32 when ``None``),
+        dequantised on ``raw``'s device."""
+        shape = self.shape if rows is None else (rows[1] - rows[0], *self.shape[1:])
+        return dequantize(raw.reshape(-1), self.kind, shape, dtype or torch.float32)
+
+    def row_shape(self) -> tuple[int, ...]:
+        """The stored bytes' shape: one row of blocks per output row (flat for a one-dimensional weight)."""
+        count = 1
+        for dim in self.shape:
+            count *= dim
+        total = self.kind.nbytes(count)
+        if len(self.shape) < 2:
+            return (total,)
+        return (self.shape[0], total // max(1, self.shape[0]))
+
+
+def quantize_parameter(
+    layer: torch.nn.Module, name: str, raw: torch.Tensor, kind: BlockLayout, shape: Sequence[int]
+) -> None:
+    """Make ``layer``'s parameter ``name`` hold the quantised bytes ``raw`` (a ``uint8`` tensor of the weight's
+    blocks, as the file stores them) of a ``kind`` weight of ``shape``; the layer computes through the cast from
+    now on.
+
+    Raises:
+        ModelFileError: ``raw`` is not the bytes of ``shape`` in ``kind`` (checked before anything changes).
+    """
+    layout = QuantizedLayout(kind, tuple(int(dim) for dim in shape))
+    check_bytes(raw, kind, layout.shape)
+    stored = layout.row_shape()
+    setattr(layer, name, torch.nn.Parameter(raw.reshape(stored), requires_grad=False))
+    layer.__dict__.setdefault(QUANTIZED, {})[name] = layout
+
+
+def layout_of(layer: torch.nn.Module, name: str) -> QuantizedLayout | None:
+    """The layout of ``layer``'s quantised parameter ``name``; ``None`` when it holds plain values."""
+    layouts = layer.__dict__.get(QUANTIZED)
+    return layouts.get(name) if layouts else None
+
+
+def is_quantized(layer: torch.nn.Module) -> bool:
+    """Whether any of ``layer``'s parameters holds quantised bytes (it must then compute through the cast)."""
+    return bool(layer.__dict__.get(QUANTIZED))
+
+
+def weight_shape(layer: torch.nn.Module) -> tuple[int, ...]:
+    """The shape of ``layer``'s weight as it computes (not that of its stored bytes, when quantised)."""
+    layout = layout_of(layer, "weight")
+    return layout.shape if layout is not None else tuple(layer.weight.shape)

@@ -1,0 +1,182 @@
+"""Quantised (GGUF) weights in our cast layers (``core.weights.quantized``): a layer holding GGML blocks computes
+what the same layer holding the dequantised weight computes, bit for bit, resident, streamed whole, streamed in
+row slices and through its model's ring on a simulated GPU; the device holds the quantised bytes (budgets and
+books count them, not the floats); a LoRA applies to the dequantised weight. The weights are quantised by the
+GGML project's own ``gguf.quants`` (the plain 32-value types) or are random blocks (the K types, which ``gguf``
+does not quantise), and the expected weight is ``gguf.quants.dequantize``'s."""
+
+from __future__ import annotations
+
+import gc
+from types import SimpleNamespace
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from core.detection.ggml_types import GGML_TYPES
+from core.devices.simtensor import SimTensor
+from core.devices.simulated import SimulatedDevice
+from core.devices.slices import RowSlices
+from core.errors import ModelFileError
+from core.placement.engine import partial_model_of
+from core.placement.plan import Layer
+from core.placement.prefetch import settle
+from core.placement.streaming import NO_HOOKS, reset_flags, stream
+from core.weights import ops
+from core.weights.patch_math import calculate_weight
+from core.weights.patching import OnTheFlyPatch
+from core.weights.quantized import is_quantized, layout_of, quantize_parameter, weight_shape
+from tests.core.test_ggml_blocks import _random_blocks
+
+MiB = 1024**2
+PLAIN = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
+K_TYPES = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+
+
+def _blocks(kind: str, rows: int, columns: int, seed: int) -> np.ndarray:
+    """``rows`` rows of ``columns`` values in ``kind``'s blocks: quantised from random weights by ``gguf``, or
+    random blocks for the K types."""
+    if kind in K_TYPES:
+        return _random_blocks(kind, rows, columns // GGML_TYPES[kind].values, seed)
+    weights = np.random.default_rng(seed).normal(0, 0.5, size=(rows, columns)).astype(np.float32)
+    return gguf.quants.quantize(weights, gguf.GGMLQuantizationType[kind])
+
+
+def _quantise(layer: torch.nn.Module, kind: str, seed: int = 0) -> torch.Tensor:
+    """Quantise ``layer``'s weight in place; return the weight it holds now, dequantised by ``gguf`` (the oracle)."""
+    shape = tuple(layer.weight.shape)
+    rows, columns = shape[0], int(np.prod(shape[1:]))
+    data = _blocks(kind, rows, columns, seed)
+    expected = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[kind])
+    quantize_parameter(layer, "weight", torch.from_numpy(data.copy()), GGML_TYPES[kind], shape)
+    return torch.from_numpy(np.ascontiguousarray(expected, dtype=np.float32)).reshape(shape)
+
+
+def _plain_twin(layer: ops.Linear, weight: torch.Tensor) -> ops.Linear:
+    twin = ops.Linear(layer.in_features, layer.out_features)
+    with torch.no_grad():
+        twin.weight.copy_(weight)
+        twin.bias.copy_(layer.bias)
+    twin.comfy_cast_weights = True  # casts to the input's dtype, as the quantised layer does
+    return twin
+
+
+@pytest.mark.parametrize("kind", PLAIN + K_TYPES)
+def test_a_quantised_linear_computes_what_its_dequantised_twin_computes(kind):
+    torch.manual_seed(1)
+    layer = ops.Linear(512, 128)
+    expected = _quantise(layer, kind)
+    assert layer.weight.dtype == torch.uint8 and is_quantized(layer) and weight_shape(layer) == (128, 512)
+    assert layer.weight.numel() == GGML_TYPES[kind].nbytes(128 * 512)  # the file's bytes, one row of blocks a row
+    twin = _plain_twin(layer, expected)
+    x = torch.randn(3, 512)
+    with torch.no_grad():
+        assert torch.equal(layer(x), twin(x))  # resident on the host: dequantised by the cast, never multiplied raw
+        assert torch.equal(layer(x.bfloat16()), twin(x.bfloat16()))  # fp32 result rounded once to the input's dtype
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "Q6_K"])
+def test_streamed_whole_or_in_slices_it_computes_as_resident_and_only_its_blocks_cross(kind):
+    torch.manual_seed(2)
+    layer = ops.Linear(256, 256)
+    twin = _plain_twin(layer, _quantise(layer, kind))
+    x = torch.randn(4, 256)
+    with torch.no_grad():
+        reference = layer(x)
+    device = SimulatedDevice(64 * MiB)
+    for slices in (None, RowSlices((0, 64, 192, 256))):
+        reset_flags(Layer("layer", layer, 0, True))
+        stream(Layer("layer", layer, 0, True), device, NO_HOOKS, slices)
+        with torch.no_grad():
+            out = layer(device.place(x))
+        assert isinstance(out, SimTensor) and torch.equal(device.release(out), reference), slices
+    with torch.no_grad():
+        assert torch.equal(reference, twin(x))
+    assert layer.weight.dtype == torch.uint8 and not isinstance(layer.weight, SimTensor)  # stored as it was
+    del out
+    gc.collect()
+    assert device.allocated() == 0
+
+
+class _Quantised(torch.nn.Module):
+    """Eight quantised Linears of one type and a plain norm: a model the engine loads under a budget."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.blocks = torch.nn.Sequential(*(ops.Linear(256, 256) for _ in range(8)))
+        self.norm = ops.LayerNorm(256)
+        self.expected = [_quantise(block, kind, seed) for seed, block in enumerate(self.blocks)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.norm(x)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K"])
+def test_under_a_budget_the_device_holds_quantised_bytes_and_the_model_computes_as_on_the_host(kind):
+    net = _Quantised(kind)
+    x = torch.randn(2, 256)
+    with torch.no_grad():
+        reference = net(x)
+    block_bytes = net.blocks[0].weight.numel() + net.blocks[0].bias.numel() * 4
+    assert block_bytes < 256 * 256 * 2  # smaller than the fp16 weight alone
+    device = SimulatedDevice(64 * MiB)
+    engine = partial_model_of(net)
+    assert engine.total_bytes() == 8 * block_bytes + 2 * 256 * 4  # budgets count the quantised bytes
+    report = engine.load(device, 4 * block_bytes + 2 * 256 * 4)
+    resident = [block for block in net.blocks if isinstance(block.weight, SimTensor)]
+    assert 0 < len(resident) < 8 and report.streamed_bytes > 0
+    assert all(block.weight.dtype == torch.uint8 for block in resident)  # moved as blocks, not dequantised
+    assert report.resident_bytes == engine.resident_bytes(device) <= 4 * block_bytes + 2 * 256 * 4
+    with torch.no_grad():
+        out = net(device.place(x))
+    assert torch.equal(device.release(out), reference)
+    assert engine.ring.ring_bytes > 0  # the streamed blocks went through the model's ring (its slab's views)
+    del out
+    settle(net)
+    assert device.allocated() == report.resident_bytes
+    engine.unload_all()
+    gc.collect()
+    assert device.allocated() == 0 and all(b.weight.dtype == torch.uint8 for b in net.blocks)
+
+
+def test_a_lora_applies_to_the_dequantised_weight():
+    torch.manual_seed(4)
+    layer = ops.Linear(256, 128)
+    weight = _quantise(layer, "Q5_1")
+    up, down = torch.randn(128, 8) * 0.1, torch.randn(8, 256) * 0.1
+    patches = {"w": [(0.7, SimpleNamespace(name="lora", weights=(up, down, 4.0, None, None, None)), 1.0, None, None)]}
+    patched = calculate_weight(patches["w"], weight.clone(), "w")
+    twin = _plain_twin(layer, patched)
+    device = SimulatedDevice(64 * MiB)
+    stream(Layer("layer", layer, 0, True), device, NO_HOOKS, None)
+    layer.weight_function = [OnTheFlyPatch("w", patches)]
+    x = torch.randn(3, 256)
+    with torch.no_grad():
+        out = device.release(layer(device.place(x)))
+        assert torch.equal(out, twin(x))
+    assert layout_of(layer, "weight") is not None and layer.weight.dtype == torch.uint8  # the stored bytes unpatched
+
+
+def test_bytes_that_do_not_fit_the_shape_are_refused_before_the_layer_changes():
+    layer = ops.Linear(256, 64)
+    data = torch.from_numpy(_blocks("Q8_0", 64, 256, 0).copy())
+    with pytest.raises(ModelFileError, match=r"Q8_0 tensor of shape \(64, 256\) needs 17408 bytes"):
+        quantize_parameter(layer, "weight", data.reshape(-1)[:-34], GGML_TYPES["Q8_0"], (64, 256))
+    with pytest.raises(ModelFileError, match="blocks of 32 values"):
+        quantize_parameter(layer, "weight", data, GGML_TYPES["Q8_0"], (64 * 16, 16))
+    assert layer.weight.dtype == torch.float32 and not is_quantized(layer)
+
+
+def test_a_quantised_embedding_looks_up_dequantised_rows():
+    """A text encoder's token table is often quantised in GGUF files."""
+    table = ops.Embedding(64, 256)
+    expected = _quantise(table, "Q4_K")
+    tokens = torch.tensor([[0, 5, 63, 5]])
+    with torch.no_grad():
+        assert torch.equal(table(tokens), expected[tokens])
+        assert torch.equal(table(tokens, out_dtype=torch.float16), expected[tokens].half())
