@@ -24,6 +24,7 @@ from .placing import (
     device_input,
     dtype_input,
     loaded,
+    model_files,
     model_path,
     plan_load,
     progress_bar,
@@ -58,8 +59,11 @@ class LoadDiffusionModelWithDevice(surface.io.ComfyNode):
             inputs=[
                 io.Combo.Input(
                     "unet_name",
-                    options=surface.folder_paths().get_filename_list("diffusion_models"),
-                    tooltip="The diffusion model file (from ComfyUI's diffusion_models folders, unet included).",
+                    options=model_files("diffusion_models", gguf=True),
+                    tooltip=(
+                        "The diffusion model file (from ComfyUI's diffusion_models folders, unet included): "
+                        "safetensors, or GGUF (kept quantised, dequantised layer by layer as it computes)."
+                    ),
                 ),
                 device_input("device", "diffusion model"),
                 dtype_input(
@@ -82,7 +86,7 @@ class LoadDiffusionModelWithDevice(surface.io.ComfyNode):
     @classmethod
     def execute(cls, unet_name: str, device: str, dtype: str) -> Any:
         path = model_path("diffusion_models", unet_name, "diffusion model", "unet_name")
-        header = read_header(path)
+        header = read_header(path, gguf=True)
         detection = detection_for_this_comfyui(header, detect_header(header))
         require_kind(unet_name, detection, ROLE, "diffusion model", "Load Diffusion Model")
         notes: list[str] = []

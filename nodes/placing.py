@@ -235,10 +235,19 @@ def require_kind(name: str, detection: Detection, kind: str, what: str, stock_lo
     if "mixed-precision quantized layers" in detection.variants or (scaled and quantizes_scaled_fp8()):
         raise quantized_refusal(name, stock_loader)
     if detection.kind != kind:
+        loader = LOADER_FOR.get(detection.kind, "the matching loader")
+        if detection.file_format == "gguf" and detection.kind not in READS_GGUF:
+            loader = (
+                f"a GGUF loader pack (Device Control reads GGUF diffusion models only, so far), or its safetensors "
+                f"with {loader}"
+            )
         raise DeviceControlError(
-            f"{name} is a {detection.kind.replace('_', ' ')} ({detection.family}), not a {what}; load it with "
-            f"{LOADER_FOR.get(detection.kind, 'the matching loader')}."
+            f"{name} is a {detection.kind.replace('_', ' ')} ({detection.family}), not a {what}; load it with {loader}."
         )
+
+
+#: The kinds whose Device Control loader reads GGUF files.
+READS_GGUF = frozenset({"diffusion_model"})
 
 
 def quantizes_scaled_fp8() -> bool:
@@ -254,6 +263,23 @@ def quantized_refusal(name: str, stock_loader: str) -> DeviceControlError:
         "its quantized layers while reading them; Device Control cannot stream those yet. Load it with ComfyUI's "
         f"{stock_loader}, or use the fp16/bf16 file with an fp8 dtype here."
     )
+
+
+def model_files(folder: str, *, gguf: bool = False) -> list[str]:
+    """ComfyUI's list of ``folder``'s model files, with the folder's GGUF files where the node reads them
+    (``gguf``): ComfyUI lists only the formats it loads itself."""
+    folders = surface.folder_paths()
+    names = set(folders.get_filename_list(folder))
+    if gguf:
+        for root in folders.get_folder_paths(folder):
+            for directory, _subdirectories, files in os.walk(root, followlinks=True):
+                names.update(os.path.relpath(os.path.join(directory, f), root) for f in files if is_gguf(f))
+    return sorted(names)
+
+
+def is_gguf(name: str) -> bool:
+    """Whether ``name`` is a GGUF file's (by its extension, as ComfyUI tells formats apart)."""
+    return name.lower().endswith(".gguf")
 
 
 def model_path(folder: str, name: str, what: str, option: str) -> str:

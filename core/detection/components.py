@@ -150,7 +150,8 @@ class Component:
     """One part of a model file (the diffusion model, a text encoder, the VAE, ...) and what it weighs.
 
     ``bytes_by_dtype`` is what the component's weights take when stored in each candidate dtype: floating
-    tensors are converted, integer ones (token ids, tokenizer blobs) keep their size.
+    tensors are converted, integer ones (token ids, tokenizer blobs) and quantised ones (a GGUF's GGML blocks,
+    dequantised only as they compute) keep their size.
     """
 
     name: str
@@ -165,8 +166,7 @@ class Component:
 
 def measure(name: str, kind: str, prefix: str, tensors: list[TensorInfo]) -> Component:
     """Count and weigh ``tensors`` as one component."""
-    floats = sum(t.numel for t in tensors if t.is_float)
-    fixed = sum(t.nbytes for t in tensors if not t.is_float)
+    floats, fixed = _convertible(tensors)
     return Component(
         name=name,
         kind=kind,
@@ -177,3 +177,10 @@ def measure(name: str, kind: str, prefix: str, tensors: list[TensorInfo]) -> Com
         stored_bytes=sum(t.nbytes for t in tensors),
         bytes_by_dtype={dtype: floats * size + fixed for dtype, size in CANDIDATE_DTYPES.items()},
     )
+
+
+def _convertible(tensors: list[TensorInfo]) -> tuple[int, int]:
+    """Values that take the dtype chosen (plain floats), and bytes that keep their size (integers, GGML blocks)."""
+    convertible = [t for t in tensors if t.is_float and not t.is_quantized]
+    floats = sum(t.numel for t in convertible)
+    return floats, sum(t.nbytes for t in tensors) - sum(t.nbytes for t in convertible)

@@ -53,8 +53,8 @@ _TORCH_TO_NAME = {dtype: name for name, (_, dtype) in SAFETENSORS_DTYPES.items()
 
 
 def read_header(path: str | os.PathLike[str], gguf: bool = False) -> FileHeader:
-    """Read and validate a model file's header; a GGUF file's only where ``gguf`` is true (detection reads one,
-    the loaders do not load one yet).
+    """Read and validate a model file's header; a GGUF file's only where ``gguf`` is true (the loaders that
+    read GGUF and detection say so; the others refuse one, naming the loader that takes it).
 
     Raises:
         ModelFileError: the file is missing, empty, a directory, truncated, garbled, or of an unsupported
@@ -72,9 +72,9 @@ def read_header(path: str | os.PathLike[str], gguf: bool = False) -> FileHeader:
         raise ModelFileError(f"{file.name} is empty (0 bytes); the download or copy failed: fetch it again.")
     with open(file, "rb") as handle:
         magic = handle.read(8)
-    if magic[:4] == b"GGUF":
-        return _gguf(file, size, gguf)
     identity = (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    if magic[:4] == b"GGUF":
+        return replace(_gguf(file, size, gguf), identity=identity)
     zipped = magic[:4] == b"PK\x03\x04" and file.suffix.lower() not in SAFETENSORS_SUFFIXES
     if zipped or file.suffix.lower() in PICKLE_SUFFIXES:
         return replace(_read_pickle(file, size), identity=identity)
@@ -89,9 +89,9 @@ def _gguf(file: Path, size: int, wanted: bool) -> FileHeader:
     kinds = "/".join(sorted({t.dtype for t in header.tensors.values()}))
     architecture = header.metadata.get("general.architecture", "an unnamed architecture")
     raise ModelFileError(
-        f"{file.name} is a GGUF file ({architecture}, {len(header.tensors)} tensors in {kinds}); Device Control's "
-        "loaders read safetensors and PyTorch checkpoints, not GGUF yet. Load it with a GGUF loader pack "
-        "(e.g. ComfyUI-GGUF): Move To GPU, Offload To CPU and VRAM Report take the model it gives."
+        f"{file.name} is a GGUF file ({architecture}, {len(header.tensors)} tensors in {kinds}), which this loader "
+        "does not read: a GGUF diffusion model goes into Load Diffusion Model With Device (from the "
+        "diffusion_models or unet folder)."
     )
 
 

@@ -63,6 +63,11 @@ class TensorInfo:
         return GGML_TYPES[self.dtype].nbytes(self.numel)
 
     @property
+    def is_quantized(self) -> bool:
+        """True for a GGUF tensor in GGML blocks: it keeps its bytes in any dtype chosen for the model."""
+        return self.dtype not in SAFETENSORS_DTYPES
+
+    @property
     def is_float(self) -> bool:
         """True for floating-point tensors (weights, quantised ones included), False for integer and boolean ones."""
         return self.dtype in FLOAT_DTYPES or self.dtype in GGML_TYPES

@@ -50,7 +50,9 @@ def source_tensors(
     """
     out: dict[str, torch.Tensor] = {}
     for name, info in tensors.items():
-        dtype = SAFETENSORS_DTYPES[info.dtype][1] or torch.uint8
+        # A quantised GGUF tensor stands in as bytes of its logical shape: ComfyUI reads shapes, and a dtype it
+        # does not compute in lets it choose the model's dtype for the device, as for any unknown weight dtype.
+        dtype = SAFETENSORS_DTYPES.get(info.dtype, (0, None))[1] or torch.uint8
         tensor = probes[name] if probes and name in probes else torch.empty(info.shape, dtype=dtype, device="meta")
         setattr(tensor, _TAG, ("file", qualify(name)))
         out[name] = tensor

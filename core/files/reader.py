@@ -48,7 +48,7 @@ class WeightReader:
         self._steps = Float32Steps()
 
     def __enter__(self) -> WeightReader:
-        if self.header.format != "safetensors":
+        if self.header.format not in ("safetensors", "gguf"):  # a GGUF's tensors are at fixed offsets too
             self._pickled = load_pickled_state(self.header.path)
             return self
         try:
@@ -139,6 +139,21 @@ class WeightReader:
                 "or replaced while loading. Download it again."
             )
 
+    def read_blocks_into(self, name: str, dest: torch.Tensor) -> None:
+        """Fill ``dest`` (a contiguous ``uint8`` tensor of the tensor's size, on any device) with the stored bytes
+        of tensor ``name``: a quantised GGUF tensor's GGML blocks, kept as they are."""
+        info = self.info(name)
+        if dest.dtype != torch.uint8 or dest.numel() != info.nbytes or not dest.is_contiguous():
+            raise ModelFileError(
+                f"{os.path.basename(self.header.path)}: tensor {name!r} holds {info.nbytes} bytes of {info.dtype}, "
+                f"which cannot go into {dest.numel()} {dest.dtype} values; the file belongs to another model variant."
+            )
+        if dest.device.type == "cpu" and type(dest) is torch.Tensor:
+            self._pread_into(info, dest.reshape(-1))
+        else:
+            with torch.no_grad():
+                dest.copy_(self._stage(info).reshape(dest.shape))
+
     def read(self, name: str) -> torch.Tensor:
         """A new host tensor holding tensor ``name`` in its stored dtype (for the few keys that need a transform)."""
         info = self.info(name)
@@ -188,6 +203,11 @@ def _identity(stat: os.stat_result) -> tuple[int, int, int, int]:
 
 
 def _torch_dtype(info: TensorInfo) -> torch.dtype:
+    if info.dtype not in SAFETENSORS_DTYPES:
+        raise ModelFileError(
+            f"tensor {info.name!r} is quantised ({info.dtype}) and goes into a layer that cannot dequantise it; "
+            "report the model's layout (the layer type holding it)."
+        )
     dtype = SAFETENSORS_DTYPES[info.dtype][1]
     if dtype is None:
         raise ModelFileError(f"tensor {info.name!r} is stored as {info.dtype}, which this torch version cannot hold.")

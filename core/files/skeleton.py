@@ -13,6 +13,7 @@ The mode is a torch function mode: it only affects the thread that entered it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,8 +22,12 @@ from math import prod
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..detection.ggml_types import GGML_TYPES
+from ..detection.tensor_info import SAFETENSORS_DTYPES
 from ..errors import ModelFileError
 from ..progress import ProgressCallback
+from ..weights.ggml_blocks import dequantize
+from ..weights.quantized import QuantizedLayout, set_quantized
 from .reader import WeightReader
 
 #: Where a module's tensor comes from: a tensor name in the file, or a function computing it (for the few
@@ -97,6 +102,7 @@ def materialize(
     allocate: Allocate = host_empty,
     *,
     progress: ProgressCallback | None = None,
+    keeps_blocks: Callable[[torch.nn.Module], bool] = lambda _owner: False,
 ) -> MaterializeResult:
     """Give every tensor of ``module`` storage from ``allocate`` and fill it from its source.
 
@@ -105,7 +111,9 @@ def materialize(
     zero-filled and reported in ``missing`` (ComfyUI warns about the same keys and leaves them uninitialised);
     a meta buffer without a source cannot be guessed and is an error. A tensor known under several names
     (tied weights) stays one tensor, filled from the last name that has a source, as ``load_state_dict`` does.
-    Everything ends where ``allocate`` put it.
+    Everything ends where ``allocate`` put it. A quantised source (a GGUF's GGML blocks) keeps its blocks where
+    ``keeps_blocks`` says its owner layer dequantises them in its cast (``core.weights.quantized``); anywhere
+    else it is dequantised once, into the dtype the model asked for.
 
     Raises:
         ModelFileError: a source tensor is absent or misshapen, or a buffer has no source.
@@ -117,17 +125,48 @@ def materialize(
     for key, (tensor, is_parameter) in tensors.items():
         aliases = names[key]
         source = next((sources[n] for n in reversed(aliases) if n in sources), None)
-        target = _allocate(tensor, source, allocate, aliases[0], is_parameter, result)
-        if source is not None:
-            _fill(target, source, reader)
-        value = torch.nn.Parameter(target, requires_grad=tensor.requires_grad) if is_parameter else target
-        for name in aliases:
-            owner, attr = _owner(module, name)
-            (owner._parameters if is_parameter else owner._buffers)[attr] = value
-        result.loaded_bytes += target.numel() * target.element_size()
+        if is_parameter and _keeps_blocks(module, aliases, source, reader, keeps_blocks):
+            result.loaded_bytes += _fill_quantized(module, aliases, tensor, source, reader, allocate)
+        else:
+            result.loaded_bytes += _fill_plain(
+                module, aliases, (tensor, is_parameter), source, reader, allocate, result
+            )
         if progress is not None:
             progress(result.loaded_bytes, total)
     return result
+
+
+def _keeps_blocks(
+    module: torch.nn.Module,
+    aliases: list[str],
+    source: Source | None,
+    reader: WeightReader,
+    keeps_blocks: Callable[[torch.nn.Module], bool],
+) -> bool:
+    """Whether ``source`` is quantised and every layer that holds it dequantises in its cast."""
+    return _quantized(source, reader) and all(keeps_blocks(_owner(module, name)[0]) for name in aliases)
+
+
+def _fill_plain(
+    module: torch.nn.Module,
+    aliases: list[str],
+    tensor_kind: tuple[torch.Tensor, bool],
+    source: Source | None,
+    reader: WeightReader,
+    allocate: Allocate,
+    result: MaterializeResult,
+) -> int:
+    """Give one tensor (``(tensor, is_parameter)``) storage in its dtype, fill it, put it under every alias;
+    return its bytes."""
+    tensor, is_parameter = tensor_kind
+    target = _allocate(tensor, source, allocate, aliases[0], is_parameter, result)
+    if source is not None:
+        _fill(target, source, reader)
+    value = torch.nn.Parameter(target, requires_grad=tensor.requires_grad) if is_parameter else target
+    for name in aliases:
+        owner, attr = _owner(module, name)
+        (owner._parameters if is_parameter else owner._buffers)[attr] = value
+    return target.numel() * target.element_size()
 
 
 def _tensors_by_identity(
@@ -167,7 +206,49 @@ def _allocate(
         return allocate(tensor.shape, tensor.dtype).zero_()
 
 
+def _quantized(source: Source | None, reader: WeightReader) -> bool:
+    return isinstance(source, str) and reader.info(source).dtype not in SAFETENSORS_DTYPES
+
+
+def _fill_quantized(
+    module: torch.nn.Module,
+    aliases: list[str],
+    tensor: torch.Tensor,
+    source: str,
+    reader: WeightReader,
+    allocate: Allocate,
+) -> int:
+    """Put the quantised blocks of ``source`` where ``allocate`` says, as every alias's parameter (one tensor),
+    each owner told how to read them (``core.weights.quantized``); return the bytes placed.
+
+    Raises:
+        ModelFileError: the file's tensor has another number of values than the parameter.
+    """
+    info = reader.info(source)
+    shape = tuple(tensor.shape)
+    if info.numel != tensor.numel():
+        raise ModelFileError(
+            f"{os.path.basename(reader.header.path)}: tensor {source!r} has shape {list(info.shape)}, but the model "
+            f"expects {list(shape)}; the file belongs to another model variant."
+        )
+    layout = QuantizedLayout(GGML_TYPES[info.dtype], shape)
+    blocks = allocate(torch.Size(layout.row_shape()), torch.uint8)
+    reader.read_blocks_into(source, blocks)
+    parameter = torch.nn.Parameter(blocks, requires_grad=False)
+    for name in aliases:
+        owner, attr = _owner(module, name)
+        set_quantized(owner, attr, parameter, layout)
+    return blocks.numel()
+
+
 def _fill(target: torch.Tensor, source: Source, reader: WeightReader) -> None:
+    if _quantized(source, reader):  # quantised, in a place that cannot dequantise: dequantised once, here
+        info = reader.info(source)
+        blocks = torch.empty(info.nbytes, dtype=torch.uint8)
+        reader.read_blocks_into(source, blocks)
+        with torch.no_grad():
+            target.copy_(dequantize(blocks, GGML_TYPES[info.dtype], target.shape))
+        return
     if isinstance(source, str):
         reader.read_into(source, target)
         return

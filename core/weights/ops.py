@@ -210,6 +210,11 @@ def _cast_class(original: type) -> type | None:
     return _mixed[key]
 
 
+def can_cast(cls: type) -> bool:
+    """Whether a layer of class ``cls`` is, or :func:`convert` makes it, a cast layer."""
+    return issubclass(cls, CastLayer) or _cast_class(cls) is not None
+
+
 _MISSING = object()
 
 

@@ -35,17 +35,25 @@ class QuantizedLayout:
         """The weight (its ``rows`` only, when ``raw`` holds just those) in ``dtype`` (float32 when ``None``),
         dequantised on ``raw``'s device."""
         shape = self.shape if rows is None else (rows[1] - rows[0], *self.shape[1:])
-        return dequantize(raw.reshape(-1), self.kind, shape, dtype or torch.float32)
+        values = dequantize(raw.reshape(-1), self.kind, self.blocks_shape(rows), dtype or torch.float32)
+        return values.reshape(shape)
 
     def row_shape(self) -> tuple[int, ...]:
-        """The stored bytes' shape: one row of blocks per output row (flat for a one-dimensional weight)."""
-        count = 1
-        for dim in self.shape:
-            count *= dim
-        total = self.kind.nbytes(count)
-        if len(self.shape) < 2:
-            return (total,)
-        return (self.shape[0], total // max(1, self.shape[0]))
+        """The stored bytes' shape: one row of blocks per output row where each row is whole blocks; flat
+        otherwise (a one-dimensional weight; a weight whose file rows were not its rows: it streams whole)."""
+        return self.blocks_shape(nbytes=True)
+
+    def blocks_shape(self, rows: tuple[int, int] | None = None, *, nbytes: bool = False) -> tuple[int, ...]:
+        """The shape the blocks of the weight (its ``rows``) decode in, or with ``nbytes`` their bytes' shape:
+        rows of whole blocks when the weight's rows are whole blocks, else one run of values."""
+        count = rows[1] - rows[0] if rows is not None else (self.shape[0] if self.shape else 1)
+        row = 1
+        for dim in self.shape[1:]:
+            row *= dim
+        if len(self.shape) >= 2 and row % self.kind.values == 0:
+            return (count, self.kind.nbytes(row) if nbytes else row)
+        total = count * row if len(self.shape) >= 2 else count
+        return (self.kind.nbytes(total) if nbytes else total,)
 
 
 def quantize_parameter(
@@ -59,9 +67,14 @@ def quantize_parameter(
         ModelFileError: ``raw`` is not the bytes of ``shape`` in ``kind`` (checked before anything changes).
     """
     layout = QuantizedLayout(kind, tuple(int(dim) for dim in shape))
-    check_bytes(raw, kind, layout.shape)
-    stored = layout.row_shape()
-    setattr(layer, name, torch.nn.Parameter(raw.reshape(stored), requires_grad=False))
+    check_bytes(raw, kind, layout.blocks_shape())
+    set_quantized(layer, name, torch.nn.Parameter(raw.reshape(layout.row_shape()), requires_grad=False), layout)
+
+
+def set_quantized(layer: torch.nn.Module, name: str, parameter: torch.nn.Parameter, layout: QuantizedLayout) -> None:
+    """Make ``parameter`` (``uint8``, :meth:`QuantizedLayout.row_shape`) ``layer``'s parameter ``name``, read as
+    ``layout`` says. A loader that checked the bytes' size itself calls this directly."""
+    layer._parameters[name] = parameter
     layer.__dict__.setdefault(QUANTIZED, {})[name] = layout
 
 

@@ -23,6 +23,7 @@ from ...core.files.skeleton import MaterializeResult, Source, materialize
 from ...core.placement.budget import Placement
 from ...core.placement.engine import partial_model_of
 from ...core.progress import ProgressCallback
+from ...core.weights.ops import CastLayer, can_cast
 from .. import surface
 
 log = logging.getLogger("device_control")
@@ -111,10 +112,12 @@ def _fill_root(
     """Fill one model where ``fill`` says; when the device fills up meanwhile, in RAM instead (noted)."""
     target = fill[name]
     if target is None:
-        return materialize(root, sources, reader, progress=progress.step)
+        return materialize(root, sources, reader, progress=progress.step, keeps_blocks=keeps_blocks)
     backend = backend_of(target)
     try:
-        return materialize(root, sources, reader, partial(backend.empty, target), progress=progress.step)
+        return materialize(
+            root, sources, reader, partial(backend.empty, target), progress=progress.step, keeps_blocks=keeps_blocks
+        )
     except RuntimeError as exc:  # another process took memory since the fit plan, or fragmentation
         if not is_out_of_memory(exc):
             raise
@@ -128,7 +131,7 @@ def _fill_root(
         notes.append(f"{name}: did not fit on {where}; loaded to RAM, ComfyUI loads what fits when used")
         surface.model_management().soft_empty_cache()
         fill[name] = None
-        return materialize(root, sources, reader, progress=progress.step)
+        return materialize(root, sources, reader, progress=progress.step, keeps_blocks=keeps_blocks)
 
 
 def fill_target(place: ComponentPlan) -> Target | None:
@@ -158,6 +161,12 @@ def first_load(patcher: Any, place: ComponentPlan, filled: Target | None) -> Non
 def is_cuda(device: torch.device | None) -> bool:
     """Whether ``device`` is a CUDA device (the reader then stages through pinned memory)."""
     return device is not None and device.type == "cuda"
+
+
+def keeps_blocks(layer: torch.nn.Module) -> bool:
+    """Whether ``layer`` may hold a GGUF weight's quantised blocks: ComfyUI's standard layers (they become our cast
+    layers, which dequantise, before the model is used) and ours."""
+    return isinstance(layer, CastLayer) or (is_comfy_layer(type(layer)) and can_cast(type(layer)))
 
 
 def is_comfy_layer(cls: type) -> bool:

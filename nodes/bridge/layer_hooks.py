@@ -13,6 +13,8 @@ from ...core.devices.slices import ROW_QUANTUM
 from ...core.devices.tensors import Target, own_tensors
 from ...core.placement.streaming import LayerHooks
 from ...core.weights.patching import get_weight, set_weight
+from ...core.weights.quantized import weight_shape
+from .quantized_patches import detach
 
 
 class PatcherHooks(LayerHooks):
@@ -48,6 +50,7 @@ class PatcherHooks(LayerHooks):
                 get_weight(patcher.model, key).data.copy_(backup.weight)
             else:
                 set_weight(patcher.model, key, backup.weight)
+        detach(layer.module, [key for _name, key in self._keys(layer)])  # a quantised weight's on-the-fly patches
         if "comfy_patched_weights" in layer.module.__dict__:
             layer.module.comfy_patched_weights = False
 
@@ -74,7 +77,7 @@ class PatcherHooks(LayerHooks):
             return None
         if self.force or key not in patcher.patches:  # forced patches are in the stored weight: none on the fly
             return ROW_QUANTUM
-        multiple = patcher.on_the_fly(key, module.weight).slice_multiple(tuple(module.weight.shape))
+        multiple = patcher.on_the_fly(key, module.weight).slice_multiple(weight_shape(module))
         return None if multiple is None else math.lcm(ROW_QUANTUM, multiple)
 
 

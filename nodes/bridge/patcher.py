@@ -12,7 +12,8 @@ but the decisions and the moves are ours:
   and the move is checked for ComfyUI's cancel between layers;
 * patches (LoRAs from ComfyUI's stock loaders included) go through ``core.patching``: resident weights are
   patched in float32 with an exact backup, streamed layers get an :class:`~core.patching.OnTheFlyPatch` that
-  computes the same weight, so a LoRA gives the same image resident or streamed.
+  computes the same weight, so a LoRA gives the same image resident or streamed; a GGUF model's quantised
+  weights are patched on the fly wherever they are (``quantized_patches``).
 
 A simulated GPU has no torch device: ComfyUI sees the host as the load device and this patcher places the
 resident layers on the simulated device. Its ``free_memory`` never runs for the host, so room on a simulated
@@ -51,6 +52,7 @@ from .layer_hooks import PatcherHooks
 from .layers import give_back_layers, take_layers
 from .lora_coverage import report_coverage
 from .patches import check_added, check_present, describe, lora_file
+from .quantized_patches import attach, patched_weight, quantized_owner
 from .split_books import book_parts
 from .splits import SplitPlacement, load_split_into, release_split, split_in_force, split_placement_of
 from .subjects import model_label
@@ -282,6 +284,13 @@ class DeviceControlPatcher(surface.model_patcher_class()):
         del force_cast
         if key not in self.patches:
             return surface.key_weight(self.model, key)[0] if return_weight else None
+        quantized = quantized_owner(self.model, key)
+        if quantized is not None:  # GGUF blocks: patched on the fly, after dequantisation, never in place
+            owner, name = quantized
+            if return_weight:
+                return patched_weight(self.patches, key, owner, name)
+            attach(owner, name, self.on_the_fly(key, getattr(owner, name)))
+            return None
         weight, set_func, convert_func = surface.key_weight(self.model, key)
         inplace = self.weight_inplace_update or inplace_update
         if not return_weight:
@@ -313,7 +322,7 @@ class DeviceControlPatcher(surface.model_patcher_class()):
     def on_the_fly(self, key: str, param: torch.Tensor | None) -> OnTheFlyPatch:
         """The patch a streamed layer applies to weight ``key`` each time it is cast."""
         _weight, set_func, convert_func = surface.key_weight(self.model, key)
-        plain = convert_func is None and set_func is None and param is not None
+        plain = convert_func is None and set_func is None and param is not None and param.dtype.is_floating_point
         return OnTheFlyPatch(
             key,
             self.patches,

@@ -89,12 +89,21 @@ def test_a_gguf_is_detected_as_the_family_of_its_safetensors_twin(layout, tmp_pa
         values, size = gguf.GGML_QUANT_SIZES[quantised_type(shape)]
         quantised += int(np.prod(shape, dtype=np.int64)) // values * size
     assert unet.stored_bytes == quantised < twin.component("diffusion_model")[0].stored_bytes
+    # The fit plan's sizes: the blocks keep their bytes in any dtype chosen; F32 and F16 tensors are converted.
+    plain = sum(int(np.prod(s)) for s, _ in LAYOUTS[layout]["tensors"].values() if quantised_type(s) in (Q.F32, Q.F16))
+    blocks = quantised - sum(
+        int(np.prod(s)) * gguf.GGML_QUANT_SIZES[quantised_type(s)][1]
+        for s, _ in LAYOUTS[layout]["tensors"].values()
+        if quantised_type(s) in (Q.F32, Q.F16)
+    )
+    assert (unet.bytes_by_dtype["fp16"], unet.bytes_by_dtype["fp32"]) == (blocks + 2 * plain, blocks + 4 * plain)
 
 
 def test_the_loaders_refuse_a_gguf_saying_what_it_holds_and_what_loads_it(tmp_path):
     path = gguf_of("flux1_dev.diffusion_model.json", tmp_path / "flux.gguf")
     with pytest.raises(
-        ModelFileError, match=r"flux.gguf is a GGUF file \(flux, 780 tensors in F32/Q4_K/Q8_0\).*GGUF loader"
+        ModelFileError,
+        match=r"flux.gguf is a GGUF file \(flux, 780 tensors in F32/Q4_K/Q8_0\).*Load Diffusion Model With Device",
     ):
         read_header(path)
 

