@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tools.gguf_files import FLUX_GGUF
 from tools.make_family_fixtures import DIFFUSION_FIXTURES
 from tools.make_family_parts import CLIP_G, VAES
 from tools.make_fixtures import SD15_CLIP_L, SD15_VAE
@@ -112,4 +113,24 @@ FAMILIES = (
         "in fp8, more than the card holds) in diffusion_models; umt5_xxl as clip_name1 with type wan, on the CPU; "
         "wan_2.1_vae. A 9 GB budget keeps about two thirds of the model on the GPU and streams the rest each step.",
     ),
+)
+
+#: The GGUF example: Flux as a quantised GGUF file, its blocks kept quantised under a 6 GB budget (not one of
+#: :data:`FAMILIES`: ComfyUI's stock loaders cannot read it, so ``test_gguf_example.py`` compares it with the fp16
+#: model's image instead).
+FLUX_GGUF_EXAMPLE = Family(
+    "flux_gguf_q8_budget",
+    FLUX_GGUF,
+    "auto",
+    "6GB",
+    (SD15_CLIP_L,),
+    "sd3",
+    _vae("vae_16ch"),
+    _SD3_LATENT,
+    ("euler", "simple"),
+    "Flux.1 dev as a GGUF file (Q8_0). With the released files: a flux1-dev GGUF (Q4_K_S, Q5_K_S, Q8_0 ...) in "
+    "diffusion_models or unet; clip_l and t5xxl as safetensors (GGUF text encoders are not read yet) as "
+    "clip_name1-2 with type flux, on the CPU; ae.safetensors as the VAE. The weights stay quantised: the 6 GB budget "
+    "counts their quantised bytes, the rest streams as blocks, and each layer is dequantised where it computes.",
+    guidance=True,
 )

@@ -17,6 +17,8 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+#: The Flux-layout example's GGUF: the synthetic Flux.1 dev model quantised to Q8_0 (``make_all()`` key ``flux_gguf``).
+FLUX_GGUF = "device_control_flux_dev_d1_Q8_0.gguf"
 #: Tensors smaller than this stay F32 (converters keep small ones unquantised: they cost nothing).
 SMALL = 1024
 ORIG_SHAPE = "comfy.gguf.orig_shape."

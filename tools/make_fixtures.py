@@ -35,6 +35,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tools.comfy_inprocess import import_comfy
+from tools.gguf_files import FLUX_GGUF, write_gguf
 from tools.make_family_fixtures import make_family_fixtures
 from tools.runtime import fixtures_dir
 
@@ -274,8 +275,9 @@ def make_all(*, families: bool = True) -> dict[str, Path]:
         "vae": parts[SD15_VAE],
         "sd35_tiny": make_sd35_tiny(root / "diffusion_models" / SD35_TINY),
     }
-    if families:  # SDXL, SD3.5, Flux, Chroma and Wan 2.1 with their LoRAs, text encoders and VAEs
+    if families:  # SDXL, SD3.5, Flux, Chroma and Wan 2.1 with their LoRAs, text encoders and VAEs; a Flux GGUF
         made.update(make_family_fixtures(root))
+        made["flux_gguf"] = write_gguf(made["flux"], root / "diffusion_models" / FLUX_GGUF, "Q8_0", "flux")
     return made
 
 

@@ -23,7 +23,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tools.comfy_server import ComfyServer
-from tools.family_workflows import FAMILIES, NOTE_SIZE, Family
+from tools.family_workflows import FAMILIES, FLUX_GGUF_EXAMPLE, NOTE_SIZE, Family
 from tools.make_fixtures import SD15_CHECKPOINT, SD15_CHECKPOINT_B, SD15_CLIP_L, SD15_LORA, SD15_UNET, SD15_VAE
 
 log = logging.getLogger("device_control.tools")
@@ -228,6 +228,7 @@ WORKFLOWS = {
     "two_checkpoints_offload_between.json": two_checkpoints,
     "flux_split_across_two_gpus.json": split_across_gpus,
     **{f"{family.stem}.json": partial(family_split_files, family) for family in FAMILIES},
+    f"{FLUX_GGUF_EXAMPLE.stem}.json": partial(family_split_files, FLUX_GGUF_EXAMPLE),
 }
 
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .marks import is_streamed
+from .reported import plain_class, reported_shape
 
 if TYPE_CHECKING:
     from .simulated import SimulatedDevice
@@ -60,6 +61,12 @@ class SimTensor(torch.Tensor):
     def sim_device(self) -> SimulatedDevice:
         """The simulated device this tensor is on."""
         return self._sim_device
+
+    @property
+    def shape(self) -> torch.Size:
+        """Its shape, or the one it reports instead (a quantised weight's: ``core.devices.reported``), as the
+        same tensor on a real device does."""
+        return reported_shape(self)
 
     @property
     def placement_target(self) -> SimulatedDevice:
@@ -103,8 +110,14 @@ def _set_data(tensor: SimTensor, data: torch.Tensor) -> None:
         if isinstance(data, SimTensor) and data.sim_device is device:
             device._register(tensor)
         else:
-            tensor.__class__ = torch.nn.Parameter if getattr(tensor, "_is_param", False) else torch.Tensor
+            tensor.__class__ = original_class(tensor)
             del tensor._sim_device
+
+
+def original_class(tensor: torch.Tensor) -> type:
+    """The class ``tensor`` had before a simulated device took it (a parameter's own subclass included), or the
+    one a tensor made on the device takes on the host."""
+    return tensor.__dict__.get("_sim_class") or plain_class(tensor)
 
 
 def _common_device(func: Any, args: tuple, kwargs: dict) -> SimulatedDevice | None:

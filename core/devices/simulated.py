@@ -335,6 +335,7 @@ class SimulatedDevice:
         with torch._C.DisableTorchFunctionSubclass():
             tensor.__class__ = SimTensor
             tensor._sim_device = self
+            tensor._sim_class = original  # given back when it leaves, as a real device keeps a parameter's class
             if issubclass(original, torch.nn.Parameter):
                 tensor._is_param = True
             try:

@@ -62,9 +62,9 @@ def row_geometry(module: torch.nn.Module) -> tuple[int, int] | None:
     if not getattr(module, SLICEABLE, False):
         return None
     weight = module._parameters.get("weight")
-    if weight is None or weight.dim() < 2 or weight.shape[0] % ROW_QUANTUM:
+    if weight is None or weight.dim() < 2 or weight.size(0) % ROW_QUANTUM:
         return None
-    return weight.shape[0], weight[0].numel() * weight.element_size()
+    return weight.size(0), weight[0].numel() * weight.element_size()
 
 
 def row_slices(rows: int, row_bytes: int, unit: int, multiple: int, extra: int = 0) -> RowSlices | None:

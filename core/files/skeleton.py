@@ -27,7 +27,7 @@ from ..detection.tensor_info import SAFETENSORS_DTYPES
 from ..errors import ModelFileError
 from ..progress import ProgressCallback
 from ..weights.ggml_blocks import dequantize
-from ..weights.quantized import QuantizedLayout, set_quantized
+from ..weights.quantized import QuantizedLayout, quantized_parameter, set_quantized
 from .reader import WeightReader
 
 #: Where a module's tensor comes from: a tensor name in the file, or a function computing it (for the few
@@ -234,7 +234,7 @@ def _fill_quantized(
     layout = QuantizedLayout(GGML_TYPES[info.dtype], shape)
     blocks = allocate(torch.Size(layout.row_shape()), torch.uint8)
     reader.read_blocks_into(source, blocks)
-    parameter = torch.nn.Parameter(blocks, requires_grad=False)
+    parameter = quantized_parameter(blocks, layout)
     for name in aliases:
         owner, attr = _owner(module, name)
         set_quantized(owner, attr, parameter, layout)

@@ -104,7 +104,7 @@ class _Piece:
 
     def __post_init__(self) -> None:
         rows, whole = self.rows, tensor_bytes(self.tensor)
-        nbytes = whole if rows is None else whole // self.tensor.shape[0] * (rows[1] - rows[0])
+        nbytes = whole if rows is None else whole // self.tensor.size(0) * (rows[1] - rows[0])
         object.__setattr__(self, "nbytes", nbytes)  # frozen: set once, here
         object.__setattr__(self, "key", (id(self.tensor), rows))
 

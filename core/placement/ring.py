@@ -274,7 +274,7 @@ class Ring:
             for name, tensor in tensors_of(module):
                 part = member.weight if name == "weight" else member.bias
                 moved = not backend_of(target_of(tensor)).is_host  # another loader placed it: never pulled back
-                if moved or part is None or (tensor.dtype, tensor.shape) != (part.dtype, part.shape):
+                if moved or part is None or (tensor.dtype, tensor.size()) != (part.dtype, part.shape):
                     module.__dict__.pop(GROUPED, None)
                     member.group = -1
                     break

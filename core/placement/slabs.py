@@ -110,7 +110,7 @@ def parts_of(module: torch.nn.Module, slab: torch.Tensor) -> tuple[Part | None, 
     parts: dict[str, Part] = {}
     for name, tensor in tensors_of(module):
         offset = tensor.data_ptr() - slab.data_ptr()
-        parts[name] = Part(offset, tensor.numel() * tensor.element_size(), tensor.dtype, tensor.shape)
+        parts[name] = Part(offset, tensor.numel() * tensor.element_size(), tensor.dtype, tensor.size())
     return parts.get("weight"), parts.get("bias")
 
 
@@ -124,7 +124,7 @@ def pack(modules: list[torch.nn.Module], target: Target) -> Slab:
     for module in modules:
         for _name, tensor in tensors_of(module):
             nbytes = tensor.numel() * tensor.element_size()
-            part = Part(offset, nbytes, tensor.dtype, tensor.shape)
+            part = Part(offset, nbytes, tensor.dtype, tensor.size())
             view = part.view(slab)
             view.copy_(tensor.data)
             tensor.data = view

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..devices.reported import shaped_parameter
 from .ggml_blocks import BlockLayout, check_bytes, dequantize
 
 #: A layer's ``__dict__`` key: parameter name -> :class:`QuantizedLayout` of its quantised parameters.
@@ -68,12 +69,18 @@ def quantize_parameter(
     """
     layout = QuantizedLayout(kind, tuple(int(dim) for dim in shape))
     check_bytes(raw, kind, layout.blocks_shape())
-    set_quantized(layer, name, torch.nn.Parameter(raw.reshape(layout.row_shape()), requires_grad=False), layout)
+    set_quantized(layer, name, quantized_parameter(raw, layout), layout)
+
+
+def quantized_parameter(blocks: torch.Tensor, layout: QuantizedLayout) -> torch.nn.Parameter:
+    """A parameter of the bytes ``blocks`` (on any device) shaped as ``layout`` stores them, reporting the weight's
+    shape (``core.devices.reported``): code that reads a layer's weight shape sees the weight's."""
+    return shaped_parameter(blocks.reshape(layout.row_shape()), layout.shape)
 
 
 def set_quantized(layer: torch.nn.Module, name: str, parameter: torch.nn.Parameter, layout: QuantizedLayout) -> None:
-    """Make ``parameter`` (``uint8``, :meth:`QuantizedLayout.row_shape`) ``layer``'s parameter ``name``, read as
-    ``layout`` says. A loader that checked the bytes' size itself calls this directly."""
+    """Make ``parameter`` (from :func:`quantized_parameter`) ``layer``'s parameter ``name``, read as ``layout``
+    says. A loader that checked the bytes' size itself calls this directly."""
     layer._parameters[name] = parameter
     layer.__dict__.setdefault(QUANTIZED, {})[name] = layout
 
@@ -90,6 +97,5 @@ def is_quantized(layer: torch.nn.Module) -> bool:
 
 
 def weight_shape(layer: torch.nn.Module) -> tuple[int, ...]:
-    """The shape of ``layer``'s weight as it computes (not that of its stored bytes, when quantised)."""
-    layout = layout_of(layer, "weight")
-    return layout.shape if layout is not None else tuple(layer.weight.shape)
+    """The shape of ``layer``'s weight as it computes (what a quantised weight reports, not its bytes')."""
+    return tuple(layer.weight.shape)

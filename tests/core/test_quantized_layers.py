@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from core.detection.ggml_types import GGML_TYPES
+from core.devices.reported import ShapedParameter
 from core.devices.simtensor import SimTensor
 from core.devices.simulated import SimulatedDevice
 from core.devices.slices import RowSlices
@@ -70,6 +71,7 @@ def test_a_quantised_linear_computes_what_its_dequantised_twin_computes(kind):
     expected = _quantise(layer, kind)
     assert layer.weight.dtype == torch.uint8 and is_quantized(layer) and weight_shape(layer) == (128, 512)
     assert layer.weight.numel() == GGML_TYPES[kind].nbytes(128 * 512)  # the file's bytes, one row of blocks a row
+    assert layer.weight.shape == (128, 512) and layer.weight.size(0) == 128  # it reports the weight's shape
     twin = _plain_twin(layer, expected)
     x = torch.randn(3, 512)
     with torch.no_grad():
@@ -131,6 +133,7 @@ def test_under_a_budget_the_device_holds_quantised_bytes_and_the_model_computes_
     resident = [block for block in net.blocks if isinstance(block.weight, SimTensor)]
     assert 0 < len(resident) < 8 and report.streamed_bytes > 0
     assert all(block.weight.dtype == torch.uint8 for block in resident)  # moved as blocks, not dequantised
+    assert all(block.weight.shape == (256, 256) for block in net.blocks)  # on the device too, as ComfyUI reads it
     assert report.resident_bytes == engine.resident_bytes(device) <= 4 * block_bytes + 2 * 256 * 4
     with torch.no_grad():
         out = net(device.place(x))
@@ -142,6 +145,7 @@ def test_under_a_budget_the_device_holds_quantised_bytes_and_the_model_computes_
     engine.unload_all()
     gc.collect()
     assert device.allocated() == 0 and all(b.weight.dtype == torch.uint8 for b in net.blocks)
+    assert all(isinstance(b.weight, ShapedParameter) and b.weight.shape == (256, 256) for b in net.blocks)
 
 
 def test_a_lora_applies_to_the_dequantised_weight():

@@ -35,9 +35,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from core.detection.headers import read_header
 from tests.host_math import same_result
 from tests.passes import ONCE
-from tools.family_workflows import FAMILIES, Family
+from tools.family_workflows import FAMILIES, FLUX_GGUF_EXAMPLE, Family
 from tools.make_family_fixtures import DIFFUSION_FIXTURES
 from tools.stress import run_coroutine
 
@@ -231,6 +232,9 @@ def _fp32_bytes(path: Path) -> int:
     return 4 * sum(int(np.prod(entry["shape"])) for name, entry in header.items() if name != "__metadata__")
 
 
+#: How far the Q8_0 GGUF example's image may be from the fp16 model's (levels of 255): about twice what was
+#: measured, for Q8_0's rounding of every weight (one step of a random model, so differences do not average out).
+GGUF_MAX_DIFFERENCE, GGUF_MEAN_DIFFERENCE = 12, 2.0
 #: ComfyUI's binary websocket event for a node's progress text (``protocol.BinaryEventTypes.TEXT``).
 TEXT_EVENT = 3
 
@@ -274,3 +278,23 @@ def test_each_loader_shows_its_fit_plan_on_the_node_before_reading_a_weight(serv
         assert texts and texts[0] < done, f"node {node} showed no fit plan before it finished: {seen}"
         plan = seen[texts[0]][2]
         assert "the fit plan, before any weight is read" in plan and what in plan and "fit on cpu" in plan, plan
+
+
+def test_the_gguf_example_keeps_its_blocks_quantised_and_gives_the_fp16_models_image(server, api, synthetic_models):
+    """The Flux GGUF example (Q8_0) against the stock graph on the fp16 model it was quantised from: the image
+    differs only by Q8_0's rounding of the weights; the GPU holds the file's quantised bytes, not floats."""
+    prompt = api.load_prompt(server, REPO / "workflows" / f"{FLUX_GGUF_EXAMPLE.stem}.json")
+    ours = _run_alone(server, prompt)
+    assert api.moves_hold(ours, prompt), "the move was not checked against the books"
+    moved = api.report_json(ours, "3")["subject"]
+    header = read_header(synthetic_models["flux_gguf"], gguf=True)
+    blocks = sum(t.nbytes for t in header.tensors.values())
+    assert moved["resident"] == {"gpu:0": moved["total_bytes"]}  # 6 GB holds the whole synthetic model
+    assert blocks <= moved["total_bytes"] < 1.01 * blocks < 0.6 * _fp32_bytes(synthetic_models["flux"]) / 2
+    stock = api.stock_equivalent(prompt)
+    stock["1"]["inputs"]["unet_name"] = synthetic_models["flux"].name
+    expected = _run_alone(server, stock)
+    got, reference = images_of(server, ours)[0], images_of(server, expected)[0]
+    difference = np.abs(got - reference)  # 6/255 at most and 0.8/255 on average where this was written
+    assert difference.max() <= GGUF_MAX_DIFFERENCE and difference.mean() <= GGUF_MEAN_DIFFERENCE
+    assert got.std() > 1.0 and reference.std() > 1.0

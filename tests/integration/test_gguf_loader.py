@@ -92,6 +92,7 @@ def test_the_blocks_stay_quantised_and_the_model_computes_as_its_dequantised_twi
         blocks = getattr(layer, attr)
         layout = module("core.weights.quantized").layout_of(layer, attr)
         assert blocks.dtype == torch.uint8 and blocks.numel() == layout.kind.nbytes(expected[name].numel()), name
+        assert blocks.shape == expected[name].shape, name  # what ComfyUI reads (Flux's and Wan's input channels)
         assert torch.equal(layout.decode(blocks, torch.float32), expected[name]), name
     floats = sum(expected[name].numel() * expected[name].element_size() for name in quantised)
     blocks = sum(getattr(layer, attr).numel() for layer, attr in quantised.values())
@@ -100,7 +101,8 @@ def test_the_blocks_stay_quantised_and_the_model_computes_as_its_dequantised_twi
     torch.manual_seed(0)
     inputs = MODELS[key][2]()
     assert torch.equal(_step(ours, inputs), _step(theirs, inputs))
-    assert "diffusion model: cpu" in summary
+    quant = MODELS[key][0]
+    assert "diffusion model: cpu (" in summary and f"GGUF {quant} blocks (computes in float32)" in summary, summary
     del ours, theirs
     mm.unload_all_models()
     gc.collect()

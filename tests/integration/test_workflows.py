@@ -10,11 +10,13 @@ import psutil
 import pytest
 from PIL import Image, ImageStat
 
-from tools.family_workflows import FAMILIES
+from tools.family_workflows import FAMILIES, FLUX_GGUF_EXAMPLE
 
 REPO = Path(__file__).resolve().parents[2]
-#: The family workflows run in ``test_families.py``, on a simulated GPU against ComfyUI's stock loaders.
-WORKFLOWS = sorted(w for w in (REPO / "workflows").glob("*.json") if w.stem not in {f.stem for f in FAMILIES})
+#: The family workflows (and the GGUF one) run in ``test_families.py``, on a simulated GPU against ComfyUI's stock
+#: loaders.
+ELSEWHERE = {f.stem for f in (*FAMILIES, FLUX_GGUF_EXAMPLE)}
+WORKFLOWS = sorted(w for w in (REPO / "workflows").glob("*.json") if w.stem not in ELSEWHERE)
 TXT2IMG = REPO / "workflows" / "txt2img_vram_report.json"
 
 

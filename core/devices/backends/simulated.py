@@ -159,7 +159,7 @@ def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
     if storage.nbytes() == size or not tensor.is_contiguous():
         return tensor
     start = tensor.storage_offset() * tensor.element_size()
-    return torch.empty(0, dtype=tensor.dtype).set_(storage[start : start + size], 0, tensor.shape, tensor.stride())
+    return torch.empty(0, dtype=tensor.dtype).set_(storage[start : start + size], 0, tensor.size(), tensor.stride())
 
 
 @contextlib.contextmanager
