@@ -5,7 +5,7 @@ engine reads a layer's weight shape (ComfyUI's Flux counts its input channels fr
 from ``patch_embedding.weight.shape``; other packs do the same), so the weight reports its weight's shape, kept in
 its ``__dict__`` under :data:`REPORTED_SHAPE`, while its storage's sizes (``size()``, ``numel()``,
 ``element_size()``) stay the bytes'. The engine and every backend read ``size()``, never ``shape``, of a tensor
-they move; a backend that changes a tensor's class while it holds it (the simulated GPU's) reports the same shape.
+they move; a backend that changes a tensor's class while it holds it reports the same shape.
 """
 
 from __future__ import annotations
