@@ -93,8 +93,9 @@ class MoveToGPU(surface.io.ComfyNode):
             description=(
                 "Moves a model (MODEL, CLIP or VAE) to a GPU now, keeping as much of it resident as the VRAM budget "
                 "allows; the rest stays in RAM and streams layer by layer when it runs. The weights move in place: "
-                "nothing is read from disk again, dtype and LoRAs are kept, and later nodes (KSampler, CLIP Text "
-                "Encode, VAE Decode) keep the placement instead of loading the model their own way."
+                "nothing is read from disk again, LoRAs are kept, and later nodes (KSampler, CLIP Text Encode, VAE "
+                "Decode) keep the placement instead of loading the model their own way. The dtype stays, except that a "
+                "diffusion model loaded with dtype auto takes ComfyUI's dtype for the new device (fp16 on a GPU)."
             ),
             inputs=[
                 model_in,

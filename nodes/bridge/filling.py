@@ -25,6 +25,7 @@ from ...core.placement.engine import partial_model_of
 from ...core.progress import ProgressCallback
 from ...core.weights.ops import CastLayer, can_cast
 from .. import surface
+from .auto_dtype import remember_auto
 
 log = logging.getLogger("device_control")
 
@@ -57,12 +58,12 @@ def set_unet_dtype(config: Any, sd: dict, prefix: str, unet: ComponentPlan) -> t
     compute = unet.device or mm.get_torch_device()
     # The file's dtype guides ComfyUI's choice, except where its layers carry their own scales (scaled fp8, quantized).
     scaled = getattr(config, "scaled_fp8", None) is not None or getattr(config, "quant_config", None) is not None
+    params, file_dtype = utils.calculate_parameters(sd, prefix), None if scaled else utils.weight_dtype(sd, prefix)
     dtype = unet.dtype or mm.unet_dtype(  # the same choice default_dtype() made for the fit plan
-        device=compute,
-        model_params=utils.calculate_parameters(sd, prefix),
-        supported_dtypes=config.supported_inference_dtypes,
-        weight_dtype=None if scaled else utils.weight_dtype(sd, prefix),
+        device=compute, model_params=params, supported_dtypes=config.supported_inference_dtypes, weight_dtype=file_dtype
     )
+    if unet.dtype is None:  # auto: a move asks ComfyUI again for the device the model computes on then
+        remember_auto(config, params, file_dtype)
     config.set_inference_dtype(dtype, mm.unet_manual_cast(dtype, compute, config.supported_inference_dtypes))
     return compute
 

@@ -2,7 +2,8 @@
 
 A move works on a clone (ComfyUI's values are shared between nodes, so the input itself is never changed):
 the clone's patcher carries the placement, the VAE object its device. The weights are the same tensors,
-moved in place — nothing is read from disk again and the dtype never changes. The move itself is
+moved in place — nothing is read from disk again, and the dtype changes only for a diffusion model loaded with
+``auto``, to ComfyUI's choice for the new device (``bridge.auto_dtype``). The move itself is
 ComfyUI's ``load_models_gpu``, which calls our patcher, so ComfyUI's list and sizes are right afterwards.
 """
 
@@ -22,6 +23,7 @@ from ...core.placement.engine import partial_model_of
 from ...core.placement.eviction import Eviction
 from ...core.units import format_bytes
 from .. import surface
+from .auto_dtype import follow_auto
 from .books import (
     clone_entries,
     in_force,
@@ -115,6 +117,8 @@ def move(value: Any, device: str, vram_budget: str, keep_resident: bool, invento
         notes.append(DYNAMIC_NOTE)
     log.info("[Device Control] Move To GPU: moving %s to %s (budget %s)", subject.name, chosen_id, placement.budget)
     moved = placed_clone(subject, placement)
+    if moved.kind == "MODEL":
+        notes.append(follow_auto(moved.patcher, subject.patcher, moved.patcher.load_device, chosen_id) or "")
     eviction = _make_room(moved.patcher, target, budget)
     previous = last_load(moved.patcher)
     surface.load_models_gpu([moved.patcher], force_full_load=moved.kind == "CLIP")

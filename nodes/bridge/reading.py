@@ -160,7 +160,7 @@ def model_key(patcher: Any) -> str:
 def dominant_dtype(module: Any) -> Any:
     """The dtype most of a module's weights are stored in (``None`` for a module without weights).
 
-    Kept per module: moves never change a dtype, and the panel asks for it every second.
+    Kept per module (the panel asks for it every second); a conversion forgets it (:func:`forget_dtype`).
     """
     try:
         return _dtypes[module]
@@ -176,6 +176,12 @@ def dominant_dtype(module: Any) -> Any:
 
 
 _dtypes: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def forget_dtype(module: Any) -> None:
+    """Forget what :func:`dominant_dtype` kept for ``module`` (its weights were converted: ``bridge.auto_dtype``)."""
+    with contextlib.suppress(TypeError):
+        _dtypes.pop(module, None)
 
 
 def _storage_dtype(patcher: Any) -> Any:

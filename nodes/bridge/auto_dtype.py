@@ -1,0 +1,135 @@
+"""A diffusion model loaded with dtype ``auto`` follows ComfyUI's choice for the device it computes on, when it
+moves there (Move To GPU), not only for the device it was loaded to.
+
+Why: a model loaded with ``auto`` to the CPU is stored in float32 (ComfyUI's choice for a CPU); moved to a GPU
+it would keep float32, twice the VRAM of what stock ComfyUI holds there and not stock's image. So the loader
+remembers that the user left the dtype to ComfyUI (:func:`remember_auto`), and a move asks ComfyUI again for the
+new device (:func:`follow_auto`).
+
+Decisions:
+
+* Storage is converted only to a **smaller** dtype (float32 to float16 or bfloat16, and so on). A model that
+  moves to a device ComfyUI would store in a wider dtype (back to the CPU) keeps its storage: widening gives no
+  precision back and doubles the memory. Its compute dtype is re-derived instead (ComfyUI's manual cast), so a
+  float16 model computes in float32 on a CPU, as ComfyUI computes any float16 model there.
+* The conversion is **in place**, on the weights every clone shares, after every clone is unloaded from ComfyUI
+  (so no LoRA is baked into what is converted): a copy would keep the float32 weights in RAM beside it for as long
+  as ComfyUI caches the loader's output. The clones keep working: they compute from the converted weights.
+* ComfyUI's ``ModelPatcher.size`` is set once and copied to clones; the sizes of every clone in ComfyUI's list,
+  the input and the moved clone are corrected. A clone another node holds outside ComfyUI's list cannot be reached;
+  its size is corrected on its next load by ComfyUI, which reads it again then.
+* Only the diffusion model follows ``auto``. A text encoder's ``auto`` is float16 on every device in ComfyUI
+  already, and a VAE's is small; an explicit dtype never changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...core.devices.transfer import pinned_memory
+from ...core.placement.engine import partial_model_of
+from .. import surface
+from .books import clone_entries, unload_entries
+from .reading import forget_dtype
+
+log = logging.getLogger("device_control")
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """What ComfyUI's choice of a diffusion model's dtype was made from: its parameter count and the file's dtype."""
+
+    params: int
+    file_dtype: torch.dtype | None
+
+
+#: Model configs (shared by every clone of a model) whose storage dtype the user left to ComfyUI.
+_AUTO: weakref.WeakKeyDictionary[Any, AutoChoice] = weakref.WeakKeyDictionary()
+
+
+def remember_auto(config: Any, params: int, file_dtype: torch.dtype | None) -> None:
+    """Mark the model built from ``config`` as one whose dtype ComfyUI chose (the loader's ``auto``)."""
+    _AUTO[config] = AutoChoice(params, file_dtype)
+
+
+def follow_auto(patcher: Any, input_patcher: Any, device: torch.device, name: str) -> str | None:
+    """Store and compute ``patcher``'s model as ComfyUI would on ``device``, if it was loaded with ``auto``.
+
+    ``input_patcher`` is the node's input (a clone of the same weights), whose size is corrected too. Returns a
+    note for the node's summary when anything changed, else ``None``.
+    """
+    model = patcher.model
+    choice = _AUTO.get(getattr(model, "model_config", None))
+    if choice is None:
+        return None
+    mm, config = surface.model_management(), model.model_config
+    stored = model.get_dtype()
+    wanted = mm.unet_dtype(
+        device=device,
+        model_params=choice.params,
+        supported_dtypes=config.supported_inference_dtypes,
+        weight_dtype=choice.file_dtype,
+    )
+    narrower = wanted.is_floating_point and wanted.itemsize < stored.itemsize
+    storage = wanted if narrower else stored
+    cast = mm.unet_manual_cast(storage, device, config.supported_inference_dtypes)
+    if storage == stored and cast == model.manual_cast_dtype:
+        return None
+    holders = _unload_clones(patcher, [input_patcher])
+    if narrower:
+        _convert(model, holders, stored, storage)
+    _set_dtypes(model, storage, cast)
+    computes = f", computes in {_name(cast)}" if cast is not None else ""
+    note = f"dtype auto: stored in {_name(storage)} for {name}{computes} (was {_name(stored)})"
+    log.info("[Device Control] %s", note)
+    return note
+
+
+def _unload_clones(patcher: Any, others: list[Any]) -> list[Any]:
+    """Unload every clone of ``patcher`` (no LoRA baked in, no layer streaming); the patchers that hold it."""
+    loaded = clone_entries(patcher)
+    holders = [patcher, *others, *(entry.model for entry in loaded)]
+    unload_entries(loaded)
+    if partial_model_of(patcher.model).target is not None:  # resident without an entry in ComfyUI's list
+        patcher.detach()
+    return holders
+
+
+def _convert(model: Any, holders: list[Any], old: torch.dtype, new: torch.dtype) -> None:
+    """Convert the shared weights stored in ``old`` to ``new``, in place; correct every holder's size."""
+    pinned = pinned_memory()
+    with torch.no_grad():
+        for module in model.diffusion_model.modules():
+            for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+                if tensor.dtype != old:
+                    continue  # as ComfyUI builds the model for ``new``: its weights and tables in ``old`` change
+                pinned.unpin(tensor)  # never free page-locked memory still registered (unloading unpins it already)
+                tensor.data = tensor.data.to(new)
+                if hasattr(module, f"{name}_comfy_model_dtype"):  # ComfyUI 0.28+'s record of each tensor's dtype
+                    setattr(module, f"{name}_comfy_model_dtype", new)
+    partial_model_of(model).refresh()
+    forget_dtype(model)
+    for holder in holders:
+        holder.size = 0  # ComfyUI's ModelPatcher measures its model again when asked next
+        holder.model_size()
+
+
+def _set_dtypes(model: Any, storage: torch.dtype, cast: torch.dtype | None) -> None:
+    """Tell ComfyUI's model how it is stored and computed now (as its loader would have for this device)."""
+    model.model_config.set_inference_dtype(storage, cast)
+    model.diffusion_model.dtype = storage
+    model.manual_cast_dtype = cast
+    if cast is None:
+        return  # layers that cast already keep doing so (a no-op where the dtypes agree)
+    for layer in model.diffusion_model.modules():
+        if hasattr(layer, "comfy_cast_weights"):  # nothing streams: every clone was unloaded
+            layer.comfy_cast_weights = True  # stored and computed dtypes differ now: every layer casts
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
