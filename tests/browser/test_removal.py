@@ -12,6 +12,7 @@ from typing import Any
 
 from tests.browser.conftest import FrontendPage
 from tests.browser.test_panel import open_panel
+from tests.passes import ONCE
 from tools.comfy_server import ComfyServer
 from tools.runtime import PACK_FOLDER
 
@@ -56,6 +57,9 @@ def _page(browser: Any, server: ComfyServer, panel: bool = False) -> tuple[dict[
         context.close()
 
 
+# Once, in the primary pass: with the pack's folder gone none of its code runs; only how a frontend treats the
+# panel's settings left in the user folder could differ between versions, and that is checked on this one's.
+@ONCE
 def test_removing_the_pack_gives_back_the_stock_frontend(browser, comfy_factory, tmp_path_factory):
     # A ComfyUI that never had the pack: the reference.
     stock = _without_pack(tmp_path_factory.mktemp("stock-base"))
