@@ -23,6 +23,7 @@ from .placing import (
     detection_for_this_comfyui,
     device_input,
     dtype_input,
+    gguf_blocks,
     loaded,
     model_files,
     model_path,
@@ -106,9 +107,9 @@ def _summary(name: str, detection: Detection, choice: Choice, plan: FitPlan, mod
     cast = getattr(inner, "manual_cast_dtype", None)
     stored = str(dominant_dtype(inner.diffusion_model)).replace("torch.", "")
     computes = f" (computes in {str(cast).replace('torch.', '')})" if cast is not None else ""
-    if detection.file_format == "gguf":  # kept in the file's blocks, dequantised layer by layer as it computes
-        blocks = "/".join(kind for kind in detection.components[0].stored_dtypes if kind not in ("F32", "F16", "BF16"))
-        stored = f"GGUF {blocks or 'F16/F32'} blocks"
+    blocks = gguf_blocks(detection)
+    if blocks is not None:  # kept in the file's blocks, dequantised layer by layer as it computes
+        stored = blocks
         computes = f" (computes in {str(cast or inner.get_dtype()).replace('torch.', '')})"
     lines = [f"{detection.family} ({detection.comfy_class}, {detection.model_type}) from {name}"]
     lines += [

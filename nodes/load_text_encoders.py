@@ -26,12 +26,15 @@ from .placing import (
     check_devices,
     device_input,
     dtype_input,
+    gguf_blocks,
     loaded,
+    model_files,
     model_path,
     plan_load,
     progress_bar,
     quantized_refusal,
     quantizes_scaled_fp8,
+    refuse_unmapped_gguf,
     require_kind,
     resolve_placement,
     summary_output,
@@ -47,6 +50,8 @@ QUANTIZED = "_quantization_metadata"
 #: What an optional file input holds when it is not used.
 NONE = "none"
 FILE_INPUTS = ("clip_name1", "clip_name2", "clip_name3", "clip_name4")
+#: Encoders whose tokenizer ComfyUI reads from the safetensors file (the tensor named), absent from a GGUF.
+TOKENIZER_IN_FILE = {"UMT5-XXL": "spiece_model"}
 
 
 class LoadTextEncodersWithDevice(surface.io.ComfyNode):
@@ -55,8 +60,11 @@ class LoadTextEncodersWithDevice(surface.io.ComfyNode):
     @classmethod
     def define_schema(cls) -> Any:
         io = surface.io
-        files = surface.folder_paths().get_filename_list("text_encoders")
-        file_tooltip = "A text-encoder file (from ComfyUI's text_encoders folders, clip included)"
+        files = model_files("text_encoders", gguf=True)
+        file_tooltip = (
+            "A text-encoder file (from ComfyUI's text_encoders folders, clip included): safetensors, or a T5 GGUF "
+            "(kept quantised, dequantised layer by layer as it computes)"
+        )
         return io.Schema(
             node_id="DeviceControl_LoadTextEncoders",
             display_name="Load Text Encoders With Device",
@@ -125,7 +133,7 @@ def _files(*chosen: str) -> tuple[list[str], list[FileHeader]]:
     """The files chosen (``none`` skipped) and their headers."""
     pairs = [(name, option) for name, option in zip(chosen, FILE_INPUTS, strict=True) if name and name != NONE]
     paths = [model_path("text_encoders", name, "text encoder", option) for name, option in pairs]
-    return [name for name, _ in pairs], [read_header(path) for path in paths]
+    return [name for name, _ in pairs], [read_header(path, gguf=True) for path in paths]
 
 
 def _text_encoder(name: str, header: FileHeader) -> Detection:
@@ -135,6 +143,13 @@ def _text_encoder(name: str, header: FileHeader) -> Detection:
     if detection.kind == "unknown":
         detection = text_encoder_with_comfyui(header) or detection
     require_kind(name, detection, ROLE, "text encoder", "Load CLIP")
+    refuse_unmapped_gguf(name, detection)
+    if header.format == "gguf" and detection.family in TOKENIZER_IN_FILE:
+        raise DeviceControlError(
+            f"{name} is a GGUF {detection.family}: ComfyUI reads this encoder's tokenizer from its weights file "
+            f"({TOKENIZER_IN_FILE[detection.family]}), which a GGUF does not carry. Load its safetensors file here, "
+            "or the GGUF with a GGUF loader pack."
+        )
     if quantizes_scaled_fp8() and (SCALED_FP8 in header.tensors or QUANTIZED in header.metadata):
         raise quantized_refusal(name, "Load CLIP (or its Dual/Triple/Quadruple loader)")
     return detection
@@ -166,11 +181,21 @@ def _summary(
     encoders = " + ".join(f"{d.family} ({name})" for name, d in zip(names, detections, strict=True))
     stored = str(dominant_dtype(clip.cond_stage_model)).replace("torch.", "")
     lines = [f"{clip_type} text encoders: {encoders}, as {type(clip.cond_stage_model).__name__}"]
+    blocks = [gguf_blocks(d) for d in detections if d.components]  # one per planned part, in order
     lines += [
-        f"  text encoder {part.component.split(':', 1)[1]}: {choice.device.id} ({choice.device.name}), {stored}: "
-        f"{format_bytes(part.bytes)} planned"
-        for part in plan.components
+        f"  text encoder {part.component.split(':', 1)[1]}: {choice.device.id} ({choice.device.name}), "
+        f"{f'{kept}, the rest {_floats(clip)}' if kept else stored}: {format_bytes(part.bytes)} planned"
+        for part, kept in zip(plan.components, blocks, strict=True)
     ]
     lines += [f"  fit on {d.device}: {d.verdict}" for d in plan.devices]
     lines += [f"  warning: {note}" for note in notes]
     return "\n".join(lines)
+
+
+def _floats(clip: Any) -> str:
+    """The dtype most of the text encoders' floating-point weights are stored in (beside a GGUF's blocks)."""
+    sizes: dict[Any, int] = {}
+    for param in clip.cond_stage_model.parameters():
+        if param.is_floating_point():
+            sizes[param.dtype] = sizes.get(param.dtype, 0) + param.numel()
+    return str(max(sizes, key=sizes.__getitem__)).replace("torch.", "") if sizes else "none"

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..core.detection.detect import Detection
+from ..core.detection.detect import LLAMA_CPP_NAMED, Detection
 from ..core.detection.headers import FileHeader
 from ..core.devices.backends import DeviceInfo, backend_of
 from ..core.devices.inventory import InventorySnapshot, parse_device_spec
@@ -236,18 +236,40 @@ def require_kind(name: str, detection: Detection, kind: str, what: str, stock_lo
         raise quantized_refusal(name, stock_loader)
     if detection.kind != kind:
         loader = LOADER_FOR.get(detection.kind, "the matching loader")
-        if detection.file_format == "gguf" and detection.kind not in READS_GGUF:
-            loader = (
-                f"a GGUF loader pack (Device Control reads GGUF diffusion models only, so far), or its safetensors "
-                f"with {loader}"
-            )
+        if detection.file_format == "gguf" and not reads_gguf(detection):
+            loader = f"a GGUF loader pack ({GGUF_READ}), or its safetensors with {loader}"
         raise DeviceControlError(
             f"{name} is a {detection.kind.replace('_', ' ')} ({detection.family}), not a {what}; load it with {loader}."
         )
 
 
 #: The kinds whose Device Control loader reads GGUF files.
-READS_GGUF = frozenset({"diffusion_model"})
+READS_GGUF = frozenset({"diffusion_model", "text_encoder"})
+#: What Device Control reads of GGUF files, as the refusals say it.
+GGUF_READ = "Device Control reads GGUF diffusion models and T5 text encoders, so far"
+
+
+def reads_gguf(detection: Detection) -> bool:
+    """Whether a Device Control loader reads this GGUF file: a kind it loads, with ComfyUI's tensor names (a text
+    encoder of an architecture ``core.detection.gguf_names`` does not map keeps llama.cpp's)."""
+    return detection.kind in READS_GGUF and LLAMA_CPP_NAMED not in (detection.family or "")
+
+
+def gguf_blocks(detection: Detection) -> str | None:
+    """``GGUF Q8_0 blocks``: how a GGUF file's weights are kept (``None`` for another format)."""
+    if detection.file_format != "gguf":
+        return None
+    kinds = {kind for c in detection.components for kind in c.stored_dtypes if kind not in ("F32", "F16", "BF16")}
+    return f"GGUF {'/'.join(sorted(kinds)) or 'F16/F32'} blocks"
+
+
+def refuse_unmapped_gguf(name: str, detection: Detection) -> None:
+    """Refuse a GGUF file no loader of ours reads (a text encoder with llama.cpp's names), saying what takes it."""
+    if detection.file_format == "gguf" and not reads_gguf(detection):
+        raise DeviceControlError(
+            f"{name} is a GGUF {detection.kind.replace('_', ' ')} ({detection.family}) that Device Control does not "
+            f"read ({GGUF_READ}); load it with a GGUF loader pack, or load its safetensors file here."
+        )
 
 
 def quantizes_scaled_fp8() -> bool:

@@ -10,6 +10,7 @@ dimensions (a video model's patch embedding) is stored flattened to two, with it
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import gguf
@@ -33,15 +34,16 @@ def quantised_type(name: str, shape: tuple[int, ...], kind: str) -> gguf.GGMLQua
     return quant
 
 
-def write_gguf(source: Path, target: Path, kind: str, architecture: str) -> Path:
-    """``source`` (a safetensors diffusion model) as a GGUF file quantised to ``kind``; made once, then reused."""
+def write_gguf(source: Path, target: Path, kind: str, architecture: str, rename: Callable[[str], str] = str) -> Path:
+    """``source`` (a safetensors model) as a GGUF file quantised to ``kind``, each tensor under ``rename(name)``
+    (a text encoder's llama.cpp name: :func:`llama_cpp_name`); made once, then reused."""
     if target.exists() and target.stat().st_mtime >= source.stat().st_mtime:
         return target
     partial = target.with_suffix(".partial")
     writer = gguf.GGUFWriter(str(partial), architecture)
     with safe_open(str(source), framework="pt") as tensors:
         for name in tensors.keys():  # noqa: SIM118 - safe_open is not a mapping
-            _add(writer, name, tensors.get_tensor(name), kind)
+            _add(writer, rename(name), tensors.get_tensor(name), kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -62,9 +64,10 @@ def _add(writer: gguf.GGUFWriter, name: str, tensor: torch.Tensor, kind: str) ->
     writer.add_tensor(name, gguf.quants.quantize(values, quant), raw_dtype=quant)
 
 
-def dequantised_twin(source: Path, target: Path) -> Path:
+def dequantised_twin(source: Path, target: Path, names: Mapping[str, str] | None = None) -> Path:
     """The GGUF ``source`` as a float32 safetensors file, every tensor as ``gguf`` dequantises it (the oracle's
-    model: what the quantised model must compute)."""
+    model: what the quantised model must compute), under ``names[name]`` where given (ComfyUI's names of a
+    text encoder's llama.cpp ones)."""
     from safetensors.torch import save_file
 
     reader = gguf.GGUFReader(str(source))
@@ -77,6 +80,55 @@ def dequantised_twin(source: Path, target: Path) -> Path:
     for tensor in reader.tensors:
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         shape = shapes.get(tensor.name, [int(d) for d in reversed(tensor.shape)])
-        out[tensor.name] = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)
+        name = (names or {}).get(tensor.name, tensor.name)
+        out[name] = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)
     save_file(out, str(target))
+    return target
+
+
+def llama_cpp_name(architecture: gguf.MODEL_ARCH, blocks: int) -> Callable[[str], str]:
+    """The name llama.cpp's converter gives each tensor of a Hugging Face text encoder of ``architecture`` with
+    ``blocks`` layers: ``gguf``'s own tensor-name map, what GGUF text encoders in the wild carry."""
+    table = gguf.get_tensor_name_map(architecture, blocks)
+
+    def rename(name: str) -> str:
+        mapped = table.get_name(name, try_suffixes=(".weight", ".bias"))
+        if mapped is None:
+            raise KeyError(f"gguf's {architecture.name} name map has no name for {name!r}")
+        return mapped
+
+    return rename
+
+
+#: T5-Base as ComfyUI builds it (``comfy/text_encoders/t5_config_base.json``, Stable Audio's encoder): width,
+#: feed-forward width, layers, heads, vocabulary and relative-position buckets.
+T5_BASE = {"d_model": 768, "d_ff": 3072, "layers": 12, "heads": 12, "vocab": 32128, "buckets": 32}
+
+
+def write_t5_base(target: Path, seed: int = 0) -> Path:
+    """A synthetic T5-Base encoder (random weights of the real layout, ComfyUI's names) as float16 safetensors:
+    the smallest T5 a ComfyUI text-encoder type takes (``stable_audio``); made once, then reused."""
+    from safetensors.torch import save_file
+
+    if target.exists():
+        return target
+    d, ff, heads = T5_BASE["d_model"], T5_BASE["d_ff"], T5_BASE["heads"]
+    generator = torch.Generator().manual_seed(seed)
+
+    def normal(*shape: int, std: float) -> torch.Tensor:
+        return (torch.randn(*shape, generator=generator) * std).half()
+
+    out = {"shared.weight": normal(T5_BASE["vocab"], d, std=1.0)}
+    out["encoder.final_layer_norm.weight"] = 1 + normal(d, std=0.1)
+    for i in range(T5_BASE["layers"]):
+        block = f"encoder.block.{i}.layer"
+        out |= {f"{block}.0.SelfAttention.{p}.weight": normal(d, d, std=d**-0.5) for p in "qkvo"}
+        out |= {f"{block}.{n}.layer_norm.weight": 1 + normal(d, std=0.1) for n in (0, 1)}
+        out[f"{block}.1.DenseReluDense.wi.weight"] = normal(ff, d, std=d**-0.5)
+        out[f"{block}.1.DenseReluDense.wo.weight"] = normal(d, ff, std=ff**-0.5)
+    bias = "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+    out[bias] = normal(T5_BASE["buckets"], heads, std=1.0)
+    partial = target.with_suffix(".partial")
+    save_file(out, str(partial))
+    partial.replace(target)
     return target

@@ -27,6 +27,8 @@ from .lora_info import LoraInfo, describe_lora, is_lora
 DIFFUSION_PREFIXES = ("model.diffusion_model.", "model.model.", "net.")
 #: How the GGML project's converters name a language model's tensors (a text encoder's, in a GGUF file).
 LLAMA_CPP_NAMES = ("token_embd.", "blk.0.", "enc.blk.0.")
+#: How such a file's family reads where its names are not mapped to ComfyUI's (``gguf_names``).
+LLAMA_CPP_NAMED = "llama.cpp tensor names"
 TEXT_ENCODER_CONTAINERS = ("text_encoders.", "conditioner.embedders.", "cond_stage_model.", "text_encoder.")
 
 
@@ -91,7 +93,7 @@ def detect_header(header: FileHeader) -> Detection:
         return Detection(**base, **model)
     if header.format == "gguf" and any(name.startswith(LLAMA_CPP_NAMES) for name in tensors):
         architecture = header.metadata.get("general.architecture", "unnamed")
-        return single_component(header, "text_encoder", f"{architecture} text encoder, llama.cpp tensor names")
+        return single_component(header, "text_encoder", f"{architecture} text encoder, {LLAMA_CPP_NAMED}")
     for kind, classify in (("vae", vae_kind), ("text_encoder", text_encoder_kind)):
         name = classify(KeyView(tensors, ""))
         if name is not None:

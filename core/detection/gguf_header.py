@@ -6,7 +6,8 @@ type and value (arrays carry their element type and count); then per tensor its 
 (innermost first), GGML type and offset; the data starts at the next multiple of ``general.alignment`` (32 when
 absent). Shapes are turned outermost first, as torch and safetensors write them. ComfyUI's GGUF converters keep
 a tensor of more than GGUF's four dimensions as a flat one and record its shape under
-``comfy.gguf.orig_shape.<name>``: that shape is the one given here.
+``comfy.gguf.orig_shape.<name>``: that shape is the one given here. A text encoder converted by llama.cpp gets
+ComfyUI's tensor names (:mod:`.gguf_names`).
 
 Everything is validated before a caller relies on it, as the safetensors reader does: counts and string lengths
 against the file's size (a crafted count never makes us allocate), every range inside the file, aligned, the
@@ -18,11 +19,13 @@ from __future__ import annotations
 
 import math
 import struct
+from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any
 
 from ..errors import ModelFileError
 from .ggml_types import ggml_type
+from .gguf_names import comfy_names
 from .tensor_info import MAX_DIM, FileHeader, TensorInfo, check_overlaps
 
 #: A shape ComfyUI's GGUF converters could not keep in four dimensions, by tensor name after this prefix.
@@ -89,13 +92,21 @@ def read_gguf_header(file: Path, size: int) -> FileHeader:
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
         raise broken(file, f"its alignment {alignment!r} is not a power of two")
     data_start = -(-header_end // alignment) * alignment
-    tensors = {entry[0]: _tensor_info(file, *entry, metadata) for entry in entries}
+    tensors = _with_comfy_names({entry[0]: _tensor_info(file, *entry, metadata) for entry in entries}, metadata)
     for info in tensors.values():
         if info.begin % alignment or data_start + info.end > size:
             raise broken(file, f"tensor {info.name!r} lies outside the file or off its {alignment}-byte alignment")
     check_overlaps(file, tensors, broken)
     shown = {k: str(v) for k, v in metadata.items() if not isinstance(v, list)}
     return FileHeader(str(file), "gguf", tensors, shown, data_start, size)
+
+
+def _with_comfy_names(tensors: dict[str, TensorInfo], metadata: dict[str, Any]) -> dict[str, TensorInfo]:
+    """``tensors`` under ComfyUI's names where the file is a llama.cpp text encoder we map (the same bytes)."""
+    renamed = comfy_names(metadata.get("general.architecture"), tensors)
+    if renamed is None:
+        return tensors
+    return {renamed[name]: replace(info, name=renamed[name]) for name, info in tensors.items()}
 
 
 def _read_fields(file: Path, size: int) -> tuple[dict[str, Any], list[tuple[str, tuple[int, ...], int, int]], int]:

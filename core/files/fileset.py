@@ -67,3 +67,14 @@ class FileSet:
         """A new host tensor holding the tensor of qualified name ``name``, in its stored dtype."""
         reader, inner = self._split(name)
         return reader.read(inner)
+
+    def read_blocks_into(self, name: str, dest: torch.Tensor) -> None:
+        """Fill ``dest`` with the GGML blocks of the tensor of qualified name ``name`` (a GGUF file's, kept
+        quantised: see ``WeightReader.read_blocks_into``)."""
+        reader, inner = self._split(name)
+        reader.read_blocks_into(inner, dest)
+
+    def file_name(self, name: str) -> str:
+        """The name of the file that holds the tensor of qualified name ``name``, for messages."""
+        reader, inner = self._split(name)
+        return reader.file_name(inner)

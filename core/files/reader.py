@@ -90,6 +90,10 @@ class WeightReader:
         except KeyError:
             raise ModelFileError(f"{os.path.basename(self.header.path)} has no tensor {name!r}.") from None
 
+    def file_name(self, _name: str) -> str:
+        """The name of the file that holds tensor ``_name`` (this reader's), for messages."""
+        return os.path.basename(self.header.path)
+
     def read_into(self, name: str, dest: torch.Tensor) -> None:
         """Fill ``dest`` (any dtype, any device, same number of elements) with tensor ``name`` of the file."""
         info = self.info(name)

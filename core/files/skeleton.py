@@ -13,7 +13,6 @@ The mode is a torch function mode: it only affects the thread that entered it.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -228,7 +227,7 @@ def _fill_quantized(
     shape = tuple(tensor.shape)
     if info.numel != tensor.numel():
         raise ModelFileError(
-            f"{os.path.basename(reader.header.path)}: tensor {source!r} has shape {list(info.shape)}, but the model "
+            f"{reader.file_name(source)}: tensor {source!r} has shape {list(info.shape)}, but the model "
             f"expects {list(shape)}; the file belongs to another model variant."
         )
     layout = QuantizedLayout(GGML_TYPES[info.dtype], shape)

@@ -147,6 +147,10 @@ def torch_device(filled: Target | None) -> torch.device:
 
 def first_load(patcher: Any, place: ComponentPlan, filled: Target | None) -> None:
     """Register the model with ComfyUI where it now lives, as ComfyUI does after its own loading."""
+    # Some ComfyUIs (0.3.52's CLIP) measure the model while it is built, from its weightless stand-ins: measured
+    # again now that it holds its weights (a GGUF's blocks are smaller than the float stand-ins).
+    patcher.size = 0
+    patcher.model_size()
     if patcher.load_device != torch_device(filled):
         return  # in RAM, to be loaded where it belongs when a node first uses it
     if filled is not None:

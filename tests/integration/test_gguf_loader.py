@@ -171,13 +171,19 @@ def _truncated(path, target):
     return target
 
 
+def record_reads(module, monkeypatch) -> list:
+    """Every weight the pack's reader reads from now on (none is read, only recorded): the list to check."""
+    reader = module("core.files.reader").WeightReader
+    read: list = []
+    monkeypatch.setattr(reader, "read_into", lambda *a, **k: read.append(a))
+    monkeypatch.setattr(reader, "read_blocks_into", lambda *a, **k: read.append(a))
+    return read
+
+
 def test_a_broken_or_wrong_gguf_is_refused_before_a_weight_is_read(comfy, monkeypatch, tmp_path):
     _mm, _comfy_sd, module, files, _models = comfy
     importlib.import_module("folder_paths").add_model_folder_path("diffusion_models", str(tmp_path))
-    reader = module("core.files.reader").WeightReader
-    read = []
-    monkeypatch.setattr(reader, "read_into", lambda *a, **k: read.append(a))
-    monkeypatch.setattr(reader, "read_blocks_into", lambda *a, **k: read.append(a))
+    read = record_reads(module, monkeypatch)
     error = module("core.errors").DeviceControlError
     truncated = _truncated(files["wan21"][0], tmp_path / "truncated.gguf")
     with pytest.raises(error, match=r"truncated\.gguf is not a valid GGUF file: tensor .* lies outside the file"):
