@@ -90,6 +90,21 @@ def follow_auto(patcher: Any, input_patcher: Any, device: torch.device, name: st
     return note
 
 
+def compute_for(patcher: Any, device: torch.device) -> None:
+    """Before each load of a model whose dtype follows ``auto``: its compute dtype for ``device``, as ComfyUI
+    picks it for a model stored so (a clone computing on the CPU casts float16 storage to float32; one on a GPU
+    computes in float16). Clones share the model: each load sets it for the device that load goes to (ComfyUI
+    unloads the other clones of a model before it loads one)."""
+    model = patcher.model
+    if getattr(model, "model_config", None) not in _AUTO:
+        return
+    cast = surface.model_management().unet_manual_cast(
+        model.get_dtype(), device, model.model_config.supported_inference_dtypes
+    )
+    if cast is not None or cast != model.manual_cast_dtype:
+        _set_dtypes(model, model.get_dtype(), cast)
+
+
 def _unload_clones(patcher: Any, others: list[Any]) -> list[Any]:
     """Unload every clone of ``patcher`` (no LoRA baked in, no layer streaming); the patchers that hold it."""
     loaded = clone_entries(patcher)
@@ -127,8 +142,10 @@ def _set_dtypes(model: Any, storage: torch.dtype, cast: torch.dtype | None) -> N
     if cast is None:
         return  # layers that cast already keep doing so (a no-op where the dtypes agree)
     for layer in model.diffusion_model.modules():
-        if hasattr(layer, "comfy_cast_weights"):  # nothing streams: every clone was unloaded
-            layer.comfy_cast_weights = True  # stored and computed dtypes differ now: every layer casts
+        if hasattr(layer, "comfy_cast_weights"):  # stored and computed dtypes differ now: every layer casts,
+            layer.comfy_cast_weights = True
+            if hasattr(layer, "prev_comfy_cast_weights"):  # streaming or not
+                layer.prev_comfy_cast_weights = True
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -39,6 +39,7 @@ from ...core.units import format_bytes
 from ...core.weights.patch_math import calculate_weight
 from ...core.weights.patching import OnTheFlyPatch, get_weight, key_seed, round_to, set_weight
 from .. import surface
+from .auto_dtype import compute_for
 from .books import (
     Holding,
     forget_loaded,
@@ -159,6 +160,7 @@ class DeviceControlPatcher(surface.model_patcher_class()):
     ) -> None:
         device_to = device_to if device_to is not None else self.load_device
         split = split_placement_of(self)
+        compute_for(self, device_to)  # a model whose dtype follows auto: its compute dtype for this device
         with self.use_ejected():
             self.unpatch_hooks()
             if split is not None:

@@ -131,3 +131,26 @@ def test_an_explicit_dtype_stays_and_moving_back_to_the_cpu_never_widens(comfy, 
     del auto, on_gpu, back
     mm.unload_all_models()
     gc.collect()
+
+
+def test_a_clone_computing_on_the_cpu_after_the_move_computes_as_comfyui_computes_float16_there(comfy, monkeypatch):
+    """Where the GPU computes float16 natively (no manual cast), the converted weights are shared with the input:
+    a branch of the graph that computes that input on the CPU must cast them to float32, as ComfyUI computes any
+    float16 model on a CPU, not compute in float16 there. Each load sets the compute dtype for its device."""
+    mm, module, name, _lora_sd = comfy
+    expected = _step(_load(module, name, "fp16"))  # float16 storage computing on the CPU: cast to float32
+    mm.unload_all_models()
+    ours = _load(module, name)
+    sim = with_simulated_gpu(module, monkeypatch, ("nodes.move_to_gpu",))
+    _gpu_answers_fp16(mm, monkeypatch)
+    native = mm.unet_manual_cast
+    monkeypatch.setattr(mm, "unet_manual_cast", lambda *args, **kwargs: None)  # the GPU computes float16 itself
+    moved, _trigger, summary = _move(module, ours)
+    assert moved.model.manual_cast_dtype is None and sim.allocated() == moved.model_size()
+    assert "dtype auto: stored in float16 for gpu:0 (was float32)" in summary, summary
+    monkeypatch.setattr(mm, "unet_manual_cast", native)  # ComfyUI's answer for the CPU: float32
+    assert torch.equal(_step(ours), expected)  # the input, loaded on the CPU by ComfyUI: float32 compute
+    assert ours.model.manual_cast_dtype == torch.float32 and sim.allocated() == 0
+    del ours, moved
+    mm.unload_all_models()
+    gc.collect()
