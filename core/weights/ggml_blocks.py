@@ -10,6 +10,10 @@ its quantised bytes to the GPU (fewer bytes over the link than fp16) and dequant
 reference reader (``gguf.quants`` on PyPI): one rounding per multiply and per add, never a fused multiply-add,
 so our float32 result is bit for bit theirs; the oracle test in ``tests/core/test_ggml_blocks.py`` holds that
 for every type on random blocks. A caller that wants fp16 or bf16 gets that float32 result rounded once.
+
+**Memory.** A weight is dequantised each time its layer computes, so each decoder makes one float32 tensor and
+scales and offsets it in place (``mul_``, ``sub_``, ``add_``: the same roundings as a new tensor per step), instead
+of a new float32 tensor per operation.
 """
 
 from __future__ import annotations
@@ -49,27 +53,25 @@ def _high_bits(raw: torch.Tensor) -> torch.Tensor:
 
 
 def _q4_0(b: torch.Tensor) -> torch.Tensor:
-    q = _nibbles(b[:, 2:]).to(torch.int8) - 8
-    return _f16(b[:, :2]) * q.to(torch.float32)
+    return _nibbles(b[:, 2:]).to(torch.float32).sub_(8).mul_(_f16(b[:, :2]))
 
 
 def _q4_1(b: torch.Tensor) -> torch.Tensor:
-    q = _nibbles(b[:, 4:]).to(torch.float32)
-    return _f16(b[:, :2]) * q + _f16(b[:, 2:4])
+    return _nibbles(b[:, 4:]).to(torch.float32).mul_(_f16(b[:, :2])).add_(_f16(b[:, 2:4]))
 
 
 def _q5_0(b: torch.Tensor) -> torch.Tensor:
-    q = (_nibbles(b[:, 6:]) | (_high_bits(b[:, 2:6]) << 4)).to(torch.int8) - 16
-    return _f16(b[:, :2]) * q.to(torch.float32)
+    q = (_nibbles(b[:, 6:]) | (_high_bits(b[:, 2:6]) << 4)).to(torch.float32)
+    return q.sub_(16).mul_(_f16(b[:, :2]))
 
 
 def _q5_1(b: torch.Tensor) -> torch.Tensor:
     q = (_nibbles(b[:, 8:]) | (_high_bits(b[:, 4:8]) << 4)).to(torch.float32)
-    return _f16(b[:, :2]) * q + _f16(b[:, 2:4])
+    return q.mul_(_f16(b[:, :2])).add_(_f16(b[:, 2:4]))
 
 
 def _q8_0(b: torch.Tensor) -> torch.Tensor:
-    return b[:, 2:].contiguous().view(torch.int8).to(torch.float32) * _f16(b[:, :2])
+    return b[:, 2:].view(torch.int8).to(torch.float32).mul_(_f16(b[:, :2]))
 
 
 def _q2_k(b: torch.Tensor) -> torch.Tensor:
@@ -78,7 +80,7 @@ def _q2_k(b: torch.Tensor) -> torch.Tensor:
     dl = (d * (scales & 0xF).to(torch.float32)).view(n, 16, 1)
     ml = (dmin * (scales >> 4).to(torch.float32)).view(n, 16, 1)
     q = _bits(qs.reshape(n * 2, 32), 4, 2).reshape(n, 16, 16).to(torch.float32)
-    return (dl * q - ml).reshape(n, QK_K)
+    return q.mul_(dl).sub_(ml).reshape(n, QK_K)
 
 
 def _q3_k(b: torch.Tensor) -> torch.Tensor:
@@ -91,7 +93,7 @@ def _q3_k(b: torch.Tensor) -> torch.Tensor:
     ql = _bits(qs.reshape(n * 2, 32), 4, 2).reshape(n, 16, 16)
     qh = _bits(hmask, 8, 1).reshape(n, 16, 16) ^ 1  # the offset of 4 applies where the mask bit is 0
     q = (ql.to(torch.int8) - (qh << 2).to(torch.int8)).to(torch.float32)
-    return (dl * q).reshape(n, QK_K)
+    return q.mul_(dl).reshape(n, QK_K)
 
 
 def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,7 +110,7 @@ def _q4_k(b: torch.Tensor) -> torch.Tensor:
     d = (_f16(b[:, :2]) * scale).view(n, 8, 1)
     dm = (_f16(b[:, 2:4]) * low).view(n, 8, 1)
     q = _bits(b[:, 16:].reshape(n * 4, 32), 2, 4).reshape(n, 8, 32).to(torch.float32)
-    return (d * q - dm).reshape(n, QK_K)
+    return q.mul_(d).sub_(dm).reshape(n, QK_K)
 
 
 def _q5_k(b: torch.Tensor) -> torch.Tensor:
@@ -119,7 +121,7 @@ def _q5_k(b: torch.Tensor) -> torch.Tensor:
     ql = _bits(b[:, 48:].reshape(n * 4, 32), 2, 4).reshape(n, 8, 32)
     qh = _bits(b[:, 16:48], 8, 1).reshape(n, 8, 32)
     q = (ql | (qh << 4)).to(torch.float32)
-    return (d * q - dm).reshape(n, QK_K)
+    return q.mul_(d).sub_(dm).reshape(n, QK_K)
 
 
 def _q6_k(b: torch.Tensor) -> torch.Tensor:
@@ -128,8 +130,8 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     dl = (d * scales.contiguous().view(torch.int8).to(torch.float32)).view(n, 16, 1)
     low = _bits(ql.reshape(n * 2, 64), 2, 4).reshape(n, 8, 32)
     high = _bits(qh.reshape(n * 2, 32), 4, 2).reshape(n, 8, 32)
-    q = ((low | (high << 4)).to(torch.int8) - 32).to(torch.float32).reshape(n, 16, 16)
-    return (dl * q).reshape(n, QK_K)
+    q = (low | (high << 4)).to(torch.float32).sub_(32).reshape(n, 16, 16)
+    return q.mul_(dl).reshape(n, QK_K)
 
 
 def _f32(b: torch.Tensor) -> torch.Tensor:
