@@ -16,8 +16,8 @@ Decisions:
   (so no LoRA is baked into what is converted): a copy would keep the float32 weights in RAM beside it for as long
   as ComfyUI caches the loader's output. The clones keep working: they compute from the converted weights.
 * ComfyUI's ``ModelPatcher.size`` is set once and copied to clones; the sizes of every clone in ComfyUI's list,
-  the input and the moved clone are corrected. A clone another node holds outside ComfyUI's list cannot be reached;
-  its size is corrected on its next load by ComfyUI, which reads it again then.
+  the input and the moved clone are corrected. A clone another node holds outside ComfyUI's list cannot be reached:
+  it keeps the size it copied, so ComfyUI overestimates what loading it needs (twice, from float32 to float16).
 * Only the diffusion model follows ``auto``. A text encoder's ``auto`` is float16 on every device in ComfyUI
   already, and a VAE's is small; an explicit dtype never changes.
 """
