@@ -20,7 +20,6 @@ from ..core.placement.fit import Choice, FitPlan
 from ..core.units import format_bytes
 from . import surface
 from .bridge.comfy_detection import COMFY_DETECTED, text_encoder_with_comfyui
-from .bridge.reading import dominant_dtype
 from .bridge.text_encoders import build_text_encoders
 from .placing import (
     check_devices,
@@ -179,12 +178,12 @@ def _summary(
     notes: list[str],
 ) -> str:
     encoders = " + ".join(f"{d.family} ({name})" for name, d in zip(names, detections, strict=True))
-    stored = str(dominant_dtype(clip.cond_stage_model)).replace("torch.", "")
+    stored = _floats(clip)  # a GGUF's uint8 blocks left out, beside safetensors files too
     lines = [f"{clip_type} text encoders: {encoders}, as {type(clip.cond_stage_model).__name__}"]
     blocks = [gguf_blocks(d) for d in detections if d.components]  # one per planned part, in order
     lines += [
         f"  text encoder {part.component.split(':', 1)[1]}: {choice.device.id} ({choice.device.name}), "
-        f"{f'{kept}, the rest {_floats(clip)}' if kept else stored}: {format_bytes(part.bytes)} planned"
+        f"{f'{kept}, the rest {stored}' if kept else stored}: {format_bytes(part.bytes)} planned"
         for part, kept in zip(plan.components, blocks, strict=True)
     ]
     lines += [f"  fit on {d.device}: {d.verdict}" for d in plan.devices]

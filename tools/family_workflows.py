@@ -129,7 +129,7 @@ FLUX_GGUF_EXAMPLE = Family(
     _SD3_LATENT,
     ("euler", "simple"),
     "Flux.1 dev as a GGUF file (Q8_0). With the released files: a flux1-dev GGUF (Q4_K_S, Q5_K_S, Q8_0 ...) in "
-    "diffusion_models or unet; clip_l and t5xxl as safetensors (GGUF text encoders are not read yet) as "
+    "diffusion_models or unet; clip_l and t5xxl as safetensors (or the T5 as a GGUF) as "
     "clip_name1-2 with type flux, on the CPU; ae.safetensors as the VAE. The weights stay quantised: the 6 GB budget "
     "counts their quantised bytes, the rest streams as blocks, and each layer is dequantised where it computes.",
     guidance=True,

@@ -6,7 +6,8 @@
   memory-mapped so no weight is read; a pickle that ``weights_only`` refuses is reported as unsafe, never
   loaded another way;
 * GGUF (``.gguf``): its header through ``gguf_header``, for detection; the loaders refuse it, naming what it
-  holds and pointing to a GGUF loader (loading GGUF is not built yet).
+  holds and pointing to the loader that reads it (Load Diffusion Model With Device and Load Text Encoders With
+  Device read GGUF files).
 
 Every problem raises :class:`~core.errors.ModelFileError` naming the file, what is wrong and what to do.
 """

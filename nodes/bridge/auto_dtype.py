@@ -16,10 +16,12 @@ Decisions:
   (so no LoRA is baked into what is converted): a copy would keep the float32 weights in RAM beside it for as long
   as ComfyUI caches the loader's output. The clones keep working: they compute from the converted weights.
 * ComfyUI's ``ModelPatcher.size`` is set once and copied to clones; the sizes of every clone in ComfyUI's list,
-  the input and the moved clone are corrected. A clone another node holds outside ComfyUI's list cannot be reached:
-  it keeps the size it copied, so ComfyUI overestimates what loading it needs (twice, from float32 to float16).
+  the input and the moved clone are corrected, and every clone made afterwards measures its model again (the
+  loader's cached output, cloned by a LoRA loader on the next run). A clone made before and held outside ComfyUI's
+  list cannot be reached: it keeps the size it copied, so ComfyUI overestimates what loading it needs.
 * Only the diffusion model follows ``auto``. A text encoder's ``auto`` is float16 on every device in ComfyUI
-  already, and a VAE's is small; an explicit dtype never changes.
+  already, and a VAE's is small; an explicit dtype never changes, nor does a scaled-fp8 model's (its scales stay
+  float32, as ComfyUI keeps them).
 """
 
 from __future__ import annotations
@@ -57,17 +59,23 @@ def remember_auto(config: Any, params: int, file_dtype: torch.dtype | None) -> N
     _AUTO[config] = AutoChoice(params, file_dtype)
 
 
+def follows_auto(patcher: Any) -> bool:
+    """Whether ``patcher``'s model is a diffusion model whose dtype follows ``auto`` (see :func:`remember_auto`)."""
+    config = getattr(getattr(patcher, "model", None), "model_config", None)
+    return config is not None and config in _AUTO
+
+
 def follow_auto(patcher: Any, input_patcher: Any, device: torch.device, name: str) -> str | None:
     """Store and compute ``patcher``'s model as ComfyUI would on ``device``, if it was loaded with ``auto``.
 
     ``input_patcher`` is the node's input (a clone of the same weights), whose size is corrected too. Returns a
-    note for the node's summary when anything changed, else ``None``.
+    note for the node's summary when the weights were converted, else ``None`` (the compute dtype alone is set by
+    :func:`compute_for` when the model loads).
     """
-    model = patcher.model
-    choice = _AUTO.get(getattr(model, "model_config", None))
-    if choice is None:
+    if not follows_auto(patcher):
         return None
-    mm, config = surface.model_management(), model.model_config
+    model = patcher.model
+    mm, config, choice = surface.model_management(), model.model_config, _AUTO[model.model_config]
     stored = model.get_dtype()
     wanted = mm.unet_dtype(
         device=device,
@@ -75,14 +83,10 @@ def follow_auto(patcher: Any, input_patcher: Any, device: torch.device, name: st
         supported_dtypes=config.supported_inference_dtypes,
         weight_dtype=choice.file_dtype,
     )
-    narrower = wanted.is_floating_point and wanted.itemsize < stored.itemsize
-    storage = wanted if narrower else stored
-    cast = mm.unet_manual_cast(storage, device, config.supported_inference_dtypes)
-    if storage == stored and cast == model.manual_cast_dtype:
-        return None
-    holders = _unload_clones(patcher, [input_patcher])
-    if narrower:
-        _convert(model, holders, stored, storage)
+    if not (wanted.is_floating_point and wanted.itemsize < stored.itemsize):
+        return None  # the same or a wider dtype: the storage stays
+    storage, cast = wanted, mm.unet_manual_cast(wanted, device, config.supported_inference_dtypes)
+    _convert(model, _unload_clones(patcher, [input_patcher]), stored, storage)
     _set_dtypes(model, storage, cast)
     computes = f", computes in {_name(cast)}" if cast is not None else ""
     note = f"dtype auto: stored in {_name(storage)} for {name}{computes} (was {_name(stored)})"
@@ -95,13 +99,13 @@ def compute_for(patcher: Any, device: torch.device) -> None:
     picks it for a model stored so (a clone computing on the CPU casts float16 storage to float32; one on a GPU
     computes in float16). Clones share the model: each load sets it for the device that load goes to (ComfyUI
     unloads the other clones of a model before it loads one)."""
-    model = patcher.model
-    if getattr(model, "model_config", None) not in _AUTO:
+    if not follows_auto(patcher):
         return
+    model = patcher.model
     cast = surface.model_management().unet_manual_cast(
         model.get_dtype(), device, model.model_config.supported_inference_dtypes
     )
-    if cast is not None or cast != model.manual_cast_dtype:
+    if cast is not None or cast != model.manual_cast_dtype:  # a cast: every layer's flag is set again, cheaply
         _set_dtypes(model, model.get_dtype(), cast)
 
 
@@ -129,6 +133,7 @@ def _convert(model: Any, holders: list[Any], old: torch.dtype, new: torch.dtype)
                     setattr(module, f"{name}_comfy_model_dtype", new)
     partial_model_of(model).refresh()
     forget_dtype(model)
+    forget_dtype(model.diffusion_model)
     for holder in holders:
         holder.size = 0  # ComfyUI's ModelPatcher measures its model again when asked next
         holder.model_size()

@@ -62,7 +62,7 @@ def set_unet_dtype(config: Any, sd: dict, prefix: str, unet: ComponentPlan) -> t
     dtype = unet.dtype or mm.unet_dtype(  # the same choice default_dtype() made for the fit plan
         device=compute, model_params=params, supported_dtypes=config.supported_inference_dtypes, weight_dtype=file_dtype
     )
-    if unet.dtype is None:  # auto: a move asks ComfyUI again for the device the model computes on then
+    if unet.dtype is None and not scaled:  # auto: a move asks ComfyUI again for the device it computes on then
         remember_auto(config, params, file_dtype)
     config.set_inference_dtype(dtype, mm.unet_manual_cast(dtype, compute, config.supported_inference_dtypes))
     return compute

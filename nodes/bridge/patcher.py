@@ -39,7 +39,7 @@ from ...core.units import format_bytes
 from ...core.weights.patch_math import calculate_weight
 from ...core.weights.patching import OnTheFlyPatch, get_weight, key_seed, round_to, set_weight
 from .. import surface
-from .auto_dtype import compute_for
+from .auto_dtype import compute_for, follows_auto
 from .books import (
     Holding,
     forget_loaded,
@@ -127,6 +127,8 @@ class DeviceControlPatcher(surface.model_patcher_class()):
         if isinstance(n, DeviceControlPatcher):
             n.device_control_placement = self.device_control_placement
             n.device_control_split = self.device_control_split
+        if follows_auto(n):
+            n.size = 0  # measured again: a move may have converted the weights since this patcher was measured
         return n
 
     def cleanup(self) -> None:

@@ -83,7 +83,8 @@ def test_auto_is_stored_as_comfyui_chooses_for_the_gpu_it_moves_to(comfy, monkey
     expected, fp16_dtypes, fp16_size = _step(reference), _dtypes(reference), reference.model_size()
     del reference
     mm.unload_all_models()
-    ours = _lora(_load(module, name), lora, with_lora)
+    base = _load(module, name)  # the loader's output, which ComfyUI caches
+    ours = _lora(base, lora, with_lora)
     fp32_size = ours.model_size()
     assert set(_dtypes(ours).values()) == {torch.float32} and fp32_size > fp16_size  # auto on the CPU: float32
     sim = with_simulated_gpu(module, monkeypatch, ("nodes.move_to_gpu",))
@@ -99,10 +100,11 @@ def test_auto_is_stored_as_comfyui_chooses_for_the_gpu_it_moves_to(comfy, monkey
     entry = _entry(mm, moved)
     assert entry.model.loaded_size() == entry.model_memory() == fp16_size  # ComfyUI's books: the fp16 bytes
     assert ours.model_size() == fp16_size  # the input's size, copied once by ComfyUI, corrected too
+    assert base.clone().model_size() == fp16_size  # a clone made afterwards (a LoRA loader's, on the next run)
     assert "dtype auto: stored in float16 for gpu:0, computes in float32 (was float32)" in summary, summary
     assert torch.equal(_step(moved), expected)  # exactly the model loaded in float16 (LoRA applied to float16)
     assert torch.equal(_step(ours), expected)  # the input shares the converted weights and still computes
-    del ours, moved
+    del base, ours, moved
     mm.unload_all_models()
     gc.collect()
 
