@@ -15,13 +15,17 @@ test-only custom node that makes a text conditioning of any width.
   ComfyUI 0.3.52's detection) and no text encoder that small exists: the node draws one from a seed.
 
 Run with the runtime's Python from the repository: ``python -m tests.slice_models FOLDER [SD35_FILE]`` writes
-them all (and a LoRA for the SD3.5-layout fixture when its file is given).
+them all (and a LoRA for the SD3.5-layout fixture when its file is given). The model and the LoRAs are made once
+per layout and seed in the runtime's ``fixtures/slices`` (each ComfyUI version's pass links them: drawing 2 GiB
+of random weights took 20 s a pass), and the running ComfyUI's detection is checked every time.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -29,8 +33,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tools.layouts import layouts
+from tools.runtime import fixtures_dir
 
 FLUX_FILE = "device_control_flux_3072_1x1.safetensors"
+#: Part of every cached file's name: raise it when what a file holds for a layout and seed changes.
+CACHE_VERSION = 1
 
 CONDITIONING_NODE = '''"""Test-only: a text conditioning of any width, drawn from a seed."""
 
@@ -70,6 +77,24 @@ def _later_block(key: str) -> bool:
     return re.match(r"(double|single)_blocks\.[1-9]", key) is not None
 
 
+def _linked(target: Path, key: str, build: Callable[[Path], None]) -> Path:
+    """``target`` as a link to the cached file for ``key``, which ``build`` writes when it is not there yet."""
+    cached = fixtures_dir() / "slices" / f"{key}_v{CACHE_VERSION}.safetensors"
+    if not cached.exists():
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        partial = cached.with_suffix(".partial")
+        build(partial)
+        partial.replace(cached)  # whole or absent: an interrupted run leaves no half file behind
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.unlink(missing_ok=True)
+    target.symlink_to(cached)
+    return target
+
+
+def _digest(shapes: dict[str, tuple[int, ...]]) -> str:
+    return hashlib.sha256(repr(sorted(shapes.items())).encode()).hexdigest()[:16]
+
+
 def make_flux(target: Path, seed: int = 3) -> Path:
     """Write the Flux-layout model (see the module's docstring), checked against the running ComfyUI's detection."""
     from tools.comfy_inprocess import import_comfy
@@ -86,15 +111,25 @@ def make_flux(target: Path, seed: int = 3) -> Path:
     detected = comfy.model_detection.model_config_from_unet(layout, "")
     if type(detected).__name__ != "Flux" or detected.unet_config != config.unet_config:
         raise RuntimeError(f"ComfyUI detects the Flux-layout file as {type(detected).__name__}")
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {k: _materialise(k, layout[k], generator).to(torch.bfloat16).contiguous() for k in sorted(layout)}
-    target.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(target))
-    return target
+
+    def build(path: Path) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        tensors = {k: _materialise(k, layout[k], generator).to(torch.bfloat16).contiguous() for k in sorted(layout)}
+        save_file(tensors, str(path))
+
+    key = _digest({k: tuple(v.shape) for k, v in layout.items()})
+    return _linked(target, f"flux_{key}_seed{seed}", build)
 
 
 def make_lora(model_file: Path, target: Path, seed: int = 5, flux_diffusers: bool = False) -> Path:
     """Write a rank-4 LoRA for every matrix of ``model_file`` (see the module's docstring)."""
+    with safe_open(str(model_file), "pt") as handle:
+        shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}  # noqa: SIM118
+    key = f"lora_{_digest(shapes)}_seed{seed}{'_diffusers' if flux_diffusers else ''}"
+    return _linked(target, key, lambda path: _write_lora(shapes, path, seed, flux_diffusers))
+
+
+def _write_lora(shapes: dict[str, tuple[int, ...]], target: Path, seed: int, flux_diffusers: bool) -> None:
     generator = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
 
@@ -102,19 +137,15 @@ def make_lora(model_file: Path, target: Path, seed: int = 5, flux_diffusers: boo
         tensors[f"{name}.{up}.weight"] = torch.randn(rows, 4, generator=generator) * 0.05
         tensors[f"{name}.{down}.weight"] = torch.randn(4, columns, generator=generator) * 0.05
 
-    with safe_open(str(model_file), "pt") as handle:
-        for key in handle.keys():  # noqa: SIM118 (not a dict)
-            shape = handle.get_slice(key).get_shape()
-            if key.endswith(".weight") and len(shape) == 2:
-                name = f"diffusion_model.{key.removesuffix('.weight')}"
-                pair(name, shape[0], shape[1], "lora_up", "lora_down")
-                tensors[f"{name}.alpha"] = torch.tensor(4.0)
+    for key, shape in shapes.items():
+        if key.endswith(".weight") and len(shape) == 2:
+            name = f"diffusion_model.{key.removesuffix('.weight')}"
+            pair(name, shape[0], shape[1], "lora_up", "lora_down")
+            tensors[f"{name}.alpha"] = torch.tensor(4.0)
     if flux_diffusers:
         for part in ("to_q", "to_k", "to_v"):
             pair(f"transformer.transformer_blocks.0.attn.{part}", 3072, 3072, "lora_B", "lora_A")
-    target.parent.mkdir(parents=True, exist_ok=True)
     save_file({k: v.to(torch.float16).contiguous() for k, v in tensors.items()}, str(target))
-    return target
 
 
 def write_conditioning_node(folder: Path) -> Path:

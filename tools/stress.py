@@ -94,6 +94,7 @@ class SoakResult:
             "gpu_after_offload": sorted(set(self.gpu_after_offload)),
             "gpu_before": sorted(set(self.gpu_before)),
             "median_cycle_s": statistics.median(self.seconds),
+            "rss_mb": [round(rss / 2**20) for rss in self.rss],
         }
 
 

@@ -151,13 +151,16 @@ def servers(
 ) -> Iterator[Callable[..., ComfyServer]]:
     """Start a ComfyUI server for this module: ``servers("name", SIMULATE_GPU="8GiB")`` sets
     ``DEVICE_CONTROL_SIMULATE_GPU``. One runs at a time (starting one stops the one before, so a module's tests
-    must use its servers in order): each holds whole models in RAM. ``extra_args`` are ComfyUI flags."""
+    must use its servers in order): each holds whole models in RAM. ``extra_args`` are ComfyUI flags, ``env`` more
+    environment variables as they are named."""
     running: list[ComfyServer] = []
 
-    def start(name: str, extra_args: tuple[str, ...] = (), **settings: str) -> ComfyServer:
+    def start(
+        name: str, extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None, **settings: str
+    ) -> ComfyServer:
         while running:
             running.pop().stop()
-        env = {f"DEVICE_CONTROL_{key}": value for key, value in settings.items()}
+        env = {**(env or {}), **{f"DEVICE_CONTROL_{key}": value for key, value in settings.items()}}
         server = comfy_factory(tmp_path_factory.mktemp(name), env=env, extra_args=extra_args)
         running.append(server)
         return server

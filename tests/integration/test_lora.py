@@ -92,9 +92,10 @@ def make_every_layer_lora(synthetic_models: dict[str, Path]) -> str:
 
 def hooked(prompt: dict, lora: str, strength: float) -> dict:
     """``prompt`` with ``lora`` as a ComfyUI hook on the positive prompt only (Create Hook LoRA, Cond Set Props)
-    instead of LoraLoader, sampled three steps at cfg 2: each step then runs the model twice, the positive with
+    instead of LoraLoader, sampled two steps at cfg 2: each step then runs the model twice, the positive with
     the hook's weights written into the model and the negative with them taken out again (ComfyUI writes the
-    weights in place between the two calls)."""
+    weights in place between the two calls), and the second step writes them in again after the first's negative
+    (every switch rewrites the whole UNet on this CPU: two steps are the fewest with both directions)."""
     changed = json.loads(json.dumps(prompt))
     del changed["11"]
     changed["2"]["inputs"]["value"] = ["1", 0]
@@ -107,7 +108,7 @@ def hooked(prompt: dict, lora: str, strength: float) -> dict:
         "class_type": "ConditioningSetProperties",
         "inputs": {"cond_NEW": ["3", 0], "strength": 1.0, "set_cond_area": "default", "hooks": ["20", 0]},
     }
-    changed["6"]["inputs"].update(positive=["21", 0], steps=3, cfg=2.0)
+    changed["6"]["inputs"].update(positive=["21", 0], steps=2, cfg=2.0)
     return changed
 
 
