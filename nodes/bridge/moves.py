@@ -32,7 +32,7 @@ from .books import (
 )
 from .patcher import DeviceControlPatcher, adopt, last_load
 from .reading import residency_of
-from .subjects import Subject, require_subject
+from .subjects import Subject, require_placeable, require_subject
 
 log = logging.getLogger("device_control")
 
@@ -103,11 +103,12 @@ def move(value: Any, device: str, vram_budget: str, keep_resident: bool, invento
     on the weights themselves: a move that did not happen is an error, never a success.
 
     Raises:
-        DeviceControlError: not a model, a malformed device or budget, a budget larger than the device, no
-            room even for the layers that cannot stream (the model stays in RAM), or a load that did not go
-            through Device Control.
+        DeviceControlError: not a model, a model another pack quantised (ComfyUI-GGUF), a malformed device or
+            budget, a budget larger than the device, no room even for the layers that cannot stream (the model
+            stays in RAM), or a load that did not go through Device Control.
     """
     subject = require_subject(value)
+    require_placeable(subject, "Move To GPU")
     snapshot = inventory.snapshot()
     target, chosen_id, warning = resolve_target(inventory, device, snapshot)
     placement = Placement(target, Budget.parse(vram_budget), keep_resident, device_id=chosen_id)

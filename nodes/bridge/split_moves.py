@@ -19,7 +19,7 @@ from ...core.placement.split_model import plan_split, split_of
 from .. import surface
 from .moves import MoveResult, clone_subject, state_before
 from .splits import check_fits, join_skip, kind_check, request_of, resolve_allocation, split_in_force
-from .subjects import require_subject
+from .subjects import require_placeable, require_subject
 
 log = logging.getLogger("device_control")
 
@@ -35,6 +35,7 @@ def split_model(value: Any, allocation: str, mode: str, inventory: DeviceInvento
     """
     subject = require_subject(value)
     kind_check(subject)
+    require_placeable(subject, "Split Model Across Devices")
     snapshot = inventory.snapshot()
     placement, warnings = resolve_allocation(allocation, mode, inventory, snapshot)
     before = state_before(subject, snapshot)
