@@ -13,6 +13,7 @@ import dataclasses
 from typing import Any
 
 from ..core.detection.detect import Detection, detect_header
+from ..core.detection.gguf_tokenizer import SPIECE_MODEL, carries_unigram_tokenizer, tokenizer_from_weights
 from ..core.detection.headers import FileHeader, read_header
 from ..core.detection.text_encoder_types import check_type
 from ..core.errors import DeviceControlError
@@ -49,8 +50,6 @@ QUANTIZED = "_quantization_metadata"
 #: What an optional file input holds when it is not used.
 NONE = "none"
 FILE_INPUTS = ("clip_name1", "clip_name2", "clip_name3", "clip_name4")
-#: Encoders whose tokenizer ComfyUI reads from the safetensors file (the tensor named), absent from a GGUF.
-TOKENIZER_IN_FILE = {"UMT5-XXL": "spiece_model"}
 
 
 class LoadTextEncodersWithDevice(surface.io.ComfyNode):
@@ -61,8 +60,8 @@ class LoadTextEncodersWithDevice(surface.io.ComfyNode):
         io = surface.io
         files = model_files("text_encoders", gguf=True)
         file_tooltip = (
-            "A text-encoder file (from ComfyUI's text_encoders folders, clip included): safetensors, or a T5 GGUF "
-            "(kept quantised, dequantised layer by layer as it computes)"
+            "A text-encoder file (from ComfyUI's text_encoders folders, clip included): safetensors, or a T5 or UMT5 "
+            "GGUF (kept quantised, dequantised layer by layer as it computes)"
         )
         return io.Schema(
             node_id="DeviceControl_LoadTextEncoders",
@@ -143,11 +142,12 @@ def _text_encoder(name: str, header: FileHeader) -> Detection:
         detection = text_encoder_with_comfyui(header) or detection
     require_kind(name, detection, ROLE, "text encoder", "Load CLIP")
     refuse_unmapped_gguf(name, detection)
-    if header.format == "gguf" and detection.family in TOKENIZER_IN_FILE:
+    if header.format == "gguf" and tokenizer_from_weights(header) and not carries_unigram_tokenizer(header.metadata):
         raise DeviceControlError(
-            f"{name} is a GGUF {detection.family}: ComfyUI reads this encoder's tokenizer from its weights file "
-            f"({TOKENIZER_IN_FILE[detection.family]}), which a GGUF does not carry. Load its safetensors file here, "
-            "or the GGUF with a GGUF loader pack."
+            f"{name} is a GGUF {detection.family} without its tokenizer: ComfyUI builds this encoder's tokenizer "
+            f"from its weights file ({SPIECE_MODEL} in a safetensors file, tokenizer.ggml.* metadata in a GGUF "
+            "written by llama.cpp's converter), and this file has neither. Load its safetensors file, or a GGUF "
+            "converted with its tokenizer."
         )
     if quantizes_scaled_fp8() and (SCALED_FP8 in header.tensors or QUANTIZED in header.metadata):
         raise quantized_refusal(name, "Load CLIP (or its Dual/Triple/Quadruple loader)")

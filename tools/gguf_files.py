@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from tools.gguf_tokenizers import add_tokenizer
+
 #: The Flux-layout example's GGUF: the synthetic Flux.1 dev model quantised to Q8_0 (``make_all()`` key ``flux_gguf``).
 FLUX_GGUF = "device_control_flux_dev_d1_Q8_0.gguf"
 #: Tensors smaller than this stay F32 (converters keep small ones unquantised: they cost nothing).
@@ -34,16 +36,29 @@ def quantised_type(name: str, shape: tuple[int, ...], kind: str) -> gguf.GGMLQua
     return quant
 
 
-def write_gguf(source: Path, target: Path, kind: str, architecture: str, rename: Callable[[str], str] = str) -> Path:
+def write_gguf(
+    source: Path,
+    target: Path,
+    kind: str,
+    architecture: str,
+    rename: Callable[[str], str] = str,
+    tokenizer: dict | None = None,
+) -> Path:
     """``source`` (a safetensors model) as a GGUF file quantised to ``kind``, each tensor under ``rename(name)``
-    (a text encoder's llama.cpp name: :func:`llama_cpp_name`); made once, then reused."""
+    (a text encoder's llama.cpp name: :func:`llama_cpp_name`), carrying ``tokenizer`` metadata where given
+    (``tools.gguf_tokenizers``; a tokenizer blob in the source is left out, as the converter leaves it); made
+    once, then reused."""
     if target.exists() and target.stat().st_mtime >= source.stat().st_mtime:
         return target
     partial = target.with_suffix(".partial")
     writer = gguf.GGUFWriter(str(partial), architecture)
+    if tokenizer is not None:
+        add_tokenizer(writer, tokenizer)
     with safe_open(str(source), framework="pt") as tensors:
         for name in tensors.keys():  # noqa: SIM118 - safe_open is not a mapping
-            _add(writer, rename(name), tensors.get_tensor(name), kind)
+            tensor = tensors.get_tensor(name)
+            if tensor.is_floating_point():
+                _add(writer, rename(name), tensor, kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -101,34 +116,41 @@ def llama_cpp_name(architecture: gguf.MODEL_ARCH, blocks: int) -> Callable[[str]
 
 
 #: T5-Base as ComfyUI builds it (``comfy/text_encoders/t5_config_base.json``, Stable Audio's encoder): width,
-#: feed-forward width, layers, heads, vocabulary and relative-position buckets.
-T5_BASE = {"d_model": 768, "d_ff": 3072, "layers": 12, "heads": 12, "vocab": 32128, "buckets": 32}
+#: feed-forward width, layers, heads, vocabulary and relative-position buckets; a plain feed-forward, one
+#: relative-position table.
+T5_BASE = {"d_model": 768, "d_ff": 3072, "layers": 12, "heads": 12, "vocab": 32128, "buckets": 32, "umt5": False}
+#: UMT5-Base as ComfyUI builds it (``umt5_config_base.json``, ACE-Step's encoder): a gated feed-forward and a
+#: relative-position table in every layer, UMT5's vocabulary.
+UMT5_BASE = T5_BASE | {"d_ff": 2048, "vocab": 256384, "umt5": True}
 
 
-def write_t5_base(target: Path, seed: int = 0) -> Path:
-    """A synthetic T5-Base encoder (random weights of the real layout, ComfyUI's names) as float16 safetensors:
-    the smallest T5 a ComfyUI text-encoder type takes (``stable_audio``); made once, then reused."""
+def write_t5_base(target: Path, seed: int = 0, config: dict = T5_BASE, extra: dict | None = None) -> Path:
+    """A synthetic T5-Base or UMT5-Base encoder (``config``; random weights of the real layout, ComfyUI's names)
+    as float16 safetensors, with ``extra`` tensors beside (a tokenizer blob); made once, then reused. T5-Base is
+    the smallest T5 a ComfyUI type takes (``stable_audio``), UMT5-Base the smallest UMT5 (``ace``)."""
     from safetensors.torch import save_file
 
     if target.exists():
         return target
-    d, ff, heads = T5_BASE["d_model"], T5_BASE["d_ff"], T5_BASE["heads"]
+    d, ff, heads = config["d_model"], config["d_ff"], config["heads"]
     generator = torch.Generator().manual_seed(seed)
 
     def normal(*shape: int, std: float) -> torch.Tensor:
         return (torch.randn(*shape, generator=generator) * std).half()
 
-    out = {"shared.weight": normal(T5_BASE["vocab"], d, std=1.0)}
+    out = {"shared.weight": normal(config["vocab"], d, std=1.0)}
     out["encoder.final_layer_norm.weight"] = 1 + normal(d, std=0.1)
-    for i in range(T5_BASE["layers"]):
+    feed_in = ("wi_0", "wi_1") if config["umt5"] else ("wi",)
+    for i in range(config["layers"]):
         block = f"encoder.block.{i}.layer"
         out |= {f"{block}.0.SelfAttention.{p}.weight": normal(d, d, std=d**-0.5) for p in "qkvo"}
         out |= {f"{block}.{n}.layer_norm.weight": 1 + normal(d, std=0.1) for n in (0, 1)}
-        out[f"{block}.1.DenseReluDense.wi.weight"] = normal(ff, d, std=d**-0.5)
+        out |= {f"{block}.1.DenseReluDense.{w}.weight": normal(ff, d, std=d**-0.5) for w in feed_in}
         out[f"{block}.1.DenseReluDense.wo.weight"] = normal(d, ff, std=ff**-0.5)
-    bias = "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
-    out[bias] = normal(T5_BASE["buckets"], heads, std=1.0)
+        if i == 0 or config["umt5"]:
+            bias = f"{block}.0.SelfAttention.relative_attention_bias.weight"
+            out[bias] = normal(config["buckets"], heads, std=1.0)
     partial = target.with_suffix(".partial")
-    save_file(out, str(partial))
+    save_file(out | (extra or {}), str(partial))
     partial.replace(target)
     return target

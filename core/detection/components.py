@@ -87,6 +87,12 @@ def _t5(view: KeyView) -> str:
     return "UMT5-XXL" if view.dim("shared.weight", 0) == 256384 else "T5-XXL"
 
 
+def _small_t5(view: KeyView) -> str:
+    if view.shape("encoder.block.0.layer.0.SelfAttention.k.weight")[0] == 384:
+        return "ByT5-small"
+    return "UMT5-Base" if view.dim("shared.weight", 0) == 256384 else "T5-Base"  # ACE-Step's; Stable Audio's
+
+
 #: Qwen3 text encoders by hidden width (Z-Image and Flux.2 Klein take the 4B, Klein 9B the 8B, Ovis the 2B).
 _QWEN3 = {1024: "Qwen3-0.6B", 2048: "Qwen3-2B", 2560: "Qwen3-4B", 4096: "Qwen3-8B"}
 
@@ -110,10 +116,7 @@ TEXT_ENCODER_RULES: tuple[Rule, ...] = (
     (_has("transformer.resblocks.22.ln_1.weight"), _named("CLIP-H")),  # open_clip layout (SD2)
     (_has("encoder.block.23.layer.1.DenseReluDense.wi_1.weight"), _t5),
     (_has("encoder.block.23.layer.1.DenseReluDense.wi.weight"), _named("T5-XXL (v1.0)")),
-    (
-        _has("encoder.block.0.layer.0.SelfAttention.k.weight"),
-        lambda v: "ByT5-small" if v.shape("encoder.block.0.layer.0.SelfAttention.k.weight")[0] == 384 else "T5-Base",
-    ),
+    (_has("encoder.block.0.layer.0.SelfAttention.k.weight"), _small_t5),
     (
         _has("model.layers.0.post_feedforward_layernorm.weight"),
         lambda v: "Gemma-3 4B" if v.has("model.layers.0.self_attn.q_norm.weight") else "Gemma-2 2B",

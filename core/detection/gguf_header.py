@@ -59,7 +59,7 @@ class _Cursor:
             raise broken(self.file, f"a name at byte {self.handle.tell() - len(raw)} is not UTF-8 text") from exc
 
     def value(self, kind: int, depth: int = 0) -> Any:
-        """One metadata value; an array's elements are read (and, past a few, dropped: only sizes matter)."""
+        """One metadata value (an array with all its elements)."""
         if kind in _SCALARS:
             return self.unpack(_SCALARS[kind])
         if kind == _STRING:
@@ -99,6 +99,16 @@ def read_gguf_header(file: Path, size: int) -> FileHeader:
     check_overlaps(file, tensors, broken)
     shown = {k: str(v) for k, v in metadata.items() if not isinstance(v, list)}
     return FileHeader(str(file), "gguf", tensors, shown, data_start, size)
+
+
+def read_gguf_metadata(file: Path) -> dict[str, Any]:
+    """Every metadata entry of the GGUF file ``file``, arrays included (a tokenizer's pieces: what
+    :func:`read_gguf_header` leaves out).
+
+    Raises:
+        ModelFileError: the header is broken (as for :func:`read_gguf_header`).
+    """
+    return _read_fields(file, file.stat().st_size)[0]
 
 
 def _with_comfy_names(tensors: dict[str, TensorInfo], metadata: dict[str, Any]) -> dict[str, TensorInfo]:

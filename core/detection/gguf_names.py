@@ -1,8 +1,8 @@
 """ComfyUI's names for a GGUF text encoder's tensors, which the GGML project's converters name their own way.
 
 A T5 encoder converted by llama.cpp (architecture ``t5encoder``: the T5-XXL of Flux, SD3 and Chroma, T5-Base, and
-Wan's UMT5-XXL, whose names map too but which Load Text Encoders With Device refuses: ComfyUI reads its tokenizer
-from the safetensors file) calls its token table ``token_embd`` and its layers ``enc.blk.N.attn_q`` and so on,
+the UMT5 of Wan and ACE-Step, whose tokenizer comes back from the file's metadata: :mod:`.gguf_tokenizer`) calls
+its token table ``token_embd`` and its layers ``enc.blk.N.attn_q`` and so on,
 where ComfyUI's loaders (and the safetensors files of the same models) say ``shared`` and
 ``encoder.block.N.layer.0.SelfAttention.q``.
 The header reader renames such a file's tensor table once (:func:`comfy_names`): detection, the fit plan, ComfyUI's

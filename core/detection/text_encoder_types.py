@@ -43,6 +43,7 @@ RECIPES: dict[str, tuple[Recipe, ...]] = {
     "cosmos": (("T5-XXL (v1.0)",),),
     "wan": (("UMT5-XXL",),),
     "stable_audio": (("T5-Base",),),
+    "ace": (("UMT5-Base",),),
     "hidream": _subsets("CLIP-L", "CLIP-G", "T5-XXL", "Llama-3 8B"),
     "hunyuan_video": (("CLIP-L", "Llama-3 8B"),),
     "lumina2": (("Gemma-2 2B",), ("Gemma-3 4B",), ("Qwen3-4B",)),  # Lumina 2; NewBie; Z-Image

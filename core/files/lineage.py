@@ -138,6 +138,13 @@ def capture_state_dict_loads() -> Iterator[list[tuple[torch.nn.Module, dict[str,
                     _beneath = True
 
 
+def made_here(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, tagged as its own source: a value the loader makes rather than reads (a tokenizer rebuilt from
+    a GGUF's metadata, where a safetensors file holds it as a tensor), given to the host beside the stand-ins."""
+    setattr(tensor, _TAG, ("made", lambda: tensor, (), {}))
+    return tensor
+
+
 def source_of(value: torch.Tensor, read: Callable[[str], torch.Tensor]) -> Source | None:
     """Where a captured value comes from: a file tensor name, or a replay function; ``None`` if unknown.
 

@@ -17,10 +17,11 @@ from typing import Any
 import torch
 
 from ...core.detection.detect import Detection
+from ...core.detection.gguf_tokenizer import SPIECE_MODEL, read_tokenizer, tokenizer_from_weights
 from ...core.detection.headers import FileHeader
 from ...core.errors import ModelFileError, UnknownModelError
 from ...core.files.fileset import FileSet, qualified
-from ...core.files.lineage import Tracer, capture_state_dict_loads, source_of, source_tensors
+from ...core.files.lineage import Tracer, capture_state_dict_loads, made_here, source_of, source_tensors
 from ...core.files.reader import WeightReader
 from ...core.files.skeleton import Source, weights_on_meta
 from .. import surface
@@ -146,6 +147,7 @@ def build_traced_text_encoders(files: FileSet, clip_type: Any, options: dict[str
     """
     sds = [
         source_tensors(reader.header.tensors, _probes(reader.header, reader), partial(qualified, index))
+        | _gguf_tokenizer(reader.header)
         for index, reader in enumerate(files.readers)
     ]
     with capture_state_dict_loads() as captured, weights_on_meta(), Tracer():
@@ -169,6 +171,15 @@ def build_traced_vae(header: FileHeader, reader: WeightReader, place: Any) -> tu
 def _probes(header: FileHeader, reader: WeightReader) -> dict[str, torch.Tensor]:
     wanted = [name for name in header.tensors if any(name.endswith(probe) for probe in VALUE_PROBES)]
     return {name: reader.read(name) for name in wanted if header.tensors[name].nbytes < 64 * 1024**2}
+
+
+def _gguf_tokenizer(header: FileHeader) -> dict[str, torch.Tensor]:
+    """The tokenizer ComfyUI reads from a UMT5's weights file, for a GGUF that carries it as metadata instead
+    (``core.detection.gguf_tokenizer``): as the safetensors file holds it, a byte tensor."""
+    if header.format != "gguf" or not tokenizer_from_weights(header):
+        return {}
+    proto = read_tokenizer(header.path)
+    return {} if proto is None else {SPIECE_MODEL: made_here(torch.frombuffer(bytearray(proto), dtype=torch.uint8))}
 
 
 def _build_clip(config: Any, sd: dict, place: Any) -> Any:

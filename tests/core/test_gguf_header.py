@@ -15,6 +15,7 @@ from core.detection.detect import detect, detect_header
 from core.detection.gguf_header import ORIG_SHAPE
 from core.detection.headers import FileHeader, TensorInfo, read_header
 from core.errors import ModelFileError
+from tools.gguf_tokenizers import add_tokenizer
 from tools.layouts import layouts
 
 LAYOUTS = layouts()
@@ -30,9 +31,14 @@ def quantised_type(shape: list[int]) -> Q:
     return Q.Q8_0 if shape[-1] % 32 == 0 else Q.F16
 
 
-def write_sparse_gguf(tensors: dict[str, tuple[list[int], Q]], path: Path, arch: str, **arrays: list) -> Path:
-    """A GGUF file written by ``gguf``'s own writer whose data is a hole (no disk used)."""
+def write_sparse_gguf(
+    tensors: dict[str, tuple[list[int], Q]], path: Path, arch: str, tokenizer: dict | None = None, **arrays: list
+) -> Path:
+    """A GGUF file written by ``gguf``'s own writer whose data is a hole (no disk used), carrying ``tokenizer``
+    (``tools.gguf_tokenizers.llama_cpp_tokenizer``'s metadata) where given."""
     writer = gguf.GGUFWriter(str(path), arch)
+    if tokenizer is not None:
+        add_tokenizer(writer, tokenizer)
     for key, values in arrays.items():
         writer.add_array(key, values)
     end = 0

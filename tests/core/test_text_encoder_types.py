@@ -19,6 +19,8 @@ from core.detection.text_encoder_types import RECIPES, check_type, types_taking
         ("wan", ["UMT5-XXL"]),
         ("chroma", ["T5-XXL"]),
         ("hidream", ["CLIP-L", "CLIP-G", "T5-XXL", "Llama-3 8B"]),
+        ("ace", ["UMT5-Base"]),
+        ("stable_audio", ["T5-Base"]),
         ("lumina2", ["Qwen3-4B"]),  # Z-Image's encoder, loaded as ComfyUI's own workflows do
         ("ltxv", ["Gemma-3 12B", "anything"]),  # a type we do not check: the running ComfyUI decides
     ],
@@ -35,6 +37,7 @@ def test_what_a_type_takes_passes(clip_type, kinds):
         ("sdxl", ["CLIP-L"], "CLIP-G + CLIP-L", ("stable_diffusion", "sd3", "hidream")),
         ("sd3", ["UMT5-XXL"], "CLIP-G", ("wan",)),
         ("qwen_image", ["Qwen3-4B"], "Qwen2.5-VL 7B", ("flux", "lumina2")),
+        ("stable_audio", ["UMT5-Base"], "T5-Base", ("ace",)),  # ComfyUI would build ACE-Step's encoder
     ],
 )
 def test_a_mismatch_names_what_the_type_takes_and_the_types_that_take_the_files(clip_type, kinds, wanted, suits):

@@ -7,7 +7,8 @@ it, and the smallest T5 ComfyUI builds) quantised to Q8_0 by ``gguf`` and writte
 converter gives a T5 encoder (``token_embd``, ``enc.blk.N.attn_q`` ...; ``gguf``'s own name map): what T5-XXL GGUF
 files in the wild carry. What holds: the encoder keeps the file's blocks and encodes bit for bit what the dequantised
 encoder encodes, resident and streamed from a simulated GPU under a budget; an encoder whose names we do not map, or
-whose tokenizer ComfyUI reads from the weights file, is refused before a weight is read, saying what takes it.
+given to the diffusion-model loader, is refused before a weight is read, saying what takes it (a UMT5 without
+its tokenizer: ``test_gguf_umt5.py``).
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.core.test_gguf_header import quantised_type, write_sparse_gguf
-from tests.core.test_gguf_names import t5_weights
+from tests.core.test_gguf_header import write_sparse_gguf
 from tests.integration.simulated import with_simulated_gpu
 from tests.integration.test_gguf_loader import record_reads
 from tools.gguf_files import T5_BASE, dequantised_twin, llama_cpp_name, write_gguf, write_t5_base
@@ -151,12 +151,6 @@ def test_encoders_we_cannot_read_are_refused_before_a_weight_is_read(comfy, monk
     )
     with pytest.raises(error, match=r"llama3\.gguf is a GGUF text encoder \(llama text encoder, llama\.cpp tensor "):
         _load(module, llama.name)
-    weights = t5_weights("te_umt5xxl.json")  # the real layout, under llama.cpp's names
-    rename = llama_cpp_name(gguf.MODEL_ARCH.T5ENCODER, 24)
-    written = {rename(name): (shape, quantised_type(shape)) for name, shape in weights.items()}
-    umt5 = write_sparse_gguf(written, tmp_path / "umt5.gguf", "t5encoder")
-    with pytest.raises(error, match=r"umt5\.gguf is a GGUF UMT5-XXL: ComfyUI reads this encoder's tokenizer"):
-        _load(module, umt5.name)
     unet = module("nodes.load_diffusion_model").LoadDiffusionModelWithDevice
     shutil.copyfile(encoder, tmp_path / "t5_in_the_wrong_folder.gguf")
     with pytest.raises(error, match=r"is a text encoder \(T5-Base\), not a diffusion model; load it with Load Text"):
