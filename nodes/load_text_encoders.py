@@ -60,8 +60,8 @@ class LoadTextEncodersWithDevice(surface.io.ComfyNode):
         io = surface.io
         files = model_files("text_encoders", gguf=True)
         file_tooltip = (
-            "A text-encoder file (from ComfyUI's text_encoders folders, clip included): safetensors, or a T5 or UMT5 "
-            "GGUF (kept quantised, dequantised layer by layer as it computes)"
+            "A text-encoder file (from ComfyUI's text_encoders folders, clip included): safetensors, or a T5, UMT5 or "
+            "Qwen3 GGUF (kept quantised, dequantised layer by layer as it computes)"
         )
         return io.Schema(
             node_id="DeviceControl_LoadTextEncoders",

@@ -246,7 +246,9 @@ def require_kind(name: str, detection: Detection, kind: str, what: str, stock_lo
 #: The kinds whose Device Control loader reads GGUF files.
 READS_GGUF = frozenset({"diffusion_model", "text_encoder"})
 #: What Device Control reads of GGUF files, as the refusals say it.
-GGUF_READ = "Device Control reads GGUF diffusion models, and T5 and UMT5 text encoders in llama.cpp's names, so far"
+GGUF_READ = (
+    "Device Control reads GGUF diffusion models, and T5, UMT5 and Qwen3 text encoders in llama.cpp's names, so far"
+)
 
 
 def reads_gguf(detection: Detection) -> bool:

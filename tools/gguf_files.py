@@ -154,3 +154,40 @@ def write_t5_base(target: Path, seed: int = 0, config: dict = T5_BASE, extra: di
     save_file(out | (extra or {}), str(partial))
     partial.replace(target)
     return target
+
+
+#: Qwen3-0.6B as ComfyUI builds it (``comfy.text_encoders.llama.Qwen3_06BConfig``, Anima's encoder, the smallest
+#: Qwen3 ComfyUI builds): width, feed-forward width, layers, query and key-value heads, head width, vocabulary.
+QWEN3_06B = {"d_model": 1024, "d_ff": 3072, "layers": 28, "heads": 16, "kv_heads": 8, "head": 128, "vocab": 151936}
+
+
+def write_qwen3(target: Path, seed: int = 0, config: dict = QWEN3_06B) -> Path:
+    """A synthetic Qwen3 text encoder (random weights of the real layout, ComfyUI's names) as float16
+    safetensors; made once, then reused."""
+    from safetensors.torch import save_file
+
+    if target.exists():
+        return target
+    d, ff, head = config["d_model"], config["d_ff"], config["head"]
+    q, kv = config["heads"] * head, config["kv_heads"] * head
+    generator = torch.Generator().manual_seed(seed)
+
+    def normal(*shape: int, std: float) -> torch.Tensor:
+        return (torch.randn(*shape, generator=generator) * std).half()
+
+    out = {
+        "model.embed_tokens.weight": normal(config["vocab"], d, std=1.0),
+        "model.norm.weight": 1 + normal(d, std=0.1),
+    }
+    for i in range(config["layers"]):
+        layer = f"model.layers.{i}"
+        shapes = {"q_proj": (q, d), "k_proj": (kv, d), "v_proj": (kv, d), "o_proj": (d, q)}
+        out |= {f"{layer}.self_attn.{p}.weight": normal(*shape, std=shape[1] ** -0.5) for p, shape in shapes.items()}
+        out |= {f"{layer}.self_attn.{n}.weight": 1 + normal(head, std=0.1) for n in ("q_norm", "k_norm")}
+        out |= {f"{layer}.{n}.weight": 1 + normal(d, std=0.1) for n in ("input_layernorm", "post_attention_layernorm")}
+        out |= {f"{layer}.mlp.{p}.weight": normal(ff, d, std=d**-0.5) for p in ("gate_proj", "up_proj")}
+        out[f"{layer}.mlp.down_proj.weight"] = normal(d, ff, std=ff**-0.5)
+    partial = target.with_suffix(".partial")
+    save_file(out, str(partial))
+    partial.replace(target)
+    return target

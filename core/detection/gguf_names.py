@@ -9,7 +9,12 @@ The header reader renames such a file's tensor table once (:func:`comfy_names`):
 own choice of encoder class and the fill then see a GGUF text encoder as they see its safetensors file, while each
 tensor's bytes stay where the file has them. The T5 conversion changes no tensor's layout, only its name.
 
-Architectures not listed here (llama.cpp's Llama, Qwen and Gemma encoders) keep their names; the loaders refuse
+A Qwen3 encoder (architecture ``qwen3``: Z-Image's and Flux.2 Klein's Qwen3-4B, Klein 9B's Qwen3-8B, Anima's
+Qwen3-0.6B) calls its layers ``blk.N.attn_q`` and so on where ComfyUI says ``model.layers.N.self_attn.q_proj``; its
+converter reorders nothing either (it permutes the query and key rows of Llama models only), and ComfyUI ships the
+Qwen tokenizer, so the names are all there is to map.
+
+Architectures not listed here (llama.cpp's Llama, Qwen2-VL and Gemma encoders) keep their names; the loaders refuse
 them, saying so. The names are checked against the ``gguf`` package's own tensor-name map in the tests.
 """
 
@@ -34,18 +39,51 @@ _T5_BLOCK = {
 _T5_TOP = {"token_embd": "shared", "enc.output_norm": "encoder.final_layer_norm"}
 _T5_BLOCK_NAME = re.compile(r"enc\.blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 
+#: What a Qwen3 layer's tensors are called by llama.cpp, and by ComfyUI (under ``model.layers.N.``).
+_QWEN3_BLOCK = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+#: The Qwen3 tensors outside the layers (``output``: a language-model head, which ComfyUI leaves unused).
+_QWEN3_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK_NAME = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
+
 #: The architectures (``general.architecture``) whose names are mapped.
-MAPPED_ARCHITECTURES = ("t5encoder",)
+MAPPED_ARCHITECTURES = ("t5encoder", "qwen3")
 
 
 def comfy_names(architecture: str | None, names: Mapping[str, object]) -> dict[str, str] | None:
     """ComfyUI's name for each of ``names`` (a GGUF file's tensor names), or ``None`` when the file is not one of
     :data:`MAPPED_ARCHITECTURES` or a name is not one its converter writes (the file keeps its names then)."""
-    if architecture != "t5encoder":
+    if architecture == "t5encoder":
+        gated = any(".ffn_gate." in name for name in names)
+        renamed = {name: _t5_name(name, gated) for name in names}
+    elif architecture == "qwen3":
+        renamed = {name: _qwen3_name(name) for name in names}
+    else:
         return None
-    gated = any(".ffn_gate." in name for name in names)
-    renamed = {name: _t5_name(name, gated) for name in names}
     return None if None in renamed.values() else renamed  # type: ignore[return-value]
+
+
+def _qwen3_name(name: str) -> str | None:
+    """ComfyUI's name for one llama.cpp Qwen3 tensor."""
+    stem, _, suffix = name.rpartition(".")
+    if stem in _QWEN3_TOP:
+        return f"{_QWEN3_TOP[stem]}.{suffix}"
+    match = _BLOCK_NAME.fullmatch(name)
+    if match is None or match.group(2) not in _QWEN3_BLOCK:
+        return None
+    block, part, suffix = match.groups()
+    return f"model.layers.{block}.{_QWEN3_BLOCK[part]}.{suffix}"
 
 
 def _t5_name(name: str, gated: bool) -> str | None:

@@ -32,7 +32,8 @@ def _one(*kinds: str) -> tuple[Recipe, ...]:
 #: Type (as ComfyUI names it, lower case) -> the encoder combinations it takes (sorted kind names).
 RECIPES: dict[str, tuple[Recipe, ...]] = {
     # SDXL's pair loaded as the default type builds SDXL's encoder, and CLIP-G alone the SDXL refiner's.
-    "stable_diffusion": (*_one("CLIP-L", "CLIP-H", "CLIP-G"), ("CLIP-G", "CLIP-L")),
+    # Anima's Qwen3-0.6B: ComfyUI builds its encoder whatever the type, and Anima's workflows leave the default.
+    "stable_diffusion": (*_one("CLIP-L", "CLIP-H", "CLIP-G", "Qwen3-0.6B"), ("CLIP-G", "CLIP-L")),
     "sdxl": (("CLIP-G", "CLIP-L"), ("CLIP-G",)),
     "stable_cascade": (("CLIP-G",),),
     "sd3": _subsets("CLIP-L", "CLIP-G", "T5-XXL"),

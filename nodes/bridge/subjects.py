@@ -67,7 +67,7 @@ def require_placeable(subject: Subject, node: str) -> None:
         return
     loader = "Load Diffusion Model With Device"
     if subject.kind == "CLIP":
-        loader = "Load Text Encoders With Device (T5 encoders)"
+        loader = "Load Text Encoders With Device (T5, UMT5 and Qwen3 encoders)"
     raise DeviceControlError(
         f"{node} cannot place this {subject.kind}: another pack loaded it and keeps its weights in a tensor class "
         f"of its own (ComfyUI-GGUF's loaders do, '{name}' first), which Device Control cannot move without breaking "

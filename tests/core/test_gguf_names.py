@@ -12,7 +12,7 @@ from core.detection.detect import detect
 from core.detection.gguf_names import comfy_names
 from core.detection.headers import read_header
 from tests.core.test_gguf_header import quantised_type, write_sparse_gguf
-from tools.gguf_files import T5_BASE, llama_cpp_name
+from tools.gguf_files import QWEN3_06B, T5_BASE, llama_cpp_name
 from tools.layouts import layouts
 
 LAYOUTS = layouts()
@@ -46,9 +46,30 @@ def test_t5_base_without_a_gate_maps_its_up_projection_to_wi():
     assert comfy_names("t5encoder", {rename(n): n for n in names}) == {rename(n): n for n in names}
 
 
+def _qwen3_names(layers: int) -> list[str]:
+    """ComfyUI's names of a Qwen3 text encoder's tensors (as ``tools.gguf_files.write_qwen3`` writes them)."""
+    parts = [f"self_attn.{p}_proj" for p in "qkvo"] + ["self_attn.q_norm", "self_attn.k_norm", "input_layernorm"]
+    parts += ["post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    layered = [f"model.layers.{i}.{part}.weight" for i in range(layers) for part in parts]
+    return ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight", *layered]
+
+
+def test_every_qwen3_name_the_converter_writes_maps_back_to_comfyuis(tmp_path):
+    names = _qwen3_names(QWEN3_06B["layers"])
+    rename = llama_cpp_name(gguf.MODEL_ARCH.QWEN3, QWEN3_06B["layers"])
+    written = {rename(name): name for name in names}
+    assert len(written) == len(names) and comfy_names("qwen3", written) == written
+    shapes = {
+        name: ([64, 256] if name.endswith("proj.weight") else [256], gguf.GGMLQuantizationType.F32) for name in written
+    }
+    header = read_header(write_sparse_gguf(shapes, tmp_path / "qwen3.gguf", "qwen3"), gguf=True)
+    assert set(header.tensors) == set(names)
+
+
 def test_other_architectures_and_unknown_names_keep_their_names():
     assert comfy_names("llama", {"blk.0.attn_q.weight": None}) is None
     assert comfy_names("t5encoder", {"enc.blk.0.attn_q.weight": None, "dec.blk.0.attn_q.weight": None}) is None
+    assert comfy_names("qwen3", {"blk.0.attn_q.weight": None, "blk.0.attn_qkv.weight": None}) is None
 
 
 @pytest.mark.parametrize("layout", list(T5_LAYOUTS))

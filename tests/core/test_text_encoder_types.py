@@ -11,6 +11,7 @@ from core.detection.text_encoder_types import RECIPES, check_type, types_taking
     ("clip_type", "kinds"),
     [
         ("stable_diffusion", ["CLIP-L"]),
+        ("stable_diffusion", ["Qwen3-0.6B"]),  # Anima's encoder, under the default type
         ("sdxl", ["CLIP-L", "CLIP-G"]),
         ("sdxl", ["CLIP-G", "CLIP-L"]),  # the order of the files does not matter, as in ComfyUI
         ("sd3", ["CLIP-L"]),

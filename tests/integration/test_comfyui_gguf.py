@@ -97,7 +97,9 @@ def test_a_text_encoder_of_theirs_is_refused_with_our_text_encoder_loader(comfy,
     _mm, module, theirs, _unet, encoder = comfy
     clip = theirs.CLIPLoaderGGUF().load_clip(encoder, "stable_audio")[0]
     with_simulated_gpu(module, monkeypatch, ("nodes.move_to_gpu",))
-    with pytest.raises(Exception, match=r"cannot place this CLIP.*Load Text Encoders With Device \(T5 encoders\)"):
+    with pytest.raises(
+        Exception, match=r"cannot place this CLIP.*Load Text Encoders With Device \(T5, UMT5 and Qwen3 encoders\)"
+    ):
         module("nodes.move_to_gpu").MoveToGPU.execute(clip, "gpu:0", "all", False)
 
 
