@@ -101,6 +101,17 @@ def dequantised_twin(source: Path, target: Path, names: Mapping[str, str] | None
     return target
 
 
+def text_encoder_gguf(source: Path, folder: Path, architecture: gguf.MODEL_ARCH, layers: int) -> tuple[Path, Path]:
+    """``source`` (a text encoder in ComfyUI's names) as a Q8_0 GGUF in ``folder`` under llama.cpp's names for
+    ``architecture``, and its dequantised twin under ComfyUI's names (the oracle's model): both made once."""
+    rename = llama_cpp_name(architecture, layers)
+    stem = f"{source.stem.removesuffix('_synthetic')}_Q8_0"
+    encoder = write_gguf(source, folder / f"{stem}.gguf", "Q8_0", gguf.MODEL_ARCH_NAMES[architecture], rename)
+    with safe_open(str(source), framework="pt") as handle:
+        names = {rename(name): name for name in handle.keys()}  # noqa: SIM118 - safe_open is not a mapping
+    return encoder, dequantised_twin(encoder, folder / f"{stem}_dequantised.safetensors", names)
+
+
 def llama_cpp_name(architecture: gguf.MODEL_ARCH, blocks: int) -> Callable[[str], str]:
     """The name llama.cpp's converter gives each tensor of a Hugging Face text encoder of ``architecture`` with
     ``blocks`` layers: ``gguf``'s own tensor-name map, what GGUF text encoders in the wild carry."""

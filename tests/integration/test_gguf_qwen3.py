@@ -17,9 +17,8 @@ import importlib
 import gguf
 import pytest
 import torch
-from safetensors import safe_open
 
-from tools.gguf_files import QWEN3_06B, dequantised_twin, llama_cpp_name, write_gguf, write_qwen3
+from tools.gguf_files import QWEN3_06B, text_encoder_gguf, write_qwen3
 
 PROMPT = "a red fox in fresh snow, photographed at dawn"
 
@@ -33,11 +32,7 @@ def comfy(comfy_runtime, tmp_path_factory):
         pytest.skip("this ComfyUI builds no Qwen3-0.6B encoder (0.28 does); the larger Qwen3s are 4-8 B parameters")
     folder = tmp_path_factory.mktemp("gguf_qwen3")
     source = write_qwen3(tmp_path_factory.mktemp("qwen3_source") / "qwen3_06b_synthetic.safetensors")
-    rename = llama_cpp_name(gguf.MODEL_ARCH.QWEN3, QWEN3_06B["layers"])
-    encoder = write_gguf(source, folder / "qwen3_06b_Q8_0.gguf", "Q8_0", "qwen3", rename)
-    with safe_open(str(source), framework="pt") as handle:
-        names = {rename(name): name for name in handle.keys()}  # noqa: SIM118 - safe_open is not a mapping
-    twin = dequantised_twin(encoder, folder / "qwen3_06b_Q8_0_dequantised.safetensors", names)
+    encoder, twin = text_encoder_gguf(source, folder, gguf.MODEL_ARCH.QWEN3, QWEN3_06B["layers"])
     importlib.import_module("folder_paths").add_model_folder_path("text_encoders", str(folder))
     pack = import_pack()
     module = lambda name: importlib.import_module(f"{pack.__name__}.{name}")  # noqa: E731

@@ -20,12 +20,11 @@ import shutil
 import gguf
 import pytest
 import torch
-from safetensors import safe_open
 
 from tests.core.test_gguf_header import write_sparse_gguf
 from tests.integration.simulated import with_simulated_gpu
 from tests.integration.test_gguf_loader import record_reads
-from tools.gguf_files import T5_BASE, dequantised_twin, llama_cpp_name, write_gguf, write_t5_base
+from tools.gguf_files import T5_BASE, text_encoder_gguf, write_t5_base
 
 MiB = 1024**2
 PROMPT = "a red fox in fresh snow, photographed at dawn"
@@ -38,11 +37,7 @@ def comfy(comfy_runtime, tmp_path_factory):
     mm = import_comfy()
     folder = tmp_path_factory.mktemp("gguf_text_encoders")
     source = write_t5_base(tmp_path_factory.mktemp("t5_source") / "t5_base_synthetic.safetensors")
-    rename = llama_cpp_name(gguf.MODEL_ARCH.T5ENCODER, T5_BASE["layers"])
-    encoder = write_gguf(source, folder / "t5_base_Q8_0.gguf", "Q8_0", "t5encoder", rename)
-    with safe_open(str(source), framework="pt") as handle:
-        names = {rename(name): name for name in handle.keys()}  # noqa: SIM118 - safe_open is not a mapping
-    twin = dequantised_twin(encoder, folder / "t5_base_Q8_0_dequantised.safetensors", names)
+    encoder, twin = text_encoder_gguf(source, folder, gguf.MODEL_ARCH.T5ENCODER, T5_BASE["layers"])
     importlib.import_module("folder_paths").add_model_folder_path("text_encoders", str(folder))
     pack = import_pack()
     module = lambda name: importlib.import_module(f"{pack.__name__}.{name}")  # noqa: E731
