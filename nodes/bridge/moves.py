@@ -30,9 +30,10 @@ from .books import (
     keep_entries,
     make_room_for,
 )
+from .foreign import placeable
 from .patcher import DeviceControlPatcher, adopt, last_load
 from .reading import residency_of
-from .subjects import Subject, require_placeable, require_subject
+from .subjects import Subject, require_subject
 
 log = logging.getLogger("device_control")
 
@@ -103,12 +104,13 @@ def move(value: Any, device: str, vram_budget: str, keep_resident: bool, invento
     on the weights themselves: a move that did not happen is an error, never a success.
 
     Raises:
-        DeviceControlError: not a model, a model another pack quantised (ComfyUI-GGUF), a malformed device or
-            budget, a budget larger than the device, no room even for the layers that cannot stream (the model
-            stays in RAM), or a load that did not go through Device Control.
+        DeviceControlError: not a model, a malformed device or budget, a budget larger than the device, no room
+            even for the layers that cannot stream (the model stays in RAM), or a load that did not go through
+            Device Control.
+        ModelFileError: a model another pack keeps quantised holds a GGML type we do not read.
     """
     subject = require_subject(value)
-    require_placeable(subject, "Move To GPU")
+    subject = placeable(subject)  # a model another pack keeps quantised: our copy of it
     snapshot = inventory.snapshot()
     target, chosen_id, warning = resolve_target(inventory, device, snapshot)
     placement = Placement(target, Budget.parse(vram_budget), keep_resident, device_id=chosen_id)

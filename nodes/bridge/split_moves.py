@@ -17,9 +17,10 @@ from ...core.devices.inventory import DeviceInventory
 from ...core.errors import DeviceControlError
 from ...core.placement.split_model import plan_split, split_of
 from .. import surface
+from .foreign import placeable
 from .moves import MoveResult, clone_subject, state_before
 from .splits import check_fits, join_skip, kind_check, request_of, resolve_allocation, split_in_force
-from .subjects import require_placeable, require_subject
+from .subjects import require_subject
 
 log = logging.getLogger("device_control")
 
@@ -35,7 +36,7 @@ def split_model(value: Any, allocation: str, mode: str, inventory: DeviceInvento
     """
     subject = require_subject(value)
     kind_check(subject)
-    require_placeable(subject, "Split Model Across Devices")
+    subject = placeable(subject)  # a model another pack keeps quantised: our copy of it
     snapshot = inventory.snapshot()
     placement, warnings = resolve_allocation(allocation, mode, inventory, snapshot)
     before = state_before(subject, snapshot)

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...core.errors import DeviceControlError
-from ...core.weights.foreign import foreign_quantized
 from .. import surface
 
 
@@ -54,26 +53,6 @@ def require_subject(value: Any) -> Subject:
             f"a {type(value).__name__} cannot be moved: connect a MODEL, a CLIP or a VAE to the model input."
         )
     return subject
-
-
-def require_placeable(subject: Subject, node: str) -> None:
-    """Refuse a model whose weights another pack keeps in a tensor class of its own (ComfyUI-GGUF's loaders).
-
-    Raises:
-        DeviceControlError: such a weight, named, with the loader of ours that reads the same file.
-    """
-    name = foreign_quantized(subject.patcher.model)
-    if name is None:
-        return
-    loader = "Load Diffusion Model With Device"
-    if subject.kind == "CLIP":
-        loader = "Load Text Encoders With Device (T5, UMT5 and Qwen3 encoders)"
-    raise DeviceControlError(
-        f"{node} cannot place this {subject.kind}: another pack loaded it and keeps its weights in a tensor class "
-        f"of its own (ComfyUI-GGUF's loaders do, '{name}' first), which Device Control cannot move without breaking "
-        f"it. Load the .gguf file with {loader} instead: it reads GGUF itself, with a device and a VRAM budget. "
-        "VRAM Report and Offload To CPU work on this model as it is."
-    )
 
 
 def component_of(model: Any) -> str:
