@@ -16,7 +16,7 @@ from ..core.placement.fit import Choice, FitPlan
 from ..core.units import format_bytes
 from . import surface
 from .bridge.diffusion_model import build_diffusion_model
-from .bridge.reading import dominant_dtype
+from .bridge.reading import dominant_storage
 from .placing import (
     DTYPES,
     check_devices,
@@ -105,7 +105,7 @@ class LoadDiffusionModelWithDevice(surface.io.ComfyNode):
 def _summary(name: str, detection: Detection, choice: Choice, plan: FitPlan, model: Any, notes: list[str]) -> str:
     inner = model.model
     cast = getattr(inner, "manual_cast_dtype", None)
-    stored = str(dominant_dtype(inner.diffusion_model)).replace("torch.", "")
+    stored = str(dominant_storage(inner.diffusion_model))
     computes = f" (computes in {str(cast).replace('torch.', '')})" if cast is not None else ""
     blocks = gguf_blocks(detection)
     if blocks is not None:  # kept in the file's blocks, dequantised layer by layer as it computes

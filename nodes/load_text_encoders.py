@@ -21,6 +21,7 @@ from ..core.placement.fit import Choice, FitPlan
 from ..core.units import format_bytes
 from . import surface
 from .bridge.comfy_detection import COMFY_DETECTED, text_encoder_with_comfyui
+from .bridge.reading import storage_bytes
 from .bridge.text_encoders import build_text_encoders
 from .placing import (
     check_devices,
@@ -192,9 +193,6 @@ def _summary(
 
 
 def _floats(clip: Any) -> str:
-    """The dtype most of the text encoders' floating-point weights are stored in (beside a GGUF's blocks)."""
-    sizes: dict[Any, int] = {}
-    for param in clip.cond_stage_model.parameters():
-        if param.is_floating_point():
-            sizes[param.dtype] = sizes.get(param.dtype, 0) + param.numel()
-    return str(max(sizes, key=sizes.__getitem__)).replace("torch.", "") if sizes else "none"
+    """How most of the text encoders' floating-point weights are stored (beside a GGUF's blocks)."""
+    sizes = {k: n for k, n in storage_bytes(clip.cond_stage_model).items() if k.startswith(("float", "bfloat"))}
+    return max(sizes, key=sizes.__getitem__) if sizes else "none"

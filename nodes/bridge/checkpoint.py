@@ -32,7 +32,7 @@ from .filling import (
     torch_device,
 )
 from .patcher import DeviceControlPatcher, adopt
-from .reading import dominant_dtype
+from .reading import dominant_storage
 from .tracing import Traced, build_traced, config_of, stand_ins
 
 
@@ -140,7 +140,7 @@ def built_dtypes(built: BuiltCheckpoint) -> dict[str, str]:
     clip = built.clip.cond_stage_model if built.clip is not None else None
     return {
         "diffusion_model": unet,
-        "text_encoder": _name(dominant_dtype(clip) if clip is not None else None),
+        "text_encoder": (dominant_storage(clip) or "-") if clip is not None else "-",
         "vae": _name(built.vae.vae_dtype),
     }
 

@@ -20,6 +20,7 @@ from ...core.monitor.report import MemoryMode, ModelResidency
 from ...core.placement.engine import engine_of
 from ...core.placement.split_model import SplitModel, split_of
 from ...core.units import format_bytes
+from ...core.weights.quantized import layout_of
 from .. import surface
 from .books import holding_of, placement_of
 from .split_books import is_part
@@ -89,7 +90,7 @@ def residency_of(patcher: Any, snapshot: InventorySnapshot, *, in_use: bool = Tr
         resident=tuple(resident),
         compute_device=compute,
         partial=partial,
-        dtype=str(dtype).replace("torch.", "") if dtype is not None else None,
+        dtype=dtype,
         managed_by=_manager(patcher, holding),
         in_use=in_use,
         key=model_key(patcher),
@@ -113,7 +114,7 @@ def _split_residency(patcher: Any, held: SplitModel, snapshot: InventorySnapshot
         resident=tuple(resident),
         compute_device=target_id(next(iter(held.targets.values())), snapshot),
         partial=held.mode == "stream" or on_host > 0,
-        dtype=str(dtype).replace("torch.", "") if dtype is not None else None,
+        dtype=dtype,
         managed_by="Device Control",
         in_use=in_use,
         key=model_key(patcher),
@@ -157,8 +158,25 @@ def model_key(patcher: Any) -> str:
     return f"m{id(patcher.model):x}"
 
 
-def dominant_dtype(module: Any) -> Any:
-    """The dtype most of a module's weights are stored in (``None`` for a module without weights).
+def storage_bytes(module: Any) -> dict[str, int]:
+    """The bytes of a module's weights by how they are stored: a dtype (``float16``), or a GGML type (``Q8_0``)
+    for quantised blocks (``core.weights.quantized``), so a GGUF model is not called ``uint8``."""
+    sizes: dict[str, int] = {}
+    seen: set[int] = set()
+    for owner in module.modules():
+        for name, param in owner.named_parameters(recurse=False):
+            if id(param) in seen:  # a tied weight, counted once
+                continue
+            seen.add(id(param))
+            layout = layout_of(owner, name)
+            kind = layout.kind.name if layout is not None else str(param.dtype).replace("torch.", "")
+            sizes[kind] = sizes.get(kind, 0) + param.numel() * param.element_size()
+    return sizes
+
+
+def dominant_storage(module: Any) -> str | None:
+    """How most of a module's weight bytes are stored (:func:`storage_bytes`; ``None`` for a module without
+    weights).
 
     Kept per module (the panel asks for it every second); a conversion forgets it (:func:`forget_dtype`).
     """
@@ -166,28 +184,26 @@ def dominant_dtype(module: Any) -> Any:
         return _dtypes[module]
     except (KeyError, TypeError):
         pass
-    sizes: dict[Any, int] = {}
-    for param in module.parameters():
-        sizes[param.dtype] = sizes.get(param.dtype, 0) + param.numel()
-    dtype = max(sizes, key=sizes.__getitem__) if sizes else None
+    sizes = storage_bytes(module)
+    kind = max(sizes, key=sizes.__getitem__) if sizes else None
     with contextlib.suppress(TypeError):  # an object that cannot be weakly referenced is asked each time
-        _dtypes[module] = dtype
-    return dtype
+        _dtypes[module] = kind
+    return kind
 
 
-_dtypes: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_dtypes: weakref.WeakKeyDictionary[Any, str | None] = weakref.WeakKeyDictionary()
 
 
 def forget_dtype(module: Any) -> None:
-    """Forget what :func:`dominant_dtype` kept for ``module`` (its weights were converted: ``bridge.auto_dtype``)."""
+    """Forget what :func:`dominant_storage` kept for ``module`` (its weights were converted: ``bridge.auto_dtype``)."""
     with contextlib.suppress(TypeError):
         _dtypes.pop(module, None)
 
 
-def _storage_dtype(patcher: Any) -> Any:
-    """The dtype ComfyUI reports for the model, else the one most weights use (CLIP and VAE report none)."""
+def _storage_dtype(patcher: Any) -> str | None:
+    """The dtype ComfyUI reports for the model, else how most weights are stored (CLIP and VAE report none)."""
     dtype = patcher.model_dtype() if hasattr(patcher, "model_dtype") else None
-    return dtype if dtype is not None else dominant_dtype(patcher.model)
+    return str(dtype).replace("torch.", "") if dtype is not None else dominant_storage(patcher.model)
 
 
 def loaded_models(

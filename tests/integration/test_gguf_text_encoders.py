@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+import json
 import shutil
 
 import gguf
@@ -84,6 +85,8 @@ def test_the_encoder_keeps_its_blocks_and_encodes_as_its_dequantised_twin(comfy)
     assert ours.patcher.model_size() < theirs.patcher.model_size() / 3  # Q8_0 bytes, not float32
     assert torch.equal(_encode(ours), _encode(theirs))
     assert "T5-Base" in summary and "GGUF Q8_0 blocks, the rest float32" in summary, summary
+    report = json.loads(module("nodes.vram_report").VRAMReport.execute("gguf", value=ours).args[2])
+    assert report["subject"]["dtype"] == "Q8_0"  # how most of its bytes are stored, not uint8
     del ours, theirs
     mm.unload_all_models()
     gc.collect()
