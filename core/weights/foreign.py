@@ -24,10 +24,15 @@ from .quantized import layout_of, quantize_parameter, set_quantized
 FOREIGN_MARKS = ("tensor_type", "tensor_shape")
 
 
+def is_foreign_quantized(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is held in another pack's quantised tensor class (it carries :data:`FOREIGN_MARKS`)."""
+    return all(hasattr(tensor, mark) for mark in FOREIGN_MARKS)
+
+
 def foreign_quantized(model: torch.nn.Module) -> str | None:
     """The name of the first parameter of ``model`` held in another pack's quantised tensor class, else ``None``."""
     for name, parameter in model.named_parameters():
-        if all(hasattr(parameter, mark) for mark in FOREIGN_MARKS):  # the subclass itself is the parameter
+        if is_foreign_quantized(parameter):  # the subclass itself is the parameter
             return name
     return None
 
@@ -53,7 +58,7 @@ def own_foreign_quantized(model: torch.nn.Module, kind_of: Callable[[int, str], 
     done: dict[int, tuple[torch.nn.Parameter, torch.nn.Module, str]] = {}
     for path, layer in model.named_modules():
         for name, parameter in list(layer._parameters.items()):
-            if parameter is None or not all(hasattr(parameter, mark) for mark in FOREIGN_MARKS):
+            if parameter is None or not is_foreign_quantized(parameter):
                 continue
             if id(parameter) in done:  # tied: the same parameter, read the same way
                 owned, owner, owner_name = done[id(parameter)]

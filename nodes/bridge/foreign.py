@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ...core.detection.ggml_types import ggml_type
-from ...core.weights.foreign import foreign_quantized, own_foreign_quantized
+from ...core.weights.foreign import foreign_quantized, is_foreign_quantized, own_foreign_quantized
 from ...core.weights.ops import convert
 from .books import clone_entries, unload_entries
 from .filling import is_comfy_layer
@@ -38,7 +38,9 @@ def placeable(subject: Subject) -> Subject:
     model = subject.patcher.model
     if foreign_quantized(model) is None:
         return subject
-    owned = model.__dict__.get(OWNED_COPY) or _owned_copy(model)
+    owned = model.__dict__.get(OWNED_COPY)
+    if owned is None:
+        owned = _owned_copy(model)
     unload_entries(clone_entries(subject.patcher))  # theirs out of VRAM, its weights back in RAM, its patches off
     model.__dict__[OWNED_COPY] = owned
     return _over(subject, owned)
@@ -63,7 +65,7 @@ def _tree_copy(module: torch.nn.Module, twins: dict[int, Any]) -> torch.nn.Modul
             twin.__dict__[key] = type(value)(value)  # _parameters, _buffers, _modules and the hook tables
     for table in (twin._parameters, twin._buffers, twin._modules):
         for name, value in table.items():
-            if value is not None and not _foreign(value):
+            if value is not None and not is_foreign_quantized(value):
                 table[name] = _twin(value, twins)  # the other pack's own tensors are left to replace
     return twin
 
@@ -79,10 +81,6 @@ def _twin(value: Any, twins: dict[int, Any]) -> Any:
         else:
             twins[id(value)] = value.detach()
     return twins[id(value)]
-
-
-def _foreign(parameter: torch.Tensor) -> bool:
-    return hasattr(parameter, "tensor_type") and hasattr(parameter, "tensor_shape")
 
 
 def _over(subject: Subject, owned: torch.nn.Module) -> Subject:
