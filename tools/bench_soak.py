@@ -26,7 +26,7 @@ def main() -> int:
         server = ComfyServer(Path(base), env=env, extra_args=("--cache-classic",)).start()
         try:
             result = soak(server, cycles)
-            sys.stdout.write(json.dumps({**result.to_dict(), "rss": result.rss, "seconds": result.seconds}) + "\n")
+            sys.stdout.write(json.dumps({**result.to_dict(), "seconds": result.seconds}) + "\n")  # rss_mb: the series
         finally:
             server.stop()
     return 0
