@@ -8,6 +8,7 @@ The encoder is a synthetic UMT5-Base (random weights of the real layout: the sma
 the GGUF so that both loaders compute from the same numbers. What holds: both tokenize every prompt alike and as
 SentencePiece's own model does, and encode alike; a UMT5 GGUF without a tokenizer is refused before a weight is
 read, saying why, and so is a UMT5-Base given as Stable Audio's type (ComfyUI would build ACE-Step's encoder).
+Wan's UMT5-XXL itself is loaded from a sparse file of its real layout, and its tokens checked (in one pass).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from tests.core.test_gguf_header import quantised_type, write_sparse_gguf
 from tests.core.test_gguf_names import t5_weights
 from tests.integration.test_gguf_loader import record_reads
+from tests.passes import ONCE
 from tools.gguf_files import UMT5_BASE, llama_cpp_name, write_gguf, write_t5_base
 from tools.gguf_tokenizers import PROMPTS, llama_cpp_tokenizer, train_unigram
 
@@ -88,3 +90,25 @@ def test_a_umt5_gguf_without_its_tokenizer_or_of_another_type_is_refused_before_
     with pytest.raises(error, match=r"umt5_base_F16\.gguf is UMT5-Base\)\. To fix it, choose the type ace"):
         node.execute(encoder.name, "none", "none", "none", "stable_audio", "cpu", "auto")  # would build ACE's
     assert read == []
+
+
+@ONCE  # ComfyUI's Wan branch hands the blob to the tokenizer the same way in every version tested
+def test_wans_umt5_xxl_gguf_tokenizes_with_the_tokenizer_it_carries(comfy, tmp_path):
+    """Wan's type builds the full UMT5-XXL (5.7 billion parameters): a sparse file of the real layout (zero
+    blocks, no disk used) carrying the tokenizer, loaded for real (3.2 GB of K blocks) but not encoded (a prompt
+    padded to 512 tokens through it takes minutes on a CPU): the tokens are the tokenizer's own."""
+    mm, module, _encoder, _source, proto = comfy
+    importlib.import_module("folder_paths").add_model_folder_path("text_encoders", str(tmp_path))
+    rename = llama_cpp_name(gguf.MODEL_ARCH.T5ENCODER, 24)
+    written = {rename(name): (shape, quantised_type(shape)) for name, shape in t5_weights("te_umt5xxl.json").items()}
+    tokenizer = llama_cpp_tokenizer(proto, vocabulary=UMT5_BASE["vocab"])
+    path = write_sparse_gguf(written, tmp_path / "umt5_xxl.gguf", "t5encoder", tokenizer=tokenizer)
+    node = module("nodes.load_text_encoders").LoadTextEncodersWithDevice
+    clip, summary = node.execute(path.name, "none", "none", "none", "wan", "cpu", "auto").args
+    expected = [*sentencepiece.SentencePieceProcessor(model_proto=proto).encode(PROMPTS[0]), 1]
+    tokens = [token for token, _weight in clip.tokenize(PROMPTS[0])["umt5xxl"][0]]
+    assert tokens[: len(expected)] == expected and set(tokens[len(expected) :]) <= {0}  # then padding
+    assert "UMT5-XXL" in summary, summary
+    del clip
+    mm.unload_all_models()
+    gc.collect()
