@@ -44,6 +44,7 @@ PROMPTS = (
     f"{_wide('Fullwidth fox')} and \ufb01ne \ufb02owers at \u00bd past \u216b",  # NFKC folds all of these
     "\u65e5\u672c\u306e\u6771\u4eac\u3067\u732b\u3068\u72ac\u304c\u96ea\u306e\u4e2d\u306b\u3044\u308b",
     "unseen characters: \u2603 \U0001f98a \u222e \u05e7",
+    "<extra_id_0> marks a span",  # an added token of T5's Hugging Face tokenizer, not of its model
     "café naïve façade résumé über straße 2024 3.14 100%",
     "",
 )
@@ -52,8 +53,9 @@ T5_SPECIALS = {"pad_id": 0, "eos_id": 1, "unk_id": 2, "bos_id": -1}
 _TYPES = {"is_unknown": 2, "is_control": 3, "is_unused": 5, "is_byte": 6}
 
 
-def train_unigram(vocab_size: int = 200, byte_fallback: bool = False) -> bytes:
-    """A unigram SentencePiece model trained on sentences of :data:`_WORDS` with T5's settings (its proto)."""
+def train_unigram(vocab_size: int = 200, byte_fallback: bool = False, **options: Any) -> bytes:
+    """A unigram SentencePiece model trained on sentences of :data:`_WORDS` with T5's settings (its proto);
+    ``options`` are SentencePiece's own (other special pieces' names, no dummy prefix ...)."""
     choose = random.Random(0).choice
     sentences = [" ".join(choose(_WORDS) for _ in range(12)) for _ in range(600)]
     model = io.BytesIO()
@@ -66,19 +68,22 @@ def train_unigram(vocab_size: int = 200, byte_fallback: bool = False) -> bytes:
         character_coverage=0.98,  # the rarest characters stay unknown, as in a real vocabulary
         byte_fallback=byte_fallback,
         minloglevel=2,
-        **T5_SPECIALS,
+        **(T5_SPECIALS | options),
     )
     return model.getvalue()
 
 
-def llama_cpp_tokenizer(proto: bytes, vocabulary: int | None = None) -> dict[str, Any]:
-    """The ``tokenizer.ggml.*`` metadata llama.cpp's converter writes for the unigram model ``proto``, its piece
-    list padded with unused ``[PADn]`` pieces to ``vocabulary`` entries where that is larger."""
+def llama_cpp_tokenizer(proto: bytes, vocabulary: int | None = None, added: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The ``tokenizer.ggml.*`` metadata llama.cpp's converter writes for the unigram model ``proto``: the
+    Hugging Face tokenizer's ``added`` tokens after its pieces (user-defined, score -1000), then unused ``[PADn]``
+    pieces up to ``vocabulary`` entries where that is larger."""
     processor = sentencepiece.SentencePieceProcessor(model_proto=proto)
     size = processor.get_piece_size()
     tokens = [processor.id_to_piece(i) for i in range(size)]
     scores = [processor.get_score(i) for i in range(size)]
     types = [next((t for test, t in _TYPES.items() if getattr(processor, test)(i)), 1) for i in range(size)]
+    tokens, scores, types = tokens + list(added), scores + [-1000.0] * len(added), types + [4] * len(added)
+    size += len(added)
     padding = range(1, max(0, (vocabulary or size) - size) + 1)
     normalizer = dict(_fields(dict(_fields(proto))[3]))
     metadata: dict[str, Any] = {

@@ -7,8 +7,10 @@ model): every piece with its score and type, whether a space is prefixed and run
 normaliser's precompiled character map, and the special tokens' ids. Those are all a unigram SentencePiece model
 needs to encode, so the ``ModelProto`` is written back from them here (protobuf's wire format by hand: three
 messages of scalars and strings, not worth a dependency). Pieces the converter padded the vocabulary with
-(``[PAD1]`` ..., type unused) come back as unused pieces, which SentencePiece never emits; the other ids are the
-original model's, so a prompt encodes to the same ids (the tests compare with SentencePiece's own model).
+(``[PAD1]`` ..., type unused) and the Hugging Face tokenizer's added tokens it wrote as user-defined (T5's
+``<extra_id_N>``) come back as unused pieces, which SentencePiece never emits, as the original model has no such
+pieces; the other ids are the original model's, so a prompt encodes to the same ids (the tests compare with
+SentencePiece's own model).
 """
 
 from __future__ import annotations
@@ -29,7 +31,10 @@ UMT5_VOCABULARY = 256384
 SPIECE_MODEL = "spiece_model"
 _KEY = "tokenizer.ggml."
 #: GGUF token types (llama.cpp's) are SentencePiece's piece types by number: 1 normal ... 6 byte.
-_BYTE = 6
+_USER_DEFINED, _UNUSED, _BYTE = 4, 5, 6
+#: The score llama.cpp's converter gives the Hugging Face tokenizer's added tokens (T5's ``<extra_id_N>``), which it
+#: marks user-defined: SentencePiece would match them whole, where the model file ComfyUI reads has no such piece.
+_ADDED_SCORE = -1000.0
 #: The special tokens: GGUF's id key, SentencePiece's trainer-spec field numbers (id, piece).
 _SPECIALS = {
     "unknown_token_id": (40, 45),
@@ -79,6 +84,8 @@ def read_tokenizer(path: str | Path) -> bytes | None:
 
 
 def _piece(token: str, score: float, kind: int) -> bytes:
+    if kind == _USER_DEFINED and score == _ADDED_SCORE:  # a Hugging Face added token: not in the original model
+        kind = _UNUSED
     return _string(1, token.encode("utf-8")) + _tag(2, 5) + struct.pack("<f", score) + _number(3, kind)
 
 

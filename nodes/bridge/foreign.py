@@ -5,9 +5,10 @@ patcher read them their own way. So Move To GPU and Split Model place a copy of 
 every module a new object, every weight the same storage, the other pack's weights in our form and its layers our
 cast layers. Nothing is copied in RAM and nothing is dequantised; the model then moves, streams and takes LoRA
 patches as one our GGUF loaders built. The other pack's model and its other clones are left exactly as they were
-(a clone elsewhere in the graph keeps computing with that pack's code); ComfyUI unloads them at each move, so
-their weights are back in RAM, free of that pack's patches, and the two never hold VRAM at once. The copy is made
-once per model and kept with it: a second move of the same model places the same copy, as for any model.
+(a clone elsewhere in the graph keeps computing with that pack's code); ComfyUI unloads them before each move, so
+the copy starts from their weights in RAM, free of that pack's patches (a node that uses their model afterwards
+loads it again, beside the copy). The copy is made once per model and kept with it: a second move of the same
+model places the same copy, as for any model.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from .books import clone_entries, unload_entries
 from .filling import is_comfy_layer
 from .subjects import Subject
 
+#: ComfyUI's ModelPatcher tables that its clones share (what a load changed, to put back at unload).
+BACKUP_TABLES = ("backup", "object_patches_backup", "backup_buffers", "pinned")
 #: Where the copy of a model is kept, on the other pack's model (in its ``__dict__``: not a submodule of it).
 OWNED_COPY = "device_control_owned_copy"
 
@@ -38,11 +41,11 @@ def placeable(subject: Subject) -> Subject:
     model = subject.patcher.model
     if foreign_quantized(model) is None:
         return subject
+    unload_entries(clone_entries(subject.patcher))  # first: its weights back in RAM, its patches taken off
     owned = model.__dict__.get(OWNED_COPY)
     if owned is None:
         owned = _owned_copy(model)
-    unload_entries(clone_entries(subject.patcher))  # theirs out of VRAM, its weights back in RAM, its patches off
-    model.__dict__[OWNED_COPY] = owned
+        model.__dict__[OWNED_COPY] = owned
     return _over(subject, owned)
 
 
@@ -61,8 +64,10 @@ def _tree_copy(module: torch.nn.Module, twins: dict[int, Any]) -> torch.nn.Modul
     buffers' storage, and hook tables of their own, so nothing done to the copy reaches the original."""
     twin = copy.copy(module)
     for key, value in module.__dict__.items():
-        if key.startswith("_") and isinstance(value, dict):
-            twin.__dict__[key] = type(value)(value)  # _parameters, _buffers, _modules and the hook tables
+        if "device_control" in key:  # our own state about the original (an engine, books): not the copy's
+            del twin.__dict__[key]
+        elif isinstance(value, (dict, list)):  # _parameters, _buffers, _modules, hook tables, patch lists
+            twin.__dict__[key] = type(value)(value)
     for table in (twin._parameters, twin._buffers, twin._modules):
         for name, value in table.items():
             if value is not None and not is_foreign_quantized(value):
@@ -94,4 +99,7 @@ def _over(subject: Subject, owned: torch.nn.Module) -> Subject:
         value = patcher = subject.patcher.clone()
     patcher.model = owned
     patcher.size = 0
+    for table in BACKUP_TABLES:  # a clone shares its original's backups: they are of the other model's weights
+        if isinstance(getattr(patcher, table, None), (dict, list, set)):
+            setattr(patcher, table, type(getattr(patcher, table))())
     return Subject(subject.kind, value, patcher)

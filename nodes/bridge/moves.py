@@ -110,11 +110,11 @@ def move(value: Any, device: str, vram_budget: str, keep_resident: bool, invento
         ModelFileError: a model another pack keeps quantised holds a GGML type we do not read.
     """
     subject = require_subject(value)
-    subject = placeable(subject)  # a model another pack keeps quantised: our copy of it
     snapshot = inventory.snapshot()
     target, chosen_id, warning = resolve_target(inventory, device, snapshot)
     placement = Placement(target, Budget.parse(vram_budget), keep_resident, device_id=chosen_id)
     budget = placement.budget_bytes()  # a budget larger than the device is refused here, before anything moves
+    subject = placeable(subject)  # a model another pack keeps quantised: our copy of it
     notes = [f"before: {state_before(subject, snapshot)}"]
     if surface.is_dynamic(subject.patcher):
         notes.append(DYNAMIC_NOTE)

@@ -14,12 +14,15 @@ from typing import Any
 
 import torch
 
+from ...core.detection.ggml_types import GGML_TYPES, ggml_type
 from ...core.devices.inventory import InventorySnapshot
 from ...core.devices.tensors import label_of
+from ...core.errors import ModelFileError
 from ...core.monitor.report import MemoryMode, ModelResidency
 from ...core.placement.engine import engine_of
 from ...core.placement.split_model import SplitModel, split_of
 from ...core.units import format_bytes
+from ...core.weights.foreign import is_foreign_quantized
 from ...core.weights.quantized import layout_of
 from .. import surface
 from .books import holding_of, placement_of
@@ -160,7 +163,8 @@ def model_key(patcher: Any) -> str:
 
 def storage_bytes(module: Any) -> dict[str, int]:
     """The bytes of a module's weights by how they are stored: a dtype (``float16``), or a GGML type (``Q8_0``)
-    for quantised blocks (``core.weights.quantized``), so a GGUF model is not called ``uint8``."""
+    for quantised blocks (ours, ``core.weights.quantized``, or ComfyUI-GGUF's), so a GGUF model is not called
+    ``uint8``."""
     sizes: dict[str, int] = {}
     seen: set[int] = set()
     for owner in module.modules():
@@ -168,10 +172,22 @@ def storage_bytes(module: Any) -> dict[str, int]:
             if id(param) in seen:  # a tied weight, counted once
                 continue
             seen.add(id(param))
-            layout = layout_of(owner, name)
-            kind = layout.kind.name if layout is not None else str(param.dtype).replace("torch.", "")
+            kind = _stored_as(owner, name, param)
             sizes[kind] = sizes.get(kind, 0) + param.numel() * param.element_size()
     return sizes
+
+
+def _stored_as(owner: Any, name: str, param: Any) -> str:
+    """``Q8_0`` for our quantised blocks and another pack's (ComfyUI-GGUF's), else the dtype's name."""
+    layout = layout_of(owner, name)
+    if layout is not None:
+        return layout.kind.name
+    if is_foreign_quantized(param) and param.tensor_type is not None:
+        try:
+            return ggml_type(int(param.tensor_type)).name
+        except ModelFileError:
+            return f"GGML type {int(param.tensor_type)}"
+    return str(param.dtype).replace("torch.", "")
 
 
 def dominant_storage(module: Any) -> str | None:
@@ -201,9 +217,13 @@ def forget_dtype(module: Any) -> None:
 
 
 def _storage_dtype(patcher: Any) -> str | None:
-    """The dtype ComfyUI reports for the model, else how most weights are stored (CLIP and VAE report none)."""
+    """How the model is stored: a GGUF model's GGML type (most of its bytes), else the dtype ComfyUI reports for
+    it, else the one most weights use (CLIP and VAE report none)."""
+    stored = dominant_storage(patcher.model)
+    if stored is not None and (stored in GGML_TYPES or stored.startswith("GGML type")):
+        return stored
     dtype = patcher.model_dtype() if hasattr(patcher, "model_dtype") else None
-    return str(dtype).replace("torch.", "") if dtype is not None else dominant_storage(patcher.model)
+    return str(dtype).replace("torch.", "") if dtype is not None else stored
 
 
 def loaded_models(

@@ -36,9 +36,9 @@ def split_model(value: Any, allocation: str, mode: str, inventory: DeviceInvento
     """
     subject = require_subject(value)
     kind_check(subject)
-    subject = placeable(subject)  # a model another pack keeps quantised: our copy of it
     snapshot = inventory.snapshot()
     placement, warnings = resolve_allocation(allocation, mode, inventory, snapshot)
+    subject = placeable(subject)  # a model another pack keeps quantised: our copy of it (once the input is valid)
     before = state_before(subject, snapshot)
     moved = clone_subject(subject)
     patcher = moved.patcher

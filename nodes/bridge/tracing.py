@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -175,11 +176,21 @@ def _probes(header: FileHeader, reader: WeightReader) -> dict[str, torch.Tensor]
 
 def _gguf_tokenizer(header: FileHeader) -> dict[str, torch.Tensor]:
     """The tokenizer ComfyUI reads from a UMT5's weights file, for a GGUF that carries it as metadata instead
-    (``core.detection.gguf_tokenizer``): as the safetensors file holds it, a byte tensor."""
+    (``core.detection.gguf_tokenizer``): as the safetensors file holds it, a byte tensor.
+
+    Raises:
+        ModelFileError: the file's tokenizer metadata is broken.
+    """
     if header.format != "gguf" or not tokenizer_from_weights(header):
         return {}
     proto = read_tokenizer(header.path)
-    return {} if proto is None else {SPIECE_MODEL: made_here(torch.frombuffer(bytearray(proto), dtype=torch.uint8))}
+    if proto is None:  # the loader checked that the file says it has one: its lists are broken
+        raise ModelFileError(
+            f"{Path(header.path).name}: its tokenizer metadata is incomplete (the pieces, their scores and their "
+            "types do not match), so ComfyUI cannot build its tokenizer. Convert the model again, or load its "
+            "safetensors file."
+        )
+    return {SPIECE_MODEL: made_here(torch.frombuffer(bytearray(proto), dtype=torch.uint8))}
 
 
 def _build_clip(config: Any, sd: dict, place: Any) -> Any:

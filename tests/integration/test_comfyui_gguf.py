@@ -142,6 +142,35 @@ def test_with_a_stock_lora_it_computes_what_comfyui_gguf_computes(comfy, synthet
     gc.collect()
 
 
+def test_from_every_state_their_model_can_be_in_the_copy_starts_from_its_plain_weights(
+    comfy, synthetic_models, monkeypatch
+):
+    """Loaded by ComfyUI with a LoRA (ComfyUI-GGUF writes patched values into its unquantised weights, and keeps
+    the rest as patches), or offloaded by Offload To CPU (which keeps our books on the model): the copy is made
+    from the weights as the file has them, and carries none of that state."""
+    mm, module, theirs, unet = comfy
+    comfy_utils, comfy_sd = (importlib.import_module(name) for name in ("comfy.utils", "comfy.sd"))
+    plain = _their_unet(theirs, unet)
+    expected_plain = _step(mm, plain)
+    lora = comfy_utils.load_torch_file(str(synthetic_models["lora_sd35"]))
+    with_lora = comfy_sd.load_lora_for_models(plain, None, lora, 1.0, 0)[0]
+    expected_lora = _step(mm, with_lora)  # loaded by ComfyUI: the LoRA is in
+    assert not torch.equal(expected_lora, expected_plain)
+    module("nodes.offload_to_cpu").OffloadToCPU.execute("full", "1GB", True, plain)  # our books on their model
+    with_simulated_gpu(module, monkeypatch, ("nodes.move_to_gpu",))
+    move = module("nodes.move_to_gpu").MoveToGPU
+    mm.load_models_gpu([with_lora])  # loaded again, patched, when the move comes
+    moved_lora = move.execute(with_lora, "gpu:0", "all", False).args[0]
+    assert torch.allclose(_step(mm, moved_lora), expected_lora, rtol=0, atol=1e-4)  # the LoRA once, not twice
+    moved_plain = move.execute(plain, "gpu:0", "all", False).args[0]
+    assert torch.equal(_step(mm, moved_plain), expected_plain)  # no LoRA left in the copy's weights
+    engine = "_device_control_engine"
+    assert moved_plain.model.__dict__.get(engine) is not plain.model.__dict__.get(engine)
+    del plain, with_lora, moved_lora, moved_plain
+    mm.unload_all_models()
+    gc.collect()
+
+
 def test_a_text_encoder_of_theirs_is_placed_and_encodes_as_before(comfy, monkeypatch, tmp_path):
     """A Qwen3-0.6B (the smallest encoder ComfyUI-GGUF reads correctly that ComfyUI builds: it names a T5's up
     projection ``wi_1`` even where T5-Base has ``wi``), so in ComfyUI 0.28 only."""
@@ -178,6 +207,7 @@ def test_vram_report_and_offload_to_cpu_work_on_it_as_it_is(comfy):
     subject = json.loads(report)["subject"]
     assert subject["total_bytes"] == model.model_size() > 0 and subject["managed_by"] == "ComfyUI"
     assert subject["resident"] == {"cpu": model.model_size()}
+    assert subject["dtype"] == "Q4_0"  # its tensors' GGML type, not the uint8 they hold
     text = module("nodes.offload_to_cpu").OffloadToCPU.execute("full", "1GB", True, model).args[1]
     assert "unloaded from ComfyUI's list" in text
     assert not any(entry.model is model for entry in mm.current_loaded_models)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+import json
 import shutil
 
 import pytest
@@ -135,6 +136,8 @@ def test_on_a_simulated_gpu_under_a_budget_it_holds_quantised_bytes_and_computes
     assert all(getattr(layer, attr).dtype == torch.uint8 for layer, attr in blocks.values())
     assert torch.equal(_step(moved, inputs), expected)
     assert "gpu:0" in summary
+    report = json.loads(module("nodes.vram_report").VRAMReport.execute("gguf", value=moved).args[2])
+    assert report["subject"]["dtype"] == MODELS["sd35"][0]  # Q4_0: how its bytes are stored, not uint8
     del resident, whole, moved
     mm.unload_all_models()
     gc.collect()
