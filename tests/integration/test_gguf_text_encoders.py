@@ -23,9 +23,10 @@ import pytest
 import torch
 
 from tests.core.test_gguf_header import write_sparse_gguf
+from tests.integration.gguf_encoders import gguf_encoder_in_process
 from tests.integration.simulated import with_simulated_gpu
 from tests.integration.test_gguf_loader import record_reads
-from tools.gguf_files import T5_BASE, text_encoder_gguf, write_t5_base
+from tools.gguf_files import T5_BASE, write_t5_base
 
 MiB = 1024**2
 PROMPT = "a red fox in fresh snow, photographed at dawn"
@@ -33,18 +34,9 @@ PROMPT = "a red fox in fresh snow, photographed at dawn"
 
 @pytest.fixture(scope="module")
 def comfy(comfy_runtime, tmp_path_factory):
-    from tools.comfy_inprocess import import_comfy, import_pack
-
-    mm = import_comfy()
-    folder = tmp_path_factory.mktemp("gguf_text_encoders")
-    source = write_t5_base(tmp_path_factory.mktemp("t5_source") / "t5_base_synthetic.safetensors")
-    encoder, twin = text_encoder_gguf(source, folder, gguf.MODEL_ARCH.T5ENCODER, T5_BASE["layers"])
-    importlib.import_module("folder_paths").add_model_folder_path("text_encoders", str(folder))
-    pack = import_pack()
-    module = lambda name: importlib.import_module(f"{pack.__name__}.{name}")  # noqa: E731
-    yield mm, module, encoder, twin
-    mm.unload_all_models()
-    gc.collect()
+    yield from gguf_encoder_in_process(
+        tmp_path_factory, "t5_base", write_t5_base, gguf.MODEL_ARCH.T5ENCODER, T5_BASE["layers"]
+    )
 
 
 def _load(module, name: str, device: str = "cpu"):
