@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -226,6 +227,28 @@ def artifacts() -> Path:
     """A git-ignored folder for screenshots and logs the tests leave behind."""
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     return ARTIFACTS
+
+
+@pytest.fixture(scope="module")
+def module_folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A folder for the files one test module writes (a GGUF and its twin: up to a gigabyte), removed when the
+    module is done: pytest keeps its folders to the end of a run, and a full pass would otherwise hold every
+    module's files at once on a disk that is not ours to fill."""
+    folder = tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])
+    yield folder
+    _forget_model_folders(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _forget_model_folders(folder: Path) -> None:
+    """Take ``folder`` and the folders under it out of an in-process ComfyUI's model folders before it goes: its
+    file-list cache reads the time of every folder it listed, and fails on one that is gone."""
+    folder_paths = sys.modules.get("folder_paths")
+    if folder_paths is None:
+        return
+    for paths, _extensions in folder_paths.folder_names_and_paths.values():
+        paths[:] = [path for path in paths if not Path(path).is_relative_to(folder)]
+    folder_paths.filename_list_cache.clear()
 
 
 def start_server(base: Path, env: dict[str, str] | None = None, extra_args: tuple[str, ...] = ()) -> ComfyServer:

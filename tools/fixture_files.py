@@ -141,6 +141,21 @@ def write_sparse(target: Path, layout_name: str, metadata: dict[str, str]) -> Pa
     return target
 
 
+def hollow(path: Path, block: int = 1 << 16) -> Path:
+    """Rewrite ``path`` with its all-zero blocks as holes: a file whose unused rows are zeros (an embedding no
+    prompt reaches) then takes on disk only what it holds, and reads back the same."""
+    partial = path.with_name(path.name + ".hollow")
+    with open(path, "rb") as source, open(partial, "wb") as target:
+        while chunk := source.read(block):
+            if chunk.count(0) == len(chunk):
+                target.seek(len(chunk), 1)
+            else:
+                target.write(chunk)
+        target.truncate()
+    partial.replace(path)
+    return path
+
+
 def layout_on_meta(layout_name: str, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """A real layout of ``tests/data`` as meta tensors (its own dtypes, or ``dtype`` for every tensor)."""
     tensors = layouts()[layout_name]["tensors"]

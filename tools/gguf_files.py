@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from tools.fixture_files import hollow
 from tools.gguf_tokenizers import add_tokenizer
 
 #: The Flux-layout example's GGUF: the synthetic Flux.1 dev model quantised to Q8_0 (``make_all()`` key ``flux_gguf``).
@@ -135,10 +136,14 @@ T5_BASE = {"d_model": 768, "d_ff": 3072, "layers": 12, "heads": 12, "vocab": 321
 UMT5_BASE = T5_BASE | {"d_ff": 2048, "vocab": 256384, "umt5": True}
 
 
-def write_t5_base(target: Path, seed: int = 0, config: dict = T5_BASE, extra: dict | None = None) -> Path:
+def write_t5_base(
+    target: Path, seed: int = 0, config: dict = T5_BASE, extra: dict | None = None, live_rows: int | None = None
+) -> Path:
     """A synthetic T5-Base or UMT5-Base encoder (``config``; random weights of the real layout, ComfyUI's names)
     as float16 safetensors, with ``extra`` tensors beside (a tokenizer blob); made once, then reused. T5-Base is
-    the smallest T5 a ComfyUI type takes (``stable_audio``), UMT5-Base the smallest UMT5 (``ace``)."""
+    the smallest T5 a ComfyUI type takes (``stable_audio``), UMT5-Base the smallest UMT5 (``ace``). With
+    ``live_rows``, the embedding's rows from there on (tokens the tokenizer never gives) are zeros, kept as holes
+    in the file: UMT5's 256,384-row table then takes no disk beyond the rows a prompt can reach."""
     from safetensors.torch import save_file
 
     if target.exists():
@@ -150,6 +155,7 @@ def write_t5_base(target: Path, seed: int = 0, config: dict = T5_BASE, extra: di
         return (torch.randn(*shape, generator=generator) * std).half()
 
     out = {"shared.weight": normal(config["vocab"], d, std=1.0)}
+    out["shared.weight"][live_rows or config["vocab"] :] = 0
     out["encoder.final_layer_norm.weight"] = 1 + normal(d, std=0.1)
     feed_in = ("wi_0", "wi_1") if config["umt5"] else ("wi",)
     for i in range(config["layers"]):
@@ -164,7 +170,7 @@ def write_t5_base(target: Path, seed: int = 0, config: dict = T5_BASE, extra: di
     partial = target.with_suffix(".partial")
     save_file(out | (extra or {}), str(partial))
     partial.replace(target)
-    return target
+    return hollow(target) if live_rows else target
 
 
 #: Qwen3-0.6B as ComfyUI builds it (``comfy.text_encoders.llama.Qwen3_06BConfig``, Anima's encoder, the smallest

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -26,6 +27,16 @@ from tools.runtime import RELEASES, REPO, TESTED_VERSIONS, missing_source, provi
 log = logging.getLogger("device_control.tools")
 #: Each pass ends with its slowest tests: where the time of a run goes, in every CI log.
 DURATIONS = ("--durations=25",)
+#: What a run from a fresh clone writes, in GB (du after one): the runtime in .runtime (packages and ComfyUI, 7),
+#: the synthetic models in .runtime/fixtures (14, sparse files counted as what they use), and pytest's folder
+#: (one module's files at a time: about 1.2).
+DISK_NEEDED_GB = 23
+ROOM = f"a run from a fresh clone writes about {DISK_NEEDED_GB} GB; make that much room and run again."
+
+
+def disk_free_gb() -> float:
+    """Free space on the disk the runtime and pytest's folders are written to."""
+    return shutil.disk_usage(REPO).free / 1e9
 
 
 def arguments(argv: list[str]) -> list[str]:
@@ -47,6 +58,11 @@ def main() -> int:
     pytest_args = arguments(sys.argv[1:])
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     started = time.monotonic()
+    log.info(
+        "[Device Control] %.1f GB free on the disk; a run from a fresh clone writes about %d GB",
+        disk_free_gb(),
+        DISK_NEEDED_GB,
+    )
     absent = {version: missing_source(version) for version in RELEASES if missing_source(version)}
     for version, reason in absent.items():
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
@@ -70,6 +86,8 @@ def main() -> int:
         run_env = {**env, "DEVICE_CONTROL_COMFYUI": version} if version else env
         if subprocess.run(step, cwd=REPO, env=run_env, check=False).returncode != 0:
             log.error("[Device Control] FAILED: %s (after %.0f s)", label, time.monotonic() - started)
+            if disk_free_gb() < 2:
+                log.error("[Device Control] The disk is full (%.1f GB free): %s", disk_free_gb(), ROOM)
             return 1
     log.info("[Device Control] all test tiers passed in %.0f s", time.monotonic() - started)
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -54,3 +55,16 @@ def test_the_split_benchmark_table_gives_medians_and_the_floor():
     text = table([run(3.0), run(4.0), run(5.0)])
     assert "| 7GB/s | one device, everything resident | 0.00 GiB | 0.00 s | 4.00 s (3.00-5.00) | 4.00 s |" in text
     assert "| 7GB/s | pipeline gpu:0=50%, gpu:1=* | 2.00 GiB | 1.00 s | 8.00 s (6.00-10.00) | 4.00 s | 2.00x" in text
+
+
+def test_hollow_keeps_every_byte_and_gives_back_the_disk_of_zero_blocks(tmp_path):
+    """The UMT5 fixture's unused embedding rows take no disk: the file reads back the same, leading, inner and
+    trailing zeros included."""
+    from tools.fixture_files import hollow
+
+    zeros = bytes(8 << 20)
+    for name, data in {"inner": os.urandom(5000) + zeros + os.urandom(100), "ends": zeros + b"x" + zeros}.items():
+        path = tmp_path / name
+        path.write_bytes(data)
+        assert hollow(path) == path and path.read_bytes() == data
+        assert path.stat().st_blocks * 512 < 1 << 20, name  # on a file system with holes (ext4, xfs, tmpfs)

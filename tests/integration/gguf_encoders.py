@@ -15,16 +15,19 @@ from tools.gguf_files import text_encoder_gguf
 
 
 def gguf_encoder_in_process(
-    tmp_path_factory: Any, stem: str, write_source: Callable[[Path], Path], architecture: gguf.MODEL_ARCH, layers: int
+    folder: Path, stem: str, write_source: Callable[[Path], Path], architecture: gguf.MODEL_ARCH, layers: int
 ) -> Iterator[tuple[Any, Callable[[str], Any], Path, Path]]:
-    """Yield ``(model_management, pack module getter, GGUF file, twin)`` for a module fixture; unload after."""
+    """Yield ``(model_management, pack module getter, GGUF file, twin)`` for a module fixture, its files written
+    in ``folder``; unload after."""
     from tools.comfy_inprocess import import_comfy, import_pack
 
     mm = import_comfy()
-    folder = tmp_path_factory.mktemp(f"gguf_{stem}")
-    source = write_source(tmp_path_factory.mktemp(f"{stem}_source") / f"{stem}_synthetic.safetensors")
-    encoder, twin = text_encoder_gguf(source, folder, architecture, layers)
-    importlib.import_module("folder_paths").add_model_folder_path("text_encoders", str(folder))
+    listed, unlisted = folder / "text_encoders", folder / "source"  # the source is not in ComfyUI's list
+    listed.mkdir()
+    unlisted.mkdir()
+    source = write_source(unlisted / f"{stem}_synthetic.safetensors")
+    encoder, twin = text_encoder_gguf(source, listed, architecture, layers)
+    importlib.import_module("folder_paths").add_model_folder_path("text_encoders", str(listed))
     pack = import_pack()
     yield mm, lambda name: importlib.import_module(f"{pack.__name__}.{name}"), encoder, twin
     mm.unload_all_models()

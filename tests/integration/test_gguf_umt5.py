@@ -5,9 +5,11 @@ ComfyUI builds UMT5's tokenizer from a ``spiece_model`` blob in the safetensors 
 that tokenizer as GGUF metadata instead, and our loader rebuilds the blob from it (``core.detection.gguf_tokenizer``).
 The encoder is a synthetic UMT5-Base (random weights of the real layout: the smallest UMT5 ComfyUI builds, as type
 ``ace``; UMT5-XXL is 5.7 billion parameters) with a unigram tokenizer trained here with T5's settings, stored F16 in
-the GGUF so that both loaders compute from the same numbers. What holds: both tokenize every prompt alike and as
-SentencePiece's own model does, and encode alike; a UMT5 GGUF without a tokenizer is refused before a weight is
-read, saying why, and so is a UMT5-Base given as Stable Audio's type (ComfyUI would build ACE-Step's encoder).
+the GGUF so that both loaders compute from the same numbers; the embedding's rows past the tokenizer's pieces are
+zeros, kept as holes in both files (no prompt reaches them; the two files would otherwise take 1.1 GB of disk).
+What holds: both tokenize every prompt alike and as SentencePiece's own model does, and encode alike; a UMT5 GGUF
+without a tokenizer is refused before a weight is read, saying why, and so is a UMT5-Base given as Stable Audio's
+type (ComfyUI would build ACE-Step's encoder).
 Wan's UMT5-XXL itself is loaded from a sparse file of its real layout, and its tokens checked (in one pass).
 """
 
@@ -25,22 +27,24 @@ from tests.core.test_gguf_header import quantised_type, write_sparse_gguf
 from tests.core.test_gguf_names import t5_weights
 from tests.integration.test_gguf_loader import record_reads
 from tests.passes import ONCE
+from tools.fixture_files import hollow
 from tools.gguf_files import UMT5_BASE, llama_cpp_name, write_gguf, write_t5_base
 from tools.gguf_tokenizers import PROMPTS, llama_cpp_tokenizer, train_unigram
 
 
 @pytest.fixture(scope="module")
-def comfy(comfy_runtime, tmp_path_factory):
+def comfy(comfy_runtime, module_folder):
     from tools.comfy_inprocess import import_comfy, import_pack
 
     mm = import_comfy()
-    folder = tmp_path_factory.mktemp("gguf_umt5")
+    folder = module_folder
     proto = train_unigram()
     blob = {"spiece_model": torch.frombuffer(bytearray(proto), dtype=torch.uint8)}  # as ComfyUI's files hold it
-    source = write_t5_base(folder / "umt5_base_synthetic.safetensors", config=UMT5_BASE, extra=blob)
+    pieces = sentencepiece.SentencePieceProcessor(model_proto=proto).get_piece_size()  # the rows a prompt reaches
+    source = write_t5_base(folder / "umt5_base_synthetic.safetensors", config=UMT5_BASE, extra=blob, live_rows=pieces)
     rename = llama_cpp_name(gguf.MODEL_ARCH.T5ENCODER, UMT5_BASE["layers"])
     tokenizer = llama_cpp_tokenizer(proto, vocabulary=UMT5_BASE["vocab"])
-    encoder = write_gguf(source, folder / "umt5_base_F16.gguf", "F16", "t5encoder", rename, tokenizer)
+    encoder = hollow(write_gguf(source, folder / "umt5_base_F16.gguf", "F16", "t5encoder", rename, tokenizer))
     importlib.import_module("folder_paths").add_model_folder_path("text_encoders", str(folder))
     pack = import_pack()
     module = lambda name: importlib.import_module(f"{pack.__name__}.{name}")  # noqa: E731
