@@ -29,7 +29,7 @@ log = logging.getLogger("device_control.tools")
 DURATIONS = ("--durations=25",)
 #: What a run from a fresh clone writes, in GB (du after one): the runtime in .runtime (packages and ComfyUI, 7),
 #: the synthetic models in .runtime/fixtures (14, sparse files counted as what they use), and pytest's folder
-#: (one module's files at a time: about 1.2).
+#: (one module's files at a time: at most 0.9 seen).
 DISK_NEEDED_GB = 23
 ROOM = f"a run from a fresh clone writes about {DISK_NEEDED_GB} GB; make that much room and run again."
 
