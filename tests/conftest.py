@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.passes import LONG_PASS
+from tests.passes import LONG_PASS, keep_to_their_passes
 from tools.comfy_server import ComfyServer
 from tools.runtime import DEFAULT_VERSION, comfyui_dir, missing_source
 
@@ -85,6 +85,11 @@ def gpu_shortfall(needed: int, found: int, required: int) -> tuple[str, bool] | 
         return None
     fails = found < min(needed, required)
     return f"needs {needed} GPU(s), found {found}", fails
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Each ComfyUI's pass runs its share of the integration and browser tests (:mod:`tests.passes`)."""
+    keep_to_their_passes(items)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -1,9 +1,21 @@
-"""Which ComfyUI's pass a test runs in: the integration and browser tiers run once per ComfyUI we test
-(``tools/run_tests.py``). A costly check whose outcome does not depend on the ComfyUI version runs once, in the
-primary version's pass (the first, the one that runs every tier), marked :data:`ONCE`; the long reliability checks
-run in the newest tested ComfyUI's pass, marked :data:`LONG` (or take their long form there)."""
+"""Which ComfyUI's pass a test runs in (``tools/run_tests.py`` makes one pass per ComfyUI we test).
+
+The primary ComfyUI's pass (0.3.75, the first) runs every test. The other ComfyUIs' passes (0.3.52, the oldest,
+and 0.28.0, the newest) run the version checks: the tests of what differs between ComfyUI versions, the modules
+named in :data:`EVERY_VERSION_MODULES` and the tests marked :data:`EVERY_VERSION` (ComfyUI's loaders, its model
+management and bookkeeping from every state a model can be in, its patch and cast maths, its detection, each
+family built and run end to end, its frontend, Dynamic VRAM, ComfyUI-Manager's install). The rest, our own code
+at scale over the same ComfyUI calls (five families under a budget with a LoRA, splits, the panel's routes, the
+reliability checks), runs once, in the primary pass: three passes of everything take a 2-core machine over 90
+minutes. ``DEVICE_CONTROL_EVERY_TEST=1`` runs every test in any pass.
+
+:data:`ONCE` keeps a test out of the other passes even in a version-check module; the long reliability checks run
+in the newest tested ComfyUI's pass, marked :data:`LONG`, or take their long form there, marked :data:`LONG_FORM`
+(which also keeps them out of the oldest's pass)."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -14,8 +26,75 @@ PRIMARY_PASS = DEFAULT_VERSION == PRIMARY_VERSION
 #: Whether this pass is the one the long reliability checks run in (the newest ComfyUI tested, 0.28.0, where its
 #: source archive is there; else the primary one).
 LONG_PASS = long_checks_version() == DEFAULT_VERSION
+#: Every test runs in this pass, whatever its ComfyUI (``DEVICE_CONTROL_EVERY_TEST=1``).
+EVERY_TEST = os.environ.get("DEVICE_CONTROL_EVERY_TEST", "").lower() in ("1", "true", "yes")
 
 #: Runs in the primary ComfyUI's pass only.
 ONCE = pytest.mark.skipif(not PRIMARY_PASS, reason=f"runs once, in the ComfyUI {PRIMARY_VERSION} pass")
-#: Runs in the long checks' pass only.
+#: Runs in the long checks' pass only (mark it :data:`LONG_FORM` too).
 LONG = pytest.mark.skipif(not LONG_PASS, reason=f"a long check: runs in the ComfyUI {long_checks_version()} pass")
+#: Runs in the primary pass and, in its long form, in the long checks' pass.
+LONG_FORM = pytest.mark.long_form
+#: A version check in a module that is not one: runs in every ComfyUI's pass.
+EVERY_VERSION = pytest.mark.every_version
+
+#: The integration and browser modules whose tests all run in every ComfyUI's pass.
+EVERY_VERSION_MODULES = frozenset(
+    {
+        "test_auto_dtype",
+        "test_bridge",
+        "test_checkpoint_equivalence",
+        "test_comfy_detection_fallback",
+        "test_comfyui_gguf",  # only where DEVICE_CONTROL_COMFYUI_GGUF names a checkout of that pack
+        "test_compatibility",
+        "test_detection_new_families",
+        "test_detection_oracle",
+        "test_diffusion_model_loader",
+        "test_dynamic_vram",
+        "test_family_fixtures",
+        "test_fixtures",
+        "test_gguf_loader",
+        "test_gguf_qwen3",
+        "test_gguf_text_encoders",
+        "test_gguf_umt5",
+        "test_load_checkpoint",
+        "test_lora_coverage",
+        "test_manager_install",
+        "test_move_offload",
+        "test_object_info",
+        "test_ops_oracle",
+        "test_patch_oracle",
+        "test_placement_from_any_state",
+        "test_placement_takeover",
+        "test_split_books",
+        "test_split_comfy_models",
+        "test_split_loaders",
+        "test_vram_report",
+        "test_workflows",
+        # the browser tier: each ComfyUI with the frontend it pins
+        "test_frontend",
+        "test_move_types",
+        "test_panel",
+    }
+)
+
+
+def runs_in_this_pass(item: pytest.Item) -> bool:
+    """Whether an integration or browser test runs in this ComfyUI's pass (see the module's docstring)."""
+    if PRIMARY_PASS or EVERY_TEST:
+        return True
+    if item.get_closest_marker("long_form") is not None:
+        return LONG_PASS
+    return item.path.stem in EVERY_VERSION_MODULES or item.get_closest_marker("every_version") is not None
+
+
+def keep_to_their_passes(items: list[pytest.Item]) -> None:
+    """Skip, with the reason, the tests that do not run in this pass."""
+    once = pytest.mark.skip(
+        reason=f"not a version check: runs once, in the ComfyUI {PRIMARY_VERSION} pass (DEVICE_CONTROL_EVERY_TEST=1 "
+        "runs it here)"
+    )
+    for item in items:
+        tier = {"integration", "browser"} & set(item.path.parts)
+        if tier and not runs_in_this_pass(item):
+            item.add_marker(once)

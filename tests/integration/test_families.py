@@ -37,7 +37,7 @@ from PIL import Image
 
 from core.detection.headers import read_header
 from tests.host_math import same_result
-from tests.passes import ONCE
+from tests.passes import EVERY_VERSION, ONCE
 from tools.family_workflows import FAMILIES, FLUX_GGUF_EXAMPLE, Family
 from tools.make_family_fixtures import DIFFUSION_FIXTURES
 from tools.stress import run_coroutine
@@ -113,6 +113,7 @@ ONCE_FOR_SDXL = [
 ]
 
 
+@EVERY_VERSION  # each ComfyUI builds each family its own way
 @pytest.mark.parametrize("family", ONCE_FOR_SDXL)
 def test_the_example_workflow_gives_the_stock_loaders_image(server, api, family: Family):
     prompt = api.load_prompt(server, REPO / "workflows" / f"{family.stem}.json")
