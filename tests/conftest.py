@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.passes import LONG_PASS, keep_to_their_passes
+from tests.passes import keep_to_their_passes
 from tools.comfy_server import ComfyServer
 from tools.runtime import DEFAULT_VERSION, comfyui_dir, missing_source
 
@@ -30,9 +30,9 @@ STRICT = (
 ARTIFACTS = REPO / "tests" / "artifacts"
 
 
-#: Cycles of the soak test in a normal run (sized for CI: ten in the long checks' pass, six, four after the
-#: warm-up, in the others); ``--soak-cycles 200`` runs the long soak.
-SOAK_CYCLES = 10 if LONG_PASS else 6
+#: Cycles of the soak test in a normal run (sized for CI; it runs in the long checks' pass only);
+#: ``--soak-cycles 200`` runs the long soak.
+SOAK_CYCLES = 10
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -9,9 +9,8 @@ at scale over the same ComfyUI calls (five families under a budget with a LoRA, 
 reliability checks), runs once, in the primary pass: three passes of everything take a 2-core machine over 90
 minutes. ``DEVICE_CONTROL_EVERY_TEST=1`` runs every test in any pass.
 
-:data:`ONCE` keeps a test out of the other passes even in a version-check module; the long reliability checks run
-in the newest tested ComfyUI's pass, marked :data:`LONG`, or take their long form there, marked :data:`LONG_FORM`
-(which also keeps them out of the oldest's pass)."""
+:data:`ONCE` keeps a test out of the other passes even in a version-check module; the long reliability checks
+(marked :data:`LONG`) run in the newest tested ComfyUI's pass only."""
 
 from __future__ import annotations
 
@@ -31,10 +30,8 @@ EVERY_TEST = os.environ.get("DEVICE_CONTROL_EVERY_TEST", "").lower() in ("1", "t
 
 #: Runs in the primary ComfyUI's pass only.
 ONCE = pytest.mark.skipif(not PRIMARY_PASS, reason=f"runs once, in the ComfyUI {PRIMARY_VERSION} pass")
-#: Runs in the long checks' pass only (mark it :data:`LONG_FORM` too).
-LONG = pytest.mark.skipif(not LONG_PASS, reason=f"a long check: runs in the ComfyUI {long_checks_version()} pass")
-#: Runs in the primary pass and, in its long form, in the long checks' pass.
-LONG_FORM = pytest.mark.long_form
+#: Runs in the long checks' pass only.
+LONG = pytest.mark.long_check
 #: A version check in a module that is not one: runs in every ComfyUI's pass.
 EVERY_VERSION = pytest.mark.every_version
 
@@ -81,10 +78,10 @@ EVERY_VERSION_MODULES = frozenset(
 
 def runs_in_this_pass(item: pytest.Item) -> bool:
     """Whether an integration or browser test runs in this ComfyUI's pass (see the module's docstring)."""
+    if item.get_closest_marker("long_check") is not None:
+        return LONG_PASS or EVERY_TEST
     if PRIMARY_PASS or EVERY_TEST:
         return True
-    if item.get_closest_marker("long_form") is not None:
-        return LONG_PASS
     return item.path.stem in EVERY_VERSION_MODULES or item.get_closest_marker("every_version") is not None
 
 
@@ -94,7 +91,8 @@ def keep_to_their_passes(items: list[pytest.Item]) -> None:
         reason=f"not a version check: runs once, in the ComfyUI {PRIMARY_VERSION} pass (DEVICE_CONTROL_EVERY_TEST=1 "
         "runs it here)"
     )
+    long = pytest.mark.skip(reason=f"a long check: runs in the ComfyUI {long_checks_version()} pass")
     for item in items:
         tier = {"integration", "browser"} & set(item.path.parts)
         if tier and not runs_in_this_pass(item):
-            item.add_marker(once)
+            item.add_marker(long if item.get_closest_marker("long_check") else once)

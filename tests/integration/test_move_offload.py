@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.passes import LONG_FORM, LONG_PASS, ONCE
+from tests.passes import LONG, ONCE
 from tools.comfy_server import ComfyError
 from tools.make_fixtures import SD15_CHECKPOINT
 
@@ -21,10 +21,9 @@ LOW_VRAM = REPO / "workflows" / "sd15_low_vram_lora_budget.json"
 TWO = REPO / "workflows" / "two_checkpoints_offload_between.json"
 GiB = 1024**3
 REPORT = {"label": "", "devices": "all"}
-#: Move/offload cycles per prompt of the drift test: 100 in the long checks' pass (the newest ComfyUI tested), 25 in
-#: the others (the same code of ours runs in each; the other versions check ComfyUI's side of the books, and CI
-#: keeps within its hour).
-CYCLES = 100 if LONG_PASS else 25
+#: Move/offload cycles per prompt of the drift test, a long check (it runs in the newest tested ComfyUI's pass; the
+#: other versions check ComfyUI's side of the books in the shorter tests).
+CYCLES = 100
 
 
 def gpu(entry: dict, api, node: str) -> dict:
@@ -126,7 +125,7 @@ def cycles_prompt(count: int) -> dict:
     return prompt
 
 
-@LONG_FORM
+@LONG
 def test_a_hundred_move_offload_cycles_leave_no_drift(server, api):
     server.run(cycles_prompt(CYCLES))  # ComfyUI's own caches and history for a long prompt settle over two runs
     warm = server.run(cycles_prompt(CYCLES))

@@ -13,7 +13,7 @@ import uuid
 import numpy as np
 import pytest
 
-from tests.passes import LONG, LONG_FORM
+from tests.passes import LONG
 from tools.comfy_server import ComfyError
 from tools.stress import AFTER_OFFLOAD, LOADER, example_prompt, fresh, snapshot_load, soak
 
@@ -137,7 +137,7 @@ def soak_server(servers):
     return servers("reliability-soak", extra_args=("--cache-classic",), env=allocator, SIMULATE_GPU="8GiB")
 
 
-@LONG_FORM
+@LONG
 def test_soak_load_move_sample_offload_returns_to_the_baseline(soak_server, request, artifacts):
     cycles = request.config.getoption("--soak-cycles")
     result = soak(soak_server, cycles)
@@ -152,7 +152,6 @@ def test_soak_load_move_sample_offload_returns_to_the_baseline(soak_server, requ
 
 
 @LONG
-@LONG_FORM
 def test_ten_thousand_snapshots_and_a_hundred_listeners_while_workflows_run(soak_server, artifacts):
     # Each run loads the checkpoint under its other name, so the previous models are freed while the
     # snapshots list them: a model garbage-collected mid-snapshot must not fail a request.
