@@ -7,7 +7,7 @@ management and bookkeeping from every state a model can be in, its patch and cas
 family built and run end to end, its frontend, Dynamic VRAM, ComfyUI-Manager's install). The rest, our own code
 at scale over the same ComfyUI calls (five families under a budget with a LoRA, splits, the panel's routes, the
 reliability checks), runs once, in the primary pass: three passes of everything take a 2-core machine over 90
-minutes. ``DEVICE_CONTROL_EVERY_TEST=1`` runs every test in any pass.
+minutes. ``DEVICE_CONTROL_EVERY_TEST=1`` runs the others too in any pass (not those marked :data:`ONCE`).
 
 :data:`ONCE` keeps a test out of the other passes even in a version-check module; the long reliability checks
 (marked :data:`LONG`) run in the newest tested ComfyUI's pass only."""
@@ -25,7 +25,7 @@ PRIMARY_PASS = DEFAULT_VERSION == PRIMARY_VERSION
 #: Whether this pass is the one the long reliability checks run in (the newest ComfyUI tested, 0.28.0, where its
 #: source archive is there; else the primary one).
 LONG_PASS = long_checks_version() == DEFAULT_VERSION
-#: Every test runs in this pass, whatever its ComfyUI (``DEVICE_CONTROL_EVERY_TEST=1``).
+#: Every test not marked :data:`ONCE` runs in this pass, whatever its ComfyUI (``DEVICE_CONTROL_EVERY_TEST=1``).
 EVERY_TEST = os.environ.get("DEVICE_CONTROL_EVERY_TEST", "").lower() in ("1", "true", "yes")
 
 #: Runs in the primary ComfyUI's pass only.
