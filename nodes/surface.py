@@ -14,9 +14,11 @@ any ComfyUI source tree, without running it.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import sys
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
@@ -24,9 +26,12 @@ try:
     from comfy_api.latest import ComfyExtension, io
 except ImportError as _missing:  # a ComfyUI from before the V3 node API: the pack's __init__ says so, loads nothing
     ComfyExtension = io = None  # type: ignore[assignment,misc]
-    NODE_API_MISSING: str | None = f"{type(_missing).__name__}: {_missing}"
+    NODE_API_MISSING: str | None = f"no V3 node API (comfy_api.latest: {_missing})"
 else:
-    NODE_API_MISSING = None if hasattr(io, "ComfyNode") else "comfy_api.latest.io has no ComfyNode"
+    # The oldest ComfyUI the tests run (0.3.75) is the first whose node API has ``io.MatchType``: an older one
+    # (0.3.52, August 2025) is refused by that feature, not by its version number.
+    _lacking = [name for name in ("ComfyNode", "MatchType") if not hasattr(io, name)]
+    NODE_API_MISSING = f"no io.{_lacking[0]} in its V3 node API (comfy_api.latest)" if _lacking else None
 
 #: The surface functions that hand out a ComfyUI module (or object), and which one.
 MODULE_ACCESSORS = {
@@ -390,6 +395,32 @@ def dynamic_vram_enabled() -> bool | None:
         return None
     flag = getattr(memory_management, "aimdo_enabled", None)
     return None if flag is None else bool(flag)
+
+
+@contextlib.contextmanager
+def layers_with_weights() -> Iterator[None]:
+    """While the pack builds a model with ComfyUI's classes, ComfyUI's layers are built as without Dynamic VRAM.
+
+    With Dynamic VRAM on (comfy-aimdo: the default on NVIDIA, on every OS from ComfyUI 0.33, on Windows only in
+    0.28), ComfyUI's ``Linear`` and ``Embedding`` are built with no weight at all, made only by ComfyUI's own
+    state-dict load. The pack builds models weightless and fills their weights itself (and places them with its
+    classic patcher, outside Dynamic VRAM), so without this their layers would have no weight to fill. The flag is
+    ComfyUI's; it is set back at once, and nothing else reads it while a node runs on the prompt thread.
+    """
+    try:
+        memory_management = importlib.import_module("comfy.memory_management")
+    except ImportError:
+        yield
+        return
+    flag = getattr(memory_management, "aimdo_enabled", None)
+    if not flag:
+        yield
+        return
+    memory_management.aimdo_enabled = False
+    try:
+        yield
+    finally:
+        memory_management.aimdo_enabled = flag
 
 
 def comfyui_version() -> str:

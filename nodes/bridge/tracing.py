@@ -9,7 +9,8 @@ model, where it comes from in the file (``core.files.skeleton`` then fills them 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -58,6 +59,15 @@ class Traced:
         return roots
 
 
+@contextmanager
+def weightless_build() -> Iterator[list]:
+    """Where the pack builds a model with ComfyUI's classes: every weight made on ``meta`` (values ComfyUI constructs
+    stay real), every state-dict load captured to trace sources, and ComfyUI's layers made with their weights
+    whatever its Dynamic VRAM (:func:`surface.layers_with_weights`). Yields the captured loads."""
+    with capture_state_dict_loads() as captured, weights_on_meta(), surface.layers_with_weights():
+        yield captured
+
+
 def config_of(sd: dict, header: FileHeader, detection: Detection) -> tuple[Any, str]:
     """ComfyUI's model config for the stand-in state dict, and the diffusion model's key prefix.
 
@@ -88,7 +98,7 @@ def build_traced(config: Any, sd: dict, prefix: str, header: FileHeader, reader:
     utils = surface.comfy_utils()
     # Weights are created on meta while ComfyUI builds the models (values it constructs stay real), and
     # ComfyUI's own renames and transforms run on the stand-ins, traced.
-    with capture_state_dict_loads() as captured, weights_on_meta():
+    with weightless_build() as captured:
         model = config.get_model(sd, prefix, device=torch.device("cpu"))
         with Tracer():  # only the steps that rename and transform weights need tracing
             model.load_model_weights(sd, prefix)
@@ -125,7 +135,7 @@ def build_traced_model(
 ) -> tuple[Any, dict[str, Source]]:
     """Build the diffusion model of a diffusion-model file with ComfyUI's classes, weightless, and trace the
     sources of its weights (as ComfyUI's Load Diffusion Model builds it)."""
-    with capture_state_dict_loads() as captured, weights_on_meta():
+    with weightless_build() as captured:
         model = config.get_model(sd, "", device=torch.device("cpu"))
         with Tracer():
             model.load_model_weights(sd, "")
@@ -151,7 +161,7 @@ def build_traced_text_encoders(files: FileSet, clip_type: Any, options: dict[str
         | _gguf_tokenizer(reader.header)
         for index, reader in enumerate(files.readers)
     ]
-    with capture_state_dict_loads() as captured, weights_on_meta(), Tracer():
+    with weightless_build() as captured, Tracer():
         clip = surface.load_text_encoders(sds, clip_type, {"initial_device": torch.device("cpu", 0), **options})
     sources = _sources(captured, {"clip": clip.cond_stage_model}, files.read)["clip"]
     return clip, sources
@@ -160,7 +170,7 @@ def build_traced_text_encoders(files: FileSet, clip_type: Any, options: dict[str
 def build_traced_vae(header: FileHeader, reader: WeightReader, place: Any) -> tuple[Any, dict]:
     """The VAE ComfyUI's Load VAE builds from this file, weightless, on ``place``'s device and in its dtype, and
     the sources of its weights (``place``: a component plan)."""
-    with capture_state_dict_loads() as captured, weights_on_meta(), Tracer():
+    with weightless_build() as captured, Tracer():
         vae = surface.comfy_sd().VAE(
             sd=stand_ins(header, reader), device=place.device, dtype=place.dtype, metadata=dict(header.metadata)
         )

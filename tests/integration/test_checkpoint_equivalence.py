@@ -83,6 +83,32 @@ def test_the_same_models_as_comfyui_builds(comfy):
     gc.collect()
 
 
+def test_with_dynamic_vram_on_every_layer_still_gets_its_weights(comfy, monkeypatch):
+    """With Dynamic VRAM on (NVIDIA's default: on every OS from ComfyUI 0.33, on Windows in 0.28), ComfyUI builds its
+    Linear and Embedding layers with no weight until its own state-dict load, which our loader does not run: the
+    loader must still fill every weight. Forced here on the CPU (the flag, and Windows for 0.28)."""
+    mm, _comfy_sd, node, _path = comfy
+    memory_management = importlib.import_module("comfy.memory_management")
+    if not hasattr(memory_management, "aimdo_enabled"):
+        pytest.skip("this ComfyUI has no Dynamic VRAM")
+    arguments = (SD15_CHECKPOINT, "cpu", "cpu", "cpu", "fp16", "auto", "auto")
+    reference = node.LoadCheckpointWithDevice.execute(*arguments).args
+    monkeypatch.setattr(memory_management, "aimdo_enabled", True)
+    monkeypatch.setattr(mm, "WINDOWS", True)
+    ours = node.LoadCheckpointWithDevice.execute(*arguments).args
+    assert memory_management.aimdo_enabled is True  # ComfyUI's flag set back after the build
+    roots = [(result[0].model, result[1].cond_stage_model, result[2].first_stage_model) for result in (reference, ours)]
+    for expected_root, got_root in zip(*roots, strict=True):
+        empty = [name for name, module in got_root.named_modules() if getattr(module, "weight", 0) is None]
+        assert not empty, f"{len(empty)} layers without a weight, the first {empty[0]}"
+        expected, got = _state(expected_root), _state(got_root)
+        assert set(got) == set(expected)
+        assert all(torch.equal(got[key], tensor) for key, tensor in expected.items())
+    del reference, ours, roots
+    mm.unload_all_models()
+    gc.collect()
+
+
 def test_an_interrupted_load_leaves_nothing_behind(comfy):
     mm, _comfy_sd, node, _path = comfy
     mm.unload_all_models()

@@ -1,5 +1,5 @@
-"""The pack on the ComfyUI versions its users run: what the running server reports, and a ComfyUI from before
-the V3 node API, where the pack must load nothing and say why in one line.
+"""The pack on the ComfyUI versions its users run: what the running server reports, and a ComfyUI older than the
+minimum (0.3.52, or one from before the V3 node API), where the pack must load nothing and say why in one line.
 
 The rest of the integration and browser tiers runs once per ComfyUI version in ``TESTED_VERSIONS``
 (``tools/run_tests.py`` sets ``DEVICE_CONTROL_COMFYUI``); these tests check the version under test is the one
@@ -11,6 +11,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.passes import ONCE
 from tools.comfy_server import ComfyServer
 from tools.runtime import DEFAULT_VERSION, REPO, comfyui_dir
@@ -21,8 +23,13 @@ def test_the_server_runs_the_comfyui_under_test(comfy_server):
 
 
 @ONCE
-def test_a_comfyui_without_the_v3_node_api_gets_one_clear_line_and_no_nodes(tmp_path):
-    server = ComfyServer(tmp_path, version="pre-v3")
+@pytest.mark.parametrize(
+    ("version", "missing"),
+    [("pre-v3", "no V3 node API"), ("0.3.52", "no io.MatchType in its V3 node API")],
+    ids=["before the V3 node API", "0.3.52"],
+)
+def test_a_comfyui_older_than_the_minimum_gets_one_clear_line_and_no_nodes(tmp_path, version, missing):
+    server = ComfyServer(tmp_path, version=version)
     try:
         server.start()
         nodes = server.get("/object_info")
@@ -32,7 +39,7 @@ def test_a_comfyui_without_the_v3_node_api_gets_one_clear_line_and_no_nodes(tmp_
     log = server.log_path.read_text()
     ours = [line for line in log.splitlines() if "Device Control" in line or "device_control" in line.lower()]
     assert len(ours) == 1, ours
-    assert "no V3 node API" in ours[0] and "needs ComfyUI 0.3.52 or newer" in ours[0]
+    assert f"this ComfyUI is too old: {missing}" in ours[0] and "needs ComfyUI 0.3.75 or newer" in ours[0]
     # No traceback but ComfyUI's own (its audio nodes need torchaudio, which the runtime does not install).
     assert log.count("Traceback") == log.count("ModuleNotFoundError: No module named 'torchaudio'")
     assert "KSampler" in nodes and not [name for name in nodes if name.startswith("DeviceControl")]
