@@ -1,10 +1,13 @@
 """Run every test tier: provision the runtime (ComfyUI, packages, Chromium), lint, then pytest: every tier on
-ComfyUI 0.3.75, then the integration and browser tiers on 0.3.52 and on 0.28.0.
+ComfyUI 0.3.75, then the version checks (integration and browser tiers, ``tests/passes.py``) on 0.28.0 (a part of
+them) and on 0.33.0, the newest, whose pass also runs the long reliability checks.
 
-ComfyUI 0.28.0 comes from a source archive beside the repository (``../shared/comfyui/``); where it is absent
-(a user's clone) its tiers are skipped with one line, and under ``CI=true`` that is a failure.
+ComfyUI 0.28.0 and 0.33.0 come from source archives beside the repository (``../shared/comfyui/``); where one is
+absent (a user's clone) its tiers are skipped with one line, and under ``CI=true`` that is a failure.
 
     python3 tools/run_tests.py            # everything; extra arguments go to pytest (each pass)
+    python3 tools/run_tests.py --quick    # while working on a change: the core tier and one integration test
+                                          # per node, on ComfyUI 0.3.75 only (under 10 minutes)
 
 Every tier must run: a tier that cannot (no ComfyUI, no Chromium) fails instead of being skipped.
 """
@@ -22,7 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from any folder
 
-from tools.runtime import RELEASES, REPO, TESTED_VERSIONS, missing_source, provision
+from tests.quick import QUICK
+from tools.runtime import PRIMARY_VERSION, RELEASES, REPO, TESTED_VERSIONS, missing_source, provision
 
 log = logging.getLogger("device_control.tools")
 #: Each pass ends with its slowest tests: where the time of a run goes, in every CI log.
@@ -39,8 +43,9 @@ def disk_free_gb() -> float:
     return shutil.disk_usage(REPO).free / 1e9
 
 
-def arguments(argv: list[str]) -> list[str]:
-    """The arguments for pytest; ``--help`` prints how to use this command (and provisions nothing)."""
+def arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """This command's options and the arguments for pytest; ``--help`` prints how to use this command (and
+    provisions nothing)."""
     parser = argparse.ArgumentParser(
         prog="python3 tools/run_tests.py",
         description=__doc__,
@@ -51,11 +56,17 @@ def arguments(argv: list[str]) -> list[str]:
             "repository's own options: --soak-cycles N (the long soak runs 200)."
         ),
     )
-    return parser.parse_known_args(argv)[1]
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"the core tier and one integration test per node (tests/quick.py), on ComfyUI {PRIMARY_VERSION} "
+        "only, without lint or the browser tier: a check while working on a change, not a substitute for the run",
+    )
+    return parser.parse_known_args(argv)
 
 
 def main() -> int:
-    pytest_args = arguments(sys.argv[1:])
+    options, pytest_args = arguments(sys.argv[1:])
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     started = time.monotonic()
     log.info(
@@ -63,6 +74,9 @@ def main() -> int:
         disk_free_gb(),
         DISK_NEEDED_GB,
     )
+    if options.quick:
+        python = provision()
+        return run_steps([(PRIMARY_VERSION, [str(python), "-m", "pytest", *DURATIONS, *QUICK, *pytest_args])], started)
     absent = {version: missing_source(version) for version in RELEASES if missing_source(version)}
     for version, reason in absent.items():
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
@@ -70,16 +84,21 @@ def main() -> int:
             return 1
         log.warning("[Device Control] SKIPPED the ComfyUI %s tiers: %s.", version, reason)
     python = provision(browser=True, versions=tuple(v for v in RELEASES if v not in absent))
-    env = {**os.environ, "DEVICE_CONTROL_REQUIRE_ALL_TIERS": "1"}
-    primary, *older = (v for v in TESTED_VERSIONS if v not in absent)
+    primary, *others = (v for v in TESTED_VERSIONS if v not in absent)
     steps: list[tuple[str, list[str]]] = [
         ("", [str(python), "-m", "ruff", "check", "."]),
         ("", [str(python), "-m", "ruff", "format", "--check", "."]),
         (primary, [str(python), "-m", "pytest", *DURATIONS, *pytest_args]),
     ]
-    # The tiers that run ComfyUI, again on each older version (core/ does not depend on ComfyUI).
+    # The tiers that run ComfyUI, again on each other version (core/ does not depend on ComfyUI).
     tiers = pytest_args or ["tests/integration", "tests/browser"]
-    steps += [(version, [str(python), "-m", "pytest", *DURATIONS, *tiers]) for version in older]
+    steps += [(version, [str(python), "-m", "pytest", *DURATIONS, *tiers]) for version in others]
+    return run_steps(steps, started)
+
+
+def run_steps(steps: list[tuple[str, list[str]]], started: float) -> int:
+    """Run each step (a ComfyUI version, or none, and a command) in turn; stop at the first that fails."""
+    env = {**os.environ, "DEVICE_CONTROL_REQUIRE_ALL_TIERS": "1"}
     for version, step in steps:
         label = " ".join(step[2:]) + (f" (ComfyUI {version})" if version else "")
         log.info("[Device Control] $ %s", label)
@@ -89,6 +108,7 @@ def main() -> int:
             if disk_free_gb() < 2:
                 log.error("[Device Control] The disk is full (%.1f GB free): %s", disk_free_gb(), ROOM)
             return 1
+        log.info("[Device Control] step done after %.0f s", time.monotonic() - started)
     log.info("[Device Control] all test tiers passed in %.0f s", time.monotonic() - started)
     return 0
 

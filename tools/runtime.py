@@ -57,9 +57,10 @@ class ComfyRelease:
     stand_ins: tuple[str, ...] = ()
 
 
-#: The ComfyUI versions the tests run: the newest two that a wheel vendors unmodified, ComfyUI 0.28.0 from the
-#: source archive beside the repository (no wheel vendors a 2026 ComfyUI), and one from before the V3 node API
-#: (commit 73e0498, January 2025), on which the pack must load nothing and say why.
+#: The ComfyUIs we provision: 0.3.75, the newest a wheel vendors unmodified; 0.28.0 and 0.33.0 from the source
+#: archives beside the repository (no wheel vendors a 2026 ComfyUI); and two older than the pack's minimum, 0.3.52
+#: (August 2025) and one from before the V3 node API (commit 73e0498, January 2025), on which the pack must load
+#: nothing and say why.
 RELEASES = {
     "0.3.75": ComfyRelease("0.3.75", "1.32.9", wheel_version="2.22.2"),
     "0.3.52": ComfyRelease(
@@ -84,19 +85,36 @@ RELEASES = {
         ),
         stand_ins=("torchaudio",),
     ),
+    "0.33.0": ComfyRelease(
+        "0.33.0",
+        "1.48.7",
+        archive="comfyui-0.33.0-2f35f4a0.tar.gz",
+        packages=(
+            "comfyui-workflow-templates==0.11.41",
+            "comfyui-workflow-templates-core==0.3.312",
+            "comfyui-workflow-templates-json==0.1.47",
+            "comfyui-embedded-docs==0.5.9",
+            "comfy-kitchen==0.2.31",
+            "comfy-aimdo==0.4.13",
+            "simpleeval==1.0.8",
+            "blake3==1.0.11",
+        ),
+        stand_ins=("torchaudio",),
+    ),
     "pre-v3": ComfyRelease("pre-v3", None, wheel_version="2.20.12", modern=False),
 }
 #: The ComfyUI whose pass runs every tier (the newest a wheel vendors unmodified); checks whose outcome does not
 #: depend on the version run in its pass only.
 PRIMARY_VERSION = "0.3.75"
-OLDEST_VERSION = "0.3.52"
-#: The 2026 ComfyUI, provisioned from :func:`sources_dir` when that folder holds its archive.
-ARCHIVE_VERSION = "0.28.0"
-#: The versions every integration and browser test runs on (the first one runs every tier).
-TESTED_VERSIONS = (PRIMARY_VERSION, OLDEST_VERSION, ARCHIVE_VERSION)
-#: The newest ComfyUI the tests run: the long reliability checks (the 10-cycle soak, 100 drift cycles, the
-#: 10,000-snapshot load) run in its pass, where it can be provisioned (:func:`long_checks_version`).
-NEWEST_TESTED = ARCHIVE_VERSION
+#: The newest ComfyUI the tests run, provisioned from :func:`sources_dir` when that folder holds its archive: the
+#: long reliability checks (the 10-cycle soak, 100 drift cycles, the 10,000-snapshot load) run in its pass
+#: (:func:`long_checks_version`).
+NEWEST_TESTED = "0.33.0"
+#: The versions the integration and browser tests run on, one pass each (the first runs every tier; the others
+#: the version checks, ``tests/passes.py``). The oldest is the pack's minimum (``requires-comfyui``).
+TESTED_VERSIONS = (PRIMARY_VERSION, "0.28.0", NEWEST_TESTED)
+#: The tested versions between the primary and the newest: their passes run a part of the version checks.
+MIDDLE_VERSIONS = ("0.28.0",)
 #: The ComfyUI the tests and tools use: ``$DEVICE_CONTROL_COMFYUI``, or the primary one.
 DEFAULT_VERSION = os.environ.get("DEVICE_CONTROL_COMFYUI") or PRIMARY_VERSION
 if DEFAULT_VERSION not in RELEASES:

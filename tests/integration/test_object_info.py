@@ -10,9 +10,8 @@ from tools.runtime import DEFAULT_VERSION
 
 MATCH_TYPE = "COMFY_MATCHTYPE_V3"
 #: The ComfyUIs tested whose MatchType works (its template writes the allowed types one per comma, the frontend is
-#: told which output follows it, and a link into it validates): 0.3.52 has no ``io.MatchType``, 0.3.75 writes
-#: ``MODELCLIPVAE``.
-MATCH_TYPE_WORKS = {"0.28.0"}
+#: told which output follows it, and a link into it validates): 0.3.75 writes ``MODELCLIPVAE``.
+MATCH_TYPE_WORKS = {"0.28.0", "0.33.0"}
 
 
 def test_our_nodes_are_registered_with_descriptions_and_tooltips(comfy_server, api):

@@ -1,4 +1,4 @@
-"""A test-only stand-in for torchaudio, on the import path of the ComfyUI 0.28 test runtime only.
+"""A test-only stand-in for torchaudio, on the import path of the ComfyUI 0.28 and 0.33 test runtimes only.
 
 ComfyUI 0.28 imports torchaudio at start-up (its audio VAE module, which ``comfy/sd.py`` imports), but uses it
 only inside audio functions. The newest torchaudio on the package index (2.11) does not load beside the
