@@ -1,6 +1,6 @@
-"""The families ComfyUI 0.28.0 added, as ``tools/make_layouts.py`` builds them: per family the ComfyUI class, the
-released model's hyper-parameters and where they come from, how to build it on ``meta``, and the renames from
-ComfyUI's state dict to the released file's names; and the classes left out, with the reason.
+"""The families ComfyUI 0.28.0 and 0.33.0 added, as ``tools/make_layouts.py`` builds them: per family the ComfyUI
+class, the released model's hyper-parameters and where they come from, how to build it on ``meta``, and the renames
+from ComfyUI's state dict to the released file's names; and the classes left out, with the reason.
 """
 
 from __future__ import annotations
@@ -380,4 +380,48 @@ SPECS: tuple[Spec, ...] = (
 NOT_BUILT = {
     "WAN21_CausalAR_T2V": "ComfyUI tells it apart only by the file's metadata config, not by tensors",
     "WAN21_FlowRVS": "ComfyUI tells it apart only by the file's metadata config, not by tensors",
+}
+
+_DEFAULTS_0_33 = (
+    "the constructor defaults of ComfyUI 0.33.0's model class (the released model's are not known to us; its"
+    " detection reads {} from shapes)"
+)
+
+#: The families ComfyUI 0.33.0 added (``model_layouts_comfyui_0.33.0.json.gz``).
+SPECS_0_33: tuple[Spec, ...] = (
+    Spec(
+        "MiniMaxH3",
+        "MiniMax H3 (audio-video)",
+        "minimax_h3",
+        _DEFAULTS_0_33.format("every width and depth")
+        + " (5376 wide, 50 layers and 2 text-refiner layers, 56 heads of 128, ffn 14336, 5120-wide text input);"
+        " with the time embedder, not the precomputed adaLN curve table ComfyUI also reads, whose size is not"
+        " known to us",
+    ),
+    Spec(
+        "MiniMaxMusic3",
+        "MiniMax Music 3",
+        "minimax_music3",
+        "none to choose: ComfyUI 0.33.0's class fixes every width in its code (2048 wide, 36 layers, 8 condition"
+        " layers 4096 wide); stored dtype not known to us (BF16 here)",
+    ),
+    Spec(
+        "MageFlow",
+        "Mage-Flow",
+        "mage_flow",
+        _DEFAULTS_0_33.format("the depth")
+        + " (12 double-stream layers, 24 heads of 128, 2560-wide text input, 128 latent channels in 1x1 patches)",
+    ),
+)
+
+#: Classes of ComfyUI 0.33.0 that get no layout, and why (logged when the tool runs).
+NOT_BUILT_0_33 = {
+    "WAN_Animate2": "its tensors are Wan 2.1 image-to-video 14B's; ComfyUI tells it apart only by the file's"
+    " metadata config",
+}
+
+#: By ComfyUI version: the families it added (one layouts file each), and its classes that get no layout.
+ADDED: dict[str, tuple[tuple[Spec, ...], dict[str, str]]] = {
+    "0.28.0": (SPECS, NOT_BUILT),
+    "0.33.0": (SPECS_0_33, NOT_BUILT_0_33),
 }

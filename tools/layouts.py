@@ -14,6 +14,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from tools.layout_specs import ADDED
 from tools.runtime import REPO
 
 LAYOUTS = REPO / "tests" / "data" / "model_layouts.json.gz"
@@ -32,8 +33,8 @@ ITEM_SIZE = {
 }
 
 
-#: The layouts of the families ComfyUI 0.28.0 added (``tools/make_layouts.py``).
-NEW_LAYOUTS = REPO / "tests" / "data" / "model_layouts_comfyui_0.28.0.json.gz"
+#: The layouts of the families each newer ComfyUI added (0.28.0, 0.33.0: ``tools/make_layouts.py``), by version.
+NEW_LAYOUTS = {version: REPO / "tests" / "data" / f"model_layouts_comfyui_{version}.json.gz" for version in ADDED}
 
 
 @cache
@@ -45,9 +46,22 @@ def layouts() -> dict[str, dict[str, Any]]:
 
 @cache
 def new_layouts() -> dict[str, dict[str, Any]]:
-    """Every layout of a family ComfyUI 0.28.0 added, by its file name (e.g. ``krea2.diffusion_model.json``)."""
-    with gzip.open(NEW_LAYOUTS, "rb") as handle:
-        return json.loads(handle.read())
+    """Every layout of a family ComfyUI 0.28.0 or 0.33.0 added, by its file name (``krea2.diffusion_model.json``).
+
+    One mapping for both: tests run the same checks on each, and skip the ComfyUI side for a class the running
+    ComfyUI lacks. A name both files held would hide one layout, so it is refused.
+
+    Raises:
+        ValueError: two files hold a layout of the same name.
+    """
+    merged: dict[str, dict[str, Any]] = {}
+    for path in NEW_LAYOUTS.values():
+        with gzip.open(path, "rb") as handle:
+            more = json.loads(handle.read())
+        if merged.keys() & more.keys():
+            raise ValueError(f"{path.name} repeats layouts: {sorted(merged.keys() & more.keys())}")
+        merged |= more
+    return merged
 
 
 def write_sparse_safetensors(layout: dict[str, Any], path: Path, metadata: dict[str, str] | None = None) -> Path:

@@ -1,16 +1,18 @@
-"""Make ``tests/data/model_layouts_comfyui_0.28.0.json.gz``: the layouts of the families ComfyUI 0.28.0 added.
+"""Make ``tests/data/model_layouts_comfyui_<version>.json.gz``: the layouts of the families ComfyUI 0.28.0 and
+0.33.0 added (``tools.layout_specs.ADDED``), one file per version, made with that ComfyUI.
 
 No model hub is reachable from CI and real weights must never be committed, so, as for
-``model_layouts.json.gz``, each family's layout (tensor names, shapes, dtypes; no values) comes from ComfyUI
-0.28.0's own model class built on torch's ``meta`` device with the hyper-parameters of the released model. Its
+``model_layouts.json.gz``, each family's layout (tensor names, shapes, dtypes; no values) comes from that
+ComfyUI's own model class built on torch's ``meta`` device with the hyper-parameters of the released model. Its
 diffusion-model ``state_dict`` is what ComfyUI reads from a ``diffusion_models/`` file; each layout is fed back
 through ComfyUI's own detection, which must name the class it was built from, or the family is left out. Where a
 constructor reads a value back from a tensor it made (``Tensor.item()``, which meta tensors cannot answer), only
 those few small tensors are made on CPU, where their names, shapes and dtypes are the same (see ``Spec.context``).
 
-Run with the runtime's Python and ComfyUI 0.28.0::
+Run with the runtime's Python and the ComfyUI whose families to lay out::
 
     DEVICE_CONTROL_COMFYUI=0.28.0 .runtime/venv/bin/python -m tools.make_layouts
+    DEVICE_CONTROL_COMFYUI=0.33.0 .runtime/venv/bin/python -m tools.make_layouts
 """
 
 from __future__ import annotations
@@ -23,13 +25,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-from tools.layout_specs import INFERENCE_DTYPES, NOT_BUILT, SPECS, Spec
-from tools.runtime import REPO
+from tools.layout_specs import ADDED, INFERENCE_DTYPES, Spec
+from tools.layouts import NEW_LAYOUTS
 
 log = logging.getLogger("device_control.tools")
-
-COMFYUI_VERSION = "0.28.0"
-TARGET = REPO / "tests" / "data" / f"model_layouts_comfyui_{COMFYUI_VERSION}.json.gz"
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -78,7 +77,7 @@ def detected_class(state: dict[str, Any]) -> str | None:
     return type(config).__name__ if config is not None else None
 
 
-def layout(spec: Spec, state: dict[str, Any], model_type: str) -> dict[str, Any]:
+def layout(spec: Spec, state: dict[str, Any], model_type: str, version: str) -> dict[str, Any]:
     """The layout record, in the format of ``model_layouts.json.gz`` (see ``tests/data/README.md``)."""
     tensors = {name: [list(t.shape), _dtype_name(t.dtype)] for name, t in sorted(state.items())}
     exceptions = {name: dtype for name, (_shape, dtype) in tensors.items() if dtype != spec.dtype}
@@ -97,7 +96,7 @@ def layout(spec: Spec, state: dict[str, Any], model_type: str) -> dict[str, Any]
         },
         "comfy_native_dtype_exceptions": exceptions,
         "source": (
-            f"ComfyUI {COMFYUI_VERSION} model class instantiated on meta with inference dtype"
+            f"ComfyUI {version} model class instantiated on meta with inference dtype"
             f" {INFERENCE_DTYPES[spec.dtype]}; state_dict()"
             f" of diffusion_model (no prefix); hyper-parameters: {spec.source}"
         ),
@@ -105,12 +104,14 @@ def layout(spec: Spec, state: dict[str, Any], model_type: str) -> dict[str, Any]
     }
 
 
-def make_all(only: set[str] | None = None) -> dict[str, dict[str, Any]]:
-    """Every layout ComfyUI's own detection confirms, by file name; the others are logged and left out."""
-    for name, why in NOT_BUILT.items():
+def make_all(version: str, only: set[str] | None = None) -> dict[str, dict[str, Any]]:
+    """Every layout of the families ComfyUI ``version`` (the one imported) added that its own detection confirms,
+    by file name; the others are logged and left out."""
+    specs, not_built = ADDED[version]
+    for name, why in not_built.items():
         log.warning("[Device Control] %s: no layout, %s", name, why)
     made: dict[str, dict[str, Any]] = {}
-    for spec in SPECS:
+    for spec in specs:
         if only and spec.comfy_class not in only:
             continue
         try:
@@ -122,37 +123,40 @@ def make_all(only: set[str] | None = None) -> dict[str, dict[str, Any]]:
         if found != spec.comfy_class:
             log.warning("[Device Control] %s: no layout, ComfyUI detects the layout as %s", spec.comfy_class, found)
             continue
-        made[f"{spec.stem}.diffusion_model.json"] = layout(spec, state, model_type)
+        made[f"{spec.stem}.diffusion_model.json"] = layout(spec, state, model_type, version)
         log.info("[Device Control] %s (%s): %d tensors", spec.comfy_class, spec.stem, len(state))
     return made
 
 
-def write(layouts: dict[str, dict[str, Any]], target: Path = TARGET) -> Path:
+def write(layouts: dict[str, dict[str, Any]], path: Path) -> Path:
     """Write ``layouts`` gzipped (no name, mtime 0: the same layouts give the same bytes)."""
     raw = json.dumps(layouts, separators=(",", ":"), sort_keys=True).encode()
-    with open(target, "wb") as handle, gzip.GzipFile(filename="", fileobj=handle, mode="wb", mtime=0) as packed:
+    with open(path, "wb") as handle, gzip.GzipFile(filename="", fileobj=handle, mode="wb", mtime=0) as packed:
         packed.write(raw)
-    return target
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=f"Write the layouts of the model families ComfyUI {COMFYUI_VERSION} added, built on meta."
+        description="Write the layouts of the model families the selected ComfyUI"
+        f" ({' or '.join(ADDED)}, by DEVICE_CONTROL_COMFYUI) added, built on meta."
     )
     parser.add_argument("--only", nargs="*", help="comfy.supported_models class names (default: every family)")
-    parser.add_argument("--output", type=Path, default=TARGET, help="where to write the gzipped JSON")
+    parser.add_argument("--output", type=Path, help="where to write the gzipped JSON (default: its tests/data file)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")  # ComfyUI's own INFO lines are noise here
     log.setLevel(logging.INFO)
     from tools.comfy_inprocess import import_comfy
     from tools.runtime import DEFAULT_VERSION
 
-    if DEFAULT_VERSION != COMFYUI_VERSION:
-        log.error("[Device Control] run with DEVICE_CONTROL_COMFYUI=%s (got %s)", COMFYUI_VERSION, DEFAULT_VERSION)
+    if DEFAULT_VERSION not in ADDED:
+        wanted = " or ".join(ADDED)
+        log.error("[Device Control] run with DEVICE_CONTROL_COMFYUI=%s (got %s)", wanted, DEFAULT_VERSION)
         return 2
     import_comfy()
-    made = make_all(set(args.only) if args.only else None)
-    log.info("[Device Control] wrote %d layouts to %s", len(made), write(made, args.output))
+    made = make_all(DEFAULT_VERSION, set(args.only) if args.only else None)
+    path = write(made, args.output or NEW_LAYOUTS[DEFAULT_VERSION])
+    log.info("[Device Control] wrote %d layouts to %s", len(made), path)
     return 0
 
 

@@ -18,7 +18,8 @@ from os import PathLike
 from typing import Any
 
 from .components import Component, measure, text_encoder_kind, vae_kind
-from .families import BRANCHES, DIFFUSERS_BRANCHES, DIFFUSERS_UNETS, Branch, Family, find_branch
+from .diffusers_branches import DIFFUSERS_BRANCHES, DIFFUSERS_UNETS
+from .families import BRANCHES, Branch, Family, find_branch
 from .family_table import FAMILIES, match_family
 from .headers import FileHeader, TensorInfo, read_header
 from .keyview import KeyView

@@ -1,15 +1,17 @@
 """The table of diffusion-model families, and the header rules that tell them apart.
 
 Two tables, both read top to bottom with the first match winning (ComfyUI decides in the same order, which
-matters where one family's keys are a subset of another's; what ComfyUI 0.28 added sits where 0.28 has it):
+matters where one family's keys are a subset of another's; what ComfyUI 0.28 and 0.33 added sits where they
+have it):
 
 * :data:`BRANCHES`: a marker key routes a file to an architecture branch, whose ``fields`` function reads the
   architecture's hyper-parameters from tensor shapes (never from values);
 * :data:`FAMILIES`: each family names the ``comfy.supported_models`` class it corresponds to and the field
   values that class requires, plus its model type and where its VAE and text encoders sit in a checkpoint.
 
-Rules are written from the architectures themselves (which tensor exists, which dimension is the width) and
-checked against ComfyUI's own detection in the tests.
+Files saved with diffusers names have branches of their own, in :mod:`.diffusers_branches`. Rules are written
+from the architectures themselves (which tensor exists, which dimension is the width) and checked against
+ComfyUI's own detection in the tests.
 """
 
 from __future__ import annotations
@@ -25,6 +27,15 @@ _SAM3_TRUNK = "detector.backbone.vision_backbone.trunk.blocks.0.attn.qkv.weight"
 _DA3_PATCHES = "backbone.embeddings.patch_embeddings.projection.weight"
 _DA3_WIDTHS = (384, 768, 1024, 1536)  # the DINOv2 backbones ComfyUI has presets for: ViT-S/B/L/G
 _FLUX_INPUTS = ("img_in.weight", "distilled_guidance_layer.norms.0.scale", "distilled_guidance_layer.norms.0.weight")
+#: MiniMax Music 3: its condition-layer mix, its condition convolution and its DiT's first attention (all three).
+_MINIMAX_MUSIC3 = (
+    "cond_layer_logits",
+    "latent_conditioners.0.weight",
+    "diffusion_transformer.transformer.layers.0.self_attn.to_qkv.weight",
+)
+#: Mage-Flow is Qwen-Image's double-stream layout with a 2560-wide text input and 128 latent channels, unpacked
+#: (Qwen-Image's text input is 3584 wide, its output 64 channels: 16 latent channels in 2x2 patches).
+_MAGE_FLOW_TEXT, _MAGE_FLOW_OUT = 2560, 128
 
 
 @dataclass(frozen=True)
@@ -216,6 +227,13 @@ def _stable_audio(view: KeyView) -> Fields:
     return {"audio_model": "dit1.0", "global_cond_shared_embed": view.has("transformer.global_cond_embedder.0.weight")}
 
 
+def _qwen_image(view: KeyView) -> Fields:
+    """Qwen-Image, or Mage-Flow when both its text input and its output have Mage-Flow's width (either alone is
+    still Qwen-Image, as for ComfyUI)."""
+    mage = view.dim("txt_norm.weight", 0) == _MAGE_FLOW_TEXT and view.dim("proj_out.weight", 0) == _MAGE_FLOW_OUT
+    return {"image_model": "mage_flow" if mage else "qwen_image", "in_channels": view.shape("img_in.weight")[1]}
+
+
 def _kandinsky5(view: KeyView) -> Fields:
     """Kandinsky 5's image models differ from its video models in width and visual embedding."""
     width, visual = view.shape("visual_embeddings.in_layer.weight")[:2]
@@ -237,6 +255,7 @@ def _named(name: str, *markers: str) -> Branch:
 
 
 BRANCHES: tuple[Branch, ...] = (
+    Branch("minimax_music3", _MINIMAX_MUSIC3, lambda _v: {"audio_model": "minimax_music3"}),  # first, as in ComfyUI
     Branch("mmdit", ("joint_blocks.0.context_block.attn.qkv.weight",), _mmdit),
     Branch("stable_cascade", ("clf.1.weight",), _cascade),
     Branch("stable_audio", ("transformer.rotary_pos_emb.inv_freq",), _stable_audio),
@@ -256,6 +275,7 @@ BRANCHES: tuple[Branch, ...] = (
     Branch(
         "pixart_diffusers", ("adaln_single.emb.timestep_embedder.linear_1.bias", "pos_embed.proj.bias"), lambda _v: None
     ),
+    _named("minimax_h3", "video_patch_proj.weight", "audio_patch_proj.weight"),  # one stream of video and audio
     Branch(
         "ltxv",
         ("adaln_single.emb.timestep_embedder.linear_1.bias",),
@@ -300,11 +320,7 @@ BRANCHES: tuple[Branch, ...] = (
     _named("boogu", "double_stream_layers.0.img_instruct_attn.processor.img_to_q.weight"),  # OmniGen2's keys and more
     Branch("omnigen2", ("time_caption_embed.timestep_embedder.linear_1.bias",), _image_model("omnigen2")),
     _named("lens", "transformer_blocks.0.attn.norm_added_q.weight", "transformer_blocks.0.img_mlp.w1.weight"),
-    Branch(
-        "qwen_image",
-        ("txt_norm.weight",),
-        lambda v: {"image_model": "qwen_image", "in_channels": v.shape("img_in.weight")[1]},
-    ),
+    Branch("qwen_image", ("txt_norm.weight",), _qwen_image),
     _named("ideogram4", "embed_image_indicator.weight"),
     _named("krea2", "txtfusion.projector.weight"),
     Branch("kandinsky5", ("visual_transformer_blocks.0.cross_attention.key_norm.weight",), _kandinsky5),
@@ -324,74 +340,6 @@ BRANCHES: tuple[Branch, ...] = (
         alternatives=("condition_embedder.time_embedder.linear_1.weight",),
     ),
     Branch("unet", ("input_blocks.0.0.weight",), _unet),
-)
-
-
-# -- diffusion models saved with diffusers names (only read for diffusion-model-only files) ---------------
-
-
-def _diffusers_unet(view: KeyView) -> Fields:
-    """A diffusers UNet, described with the same fields as the native layout."""
-    channels, in_channels = view.shape("conv_in.weight")[:2]
-    depth: list[int] = []
-    context = None
-    linear = False
-    for i in range(view.count("down_blocks.{}.")):
-        attentions = view.count(f"down_blocks.{i}.attentions.{{}}.")
-        for a in range(attentions):
-            blocks = view.count(f"down_blocks.{i}.attentions.{a}.transformer_blocks.{{}}.")
-            depth.append(blocks)
-            if blocks and context is None:
-                context = view.shape(f"down_blocks.{i}.attentions.{a}.transformer_blocks.0.attn2.to_k.weight")[1]
-                linear = len(view.shape(f"down_blocks.{i}.attentions.{a}.proj_in.weight")) == 2
-        if not attentions:
-            depth += [0] * view.count(f"down_blocks.{i}.resnets.{{}}.")
-    adm = view.dim("class_embedding.linear_1.weight", 1) or view.dim("add_embedding.linear_1.weight", 1)
-    return {
-        "in_channels": in_channels,
-        "model_channels": channels,
-        "adm_in_channels": adm,
-        "transformer_depth": depth,
-        "context_dim": context,
-        "use_linear_in_transformer": linear,
-        "use_temporal_attention": False,
-        "use_temporal_resblock": False,
-    }
-
-
-DIFFUSERS_BRANCHES: tuple[Branch, ...] = (
-    Branch(
-        "auraflow",
-        ("joint_transformer_blocks.0.attn.add_k_proj.weight",),
-        lambda v: {"cond_seq_dim": v.dim("context_embedder.weight", 1)},
-    ),
-    Branch(
-        "pixart",
-        ("adaln_single.emb.timestep_embedder.linear_1.bias", "pos_embed.proj.bias"),
-        _either("adaln_single.emb.resolution_embedder.linear_1.weight", "pixart_alpha", "pixart_sigma"),
-    ),
-    Branch(
-        "flux",
-        ("x_embedder.weight",),
-        lambda v: {
-            "image_model": "flux",
-            "in_channels": v.shape("x_embedder.weight")[1] // 4,
-            "guidance_embed": v.has("time_text_embed.guidance_embedder.linear_1.weight"),
-        },
-    ),
-    Branch(
-        "mmdit",
-        ("transformer_blocks.0.attn.add_q_proj.weight", "pos_embed.proj.weight"),
-        lambda v: {"in_channels": v.shape("pos_embed.proj.weight")[1], "pos_embed_scaling_factor": None},
-    ),
-    Branch("unet", ("conv_in.weight",), _diffusers_unet),
-)
-
-#: (class, in_channels) of the diffusers UNet layouts ComfyUI 0.3.75 converts; others it cannot load.
-DIFFUSERS_UNETS = frozenset(
-    [(name, 4) for name in ("LotusD", "SDXL", "SDXLRefiner", "SD20", "SD15", "SD21UnclipH", "SD21UnclipL", "SSD1B")]
-    + [(name, 4) for name in ("Segmind_Vega", "KOALA_700M", "KOALA_1B")]
-    + [("SDXL", 9), ("SD15", 9), ("SDXL_instructpix2pix", 8)]
 )
 
 

@@ -1,4 +1,4 @@
-"""The families table: every diffusion-model family ComfyUI builds (0.3.75 and 0.28), in its matching order.
+"""The families table: every diffusion-model family ComfyUI builds (0.3.75, 0.28 and 0.33), in its matching order.
 
 Each row names the ``comfy.supported_models`` class, what users call the family, the architecture branch
 (see ``core.families``), the hyper-parameters that must match, the prediction type, where the VAE sits in a
@@ -218,6 +218,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("GenmoMochi", "Mochi", "mochi", {"image_model": "mochi_preview"}, model_type="FLOW", dtypes=_BF16, **_DIT),
     Family("LTXV", "LTX-Video", "ltxv", {"image_model": "ltxv"}, model_type="FLUX", dtypes=_BF16, **_DIT),
     _dit("LTXAV", "LTX-2 (audio-video)", "ltxv", "ltxav", "FLUX"),
+    _dit("MiniMaxH3", "MiniMax H3 (audio-video)", "minimax_h3", mt="FLOW_AV"),
     _dit(
         "HunyuanVideo15_SR_Distilled",
         "HunyuanVideo 1.5 super-resolution",
@@ -268,6 +269,7 @@ FAMILIES: tuple[Family, ...] = (
     _wan_family("WAN22_S2V", "Wan 2.2 speech-to-video", model_type="s2v"),
     _wan_family("WAN21_HuMo", "Wan 2.1 HuMo", model_type="humo"),
     _wan_family("WAN22_Animate", "Wan 2.2 Animate", model_type="animate"),
+    _wan_family("WAN_Animate2", "Wan Animate 2", model_type="animate2"),  # image-to-video's tensors: told by metadata
     _wan_family("WAN21_FlowRVS", "Wan 2.1 FlowRVS", model_type="flow_rvs"),
     _wan_family("WAN21_SCAIL", "Wan 2.1 SCAIL", model_type="scail"),
     _wan_family("WAN21_SCAIL2", "Wan 2.1 SCAIL 2", model_type="scail2"),
@@ -283,8 +285,10 @@ FAMILIES: tuple[Family, ...] = (
     _dit("ChromaRadiance", "Chroma Radiance", "flux", "chroma_radiance", "FLUX", _ANY, **_OWN_VAE),
     Family("ACEStep", "ACE-Step", "ace", {"audio_model": "ace"}, model_type="FLOW", dtypes=_BF16, **_DIT),
     Family("ACEStep15", "ACE-Step 1.5", "ace15", {"audio_model": "ace1.5"}, model_type="FLOW", dtypes=_BF16, **_DIT),
+    Family("MiniMaxMusic3", "MiniMax Music 3", "minimax_music3", {"audio_model": "minimax_music3"}, model_type="FLOW"),
     _dit("Omnigen2", "OmniGen2", "omnigen2"),
     _dit("Boogu", "Boogu-Image", "boogu"),
+    _dit("MageFlow", "Mage-Flow", "qwen_image", "mage_flow"),
     _dit("QwenImage", "Qwen-Image", "qwen_image", mt="FLUX"),
     _dit("JoyImage", "JoyImage", "joyimage"),
     _dit("Ideogram4", "Ideogram 4", "ideogram4"),

@@ -161,24 +161,30 @@ def test_the_table_names_every_family_once_the_more_specific_first():
     knows every class the running ComfyUI builds is checked against ComfyUI itself, in
     ``integration/test_detection_oracle.py``."""
     names = [f.comfy_class for f in FAMILIES]
-    assert len(names) == len(set(names)) == 96  # ComfyUI 0.28's classes (0.3.75 builds 64 of them)
+    assert len(names) == len(set(names)) == 100  # ComfyUI 0.33's classes (0.28 builds 96, 0.3.75 65 of them)
     assert names.index("SD15_instructpix2pix") < names.index("SD15")
     assert names.index("FluxInpaint") < names.index("Flux")
     assert names.index("WAN21_CausalAR_T2V") < names.index("WAN21_T2V")
+    assert names.index("MageFlow") < names.index("QwenImage")
     assert names[-1] == "DepthAnything3"
 
 
 @pytest.mark.parametrize(
-    ("declared", "comfy_class"), [("causal_ar", "WAN21_CausalAR_T2V"), ("flow_rvs", "WAN21_FlowRVS")]
+    ("base", "transformer", "comfy_class", "without"),
+    [
+        ("wan21_t2v_1_3b", {"causal_ar": True}, "WAN21_CausalAR_T2V", "WAN21_T2V"),
+        ("wan21_t2v_1_3b", {"model_type": "flow_rvs"}, "WAN21_FlowRVS", "WAN21_T2V"),
+        ("wan21_i2v_14b", {"model_type": "animate2"}, "WAN_Animate2", "WAN21_I2V"),
+    ],
 )
-def test_wan_variants_that_only_metadata_tells_apart(declared, comfy_class):
-    """Causal and FlowRVS Wan files have text-to-video's keys; their ``config`` metadata names the variant."""
-    header = header_of("wan21_t2v_1_3b.diffusion_model.json")
-    transformer = {"causal_ar": True} if declared == "causal_ar" else {"model_type": "flow_rvs"}
+def test_wan_variants_that_only_metadata_tells_apart(base, transformer, comfy_class, without):
+    """Causal and FlowRVS Wan files have text-to-video's keys, Wan Animate 2's image-to-video 14B's; their
+    ``config`` metadata names the variant."""
+    header = header_of(f"{base}.diffusion_model.json")
     metadata = {"config": json.dumps({"transformer": transformer})}
     found = detect_header(FileHeader("wan.safetensors", "safetensors", header.tensors, metadata))
     assert found.comfy_class == comfy_class
-    assert detect_header(FileHeader("wan.safetensors", "safetensors", header.tensors)).comfy_class == "WAN21_T2V"
+    assert detect_header(FileHeader("wan.safetensors", "safetensors", header.tensors)).comfy_class == without
 
 
 def test_unknown_family_names_the_closest_candidates_and_why():

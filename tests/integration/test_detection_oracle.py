@@ -18,7 +18,7 @@ from tools.layouts import layouts
 from tools.runtime import DEFAULT_VERSION
 
 #: How many model classes each tested ComfyUI builds (``comfy.supported_models.models``): the counts users read.
-MODEL_CLASSES = {"0.3.52": 54, "0.3.75": 65, "0.28.0": 96}
+MODEL_CLASSES = {"0.3.52": 54, "0.3.75": 65, "0.28.0": 96, "0.33.0": 100}
 
 CHECKPOINTS = sorted(name for name, layout in layouts().items() if layout["kind"] == "checkpoint")
 

@@ -179,15 +179,32 @@ def test_a_scaled_fp8_file_loads_as_comfyui_loads_it_or_is_refused_where_comfyui
     gc.collect()
 
 
+def _builds_nothing(surface, layout) -> bool:
+    """Whether the running ComfyUI lacks the layout's class and its own detection takes the file for no older one.
+
+    An older ComfyUI may take a newer family for one it has (0.28 takes Mage-Flow for Qwen-Image, whose detection
+    it shares): such a file is built as ComfyUI builds it, by design, so it is no case of "update ComfyUI".
+    """
+    from core.detection.headers import SAFETENSORS_DTYPES
+
+    if surface.has_model_class(layout["comfy_detected"]):
+        return False
+    meta = {
+        k: torch.empty(shape, dtype=SAFETENSORS_DTYPES[dtype][1], device="meta")
+        for k, (shape, dtype) in layout["tensors"].items()
+    }
+    try:
+        return surface.model_detection().model_config_from_unet(meta, "") is None
+    except Exception:  # ComfyUI's detection failing on a file it half-recognises: it builds nothing either
+        return True
+
+
 def test_a_family_this_comfyui_cannot_build_is_refused_before_reading_saying_to_update(comfy, tmp_path, monkeypatch):
     _mm, _comfy_sd, module, _files = comfy
     from tools.layouts import new_layouts, write_sparse_safetensors
 
     surface = module("nodes.surface")
-    newer = next(
-        (layout for layout in new_layouts().values() if not surface.has_model_class(layout["comfy_detected"])),
-        None,
-    )
+    newer = next((layout for layout in new_layouts().values() if _builds_nothing(surface, layout)), None)
     if newer is None:
         pytest.skip("this ComfyUI builds every family of the layouts generated from the newest ComfyUI tested")
     importlib.import_module("folder_paths").add_model_folder_path("diffusion_models", str(tmp_path))
