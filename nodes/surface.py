@@ -14,11 +14,9 @@ any ComfyUI source tree, without running it.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import inspect
 import sys
-from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
@@ -28,8 +26,7 @@ except ImportError as _missing:  # a ComfyUI from before the V3 node API: the pa
     ComfyExtension = io = None  # type: ignore[assignment,misc]
     NODE_API_MISSING: str | None = f"no V3 node API (comfy_api.latest: {_missing})"
 else:
-    # The oldest ComfyUI the tests run (0.3.75) is the first whose node API has ``io.MatchType``: an older one
-    # (0.3.52, August 2025) is refused by that feature, not by its version number.
+    # The oldest ComfyUI tested (0.3.75) is the first with ``io.MatchType``: an older one is refused by that feature.
     _lacking = [name for name in ("ComfyNode", "MatchType") if not hasattr(io, name)]
     NODE_API_MISSING = f"no io.{_lacking[0]} in its V3 node API (comfy_api.latest)" if _lacking else None
 
@@ -41,6 +38,7 @@ MODULE_ACCESSORS = {
     "comfy_sd": "comfy.sd",
     "comfy_utils": "comfy.utils",
     "comfy_lora": "comfy.lora",
+    "comfy_memory_management": "comfy.memory_management",
     "folder_paths": "folder_paths",
     "prompt_server": "server.PromptServer.instance",
 }
@@ -278,11 +276,6 @@ def key_weight(model: Any, key: str) -> tuple[Any, Any, Any]:
     return importlib.import_module("comfy.model_patcher").get_key_weight(model, key)
 
 
-def lowvram_patch_class() -> type:
-    """``comfy.model_patcher.LowVramPatch``: the patch ComfyUI attaches to streamed layers."""
-    return importlib.import_module("comfy.model_patcher").LowVramPatch
-
-
 def standard_layer_classes() -> frozenset[type]:
     """ComfyUI's standard layer classes (its table above, in ``disable_weight_init`` and ``manual_cast``): a pack's
     cast layer computes bit for bit as they do (not as fp8 matmuls, quantized or scaled layers)."""
@@ -339,12 +332,6 @@ def on_load_callback_kind() -> str:
         return "on_load"
 
 
-def is_dynamic(patcher: Any) -> bool:
-    """Whether a patcher is ComfyUI's Dynamic VRAM one (``ModelPatcherDynamic``); ``False`` where there is none."""
-    check = getattr(patcher, "is_dynamic", None)
-    return bool(check()) if callable(check) else False
-
-
 def has_model_class(name: str) -> bool:
     """Whether the running ComfyUI builds the model family class ``name`` (``comfy.supported_models``)."""
     return any(cls.__name__ == name for cls in getattr(supported_models(), "models", ()))
@@ -358,14 +345,6 @@ def fp8_rounding_noise() -> str:
     except ImportError:
         kitchen = False
     return "bytes" if kitchen else "uniform"
-
-
-def classic_clone(patcher: Any) -> Any:
-    """A classic (non-dynamic) clone of a Dynamic VRAM patcher, sharing weights. Where the patcher offers
-    ``get_non_dynamic_delegate`` (ComfyUI 0.2x), its classic twin is kept and reused; before, every
-    ``clone(disable_dynamic=True)`` rebuilt one from the loader (``cached_patcher_init``), reading the file again."""
-    delegate = getattr(patcher, "get_non_dynamic_delegate", None)
-    return delegate() if callable(delegate) else patcher.clone(disable_dynamic=True)
 
 
 def prompt_server() -> Any:
@@ -387,40 +366,12 @@ def base_model_class() -> type | None:
         return None
 
 
-def dynamic_vram_enabled() -> bool | None:
-    """Whether ComfyUI's Dynamic VRAM (comfy-aimdo) is on; ``None`` where this ComfyUI has no such feature."""
+def comfy_memory_management() -> ModuleType | None:
+    """``comfy.memory_management`` (Dynamic VRAM's switch, ``aimdo_enabled``); ``None`` where there is none."""
     try:
-        memory_management = importlib.import_module("comfy.memory_management")
+        return importlib.import_module("comfy.memory_management")
     except ImportError:
         return None
-    flag = getattr(memory_management, "aimdo_enabled", None)
-    return None if flag is None else bool(flag)
-
-
-@contextlib.contextmanager
-def layers_with_weights() -> Iterator[None]:
-    """While the pack builds a model with ComfyUI's classes, ComfyUI's layers are built as without Dynamic VRAM.
-
-    With Dynamic VRAM on (comfy-aimdo: the default on NVIDIA, on every OS from ComfyUI 0.33, on Windows only in
-    0.28), ComfyUI's ``Linear`` and ``Embedding`` are built with no weight at all, made only by ComfyUI's own
-    state-dict load. The pack builds models weightless and fills their weights itself (and places them with its
-    classic patcher, outside Dynamic VRAM), so without this their layers would have no weight to fill. The flag is
-    ComfyUI's; it is set back at once, and nothing else reads it while a node runs on the prompt thread.
-    """
-    try:
-        memory_management = importlib.import_module("comfy.memory_management")
-    except ImportError:
-        yield
-        return
-    flag = getattr(memory_management, "aimdo_enabled", None)
-    if not flag:
-        yield
-        return
-    memory_management.aimdo_enabled = False
-    try:
-        yield
-    finally:
-        memory_management.aimdo_enabled = flag
 
 
 def comfyui_version() -> str:

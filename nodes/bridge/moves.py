@@ -30,6 +30,7 @@ from .books import (
     keep_entries,
     make_room_for,
 )
+from .dynamic_vram import classic_clone, is_dynamic
 from .foreign import placeable
 from .patcher import DeviceControlPatcher, adopt, last_load
 from .reading import residency_of
@@ -47,10 +48,10 @@ DYNAMIC_NOTE = (
 
 def _classic_clone(patcher: Any) -> Any:
     """A clone of ``patcher`` that ComfyUI loads the classic way (our engine), even under Dynamic VRAM."""
-    if not surface.is_dynamic(patcher):
+    if not is_dynamic(patcher):
         return patcher.clone()
     try:
-        return surface.classic_clone(patcher)
+        return classic_clone(patcher)
     except (TypeError, RuntimeError) as exc:
         raise DeviceControlError(
             "this model is managed by ComfyUI's Dynamic VRAM and cannot be rebuilt for explicit placement "
@@ -65,7 +66,7 @@ def clone_subject(subject: Subject) -> Subject:
         value = patcher
     elif subject.kind == "CLIP":
         value = subject.value.clone()
-        if surface.is_dynamic(value.patcher):
+        if is_dynamic(value.patcher):
             value.patcher = _classic_clone(subject.patcher)
         patcher = value.patcher
     else:
@@ -116,7 +117,7 @@ def move(value: Any, device: str, vram_budget: str, keep_resident: bool, invento
     budget = placement.budget_bytes()  # a budget larger than the device is refused here, before anything moves
     subject = placeable(subject)  # a model another pack keeps quantised: our copy of it
     notes = [f"before: {state_before(subject, snapshot)}"]
-    if surface.is_dynamic(subject.patcher):
+    if is_dynamic(subject.patcher):
         notes.append(DYNAMIC_NOTE)
     log.info("[Device Control] Move To GPU: moving %s to %s (budget %s)", subject.name, chosen_id, placement.budget)
     moved = placed_clone(subject, placement)

@@ -26,6 +26,7 @@ from ...core.weights.foreign import is_foreign_quantized
 from ...core.weights.quantized import layout_of
 from .. import surface
 from .books import holding_of, placement_of
+from .dynamic_vram import dynamic_vram_enabled, is_dynamic
 from .split_books import is_part
 from .subjects import component_of, model_label
 
@@ -138,7 +139,7 @@ def _manager(patcher: Any, holding: Any) -> str:
     layer, while sampling: no fixed placement to report), or ComfyUI's classic loader."""
     if holding is not None:
         return "Device Control"
-    return "ComfyUI Dynamic VRAM" if surface.is_dynamic(patcher) else "ComfyUI"
+    return "ComfyUI Dynamic VRAM" if is_dynamic(patcher) else "ComfyUI"
 
 
 def _pending_note(patcher: Any, holding: Any, loaded: int) -> str | None:
@@ -261,7 +262,7 @@ def memory_mode(snapshot: InventorySnapshot) -> MemoryMode:
     mm = surface.model_management()
     vram_state = getattr(getattr(mm, "vram_state", None), "name", "unknown")
     cpu_state = getattr(getattr(mm, "cpu_state", None), "name", "unknown")
-    dynamic = surface.dynamic_vram_enabled()
+    dynamic = dynamic_vram_enabled()
     dynamic_text = {
         None: "not available in this ComfyUI",
         True: "on (ComfyUI places the models it loads; models placed by Device Control use the classic loader)",

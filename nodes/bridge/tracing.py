@@ -27,6 +27,7 @@ from ...core.files.lineage import Tracer, capture_state_dict_loads, made_here, s
 from ...core.files.reader import WeightReader
 from ...core.files.skeleton import Source, weights_on_meta
 from .. import surface
+from .dynamic_vram import layers_with_weights
 
 #: Tensors ComfyUI reads by value while it builds a model (not just by shape): read for real, they are small.
 VALUE_PROBES = (
@@ -63,8 +64,8 @@ class Traced:
 def weightless_build() -> Iterator[list]:
     """Where the pack builds a model with ComfyUI's classes: every weight made on ``meta`` (values ComfyUI constructs
     stay real), every state-dict load captured to trace sources, and ComfyUI's layers made with their weights
-    whatever its Dynamic VRAM (:func:`surface.layers_with_weights`). Yields the captured loads."""
-    with capture_state_dict_loads() as captured, weights_on_meta(), surface.layers_with_weights():
+    whatever its Dynamic VRAM (:func:`.dynamic_vram.layers_with_weights`). Yields the captured loads."""
+    with capture_state_dict_loads() as captured, weights_on_meta(), layers_with_weights():
         yield captured
 
 

