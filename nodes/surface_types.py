@@ -2,13 +2,13 @@
 
 ``io.MatchType`` joins an input and an output with one template: the frontend gives the output the type of
 whatever is connected to the input, so a node that passes a MODEL, CLIP or VAE through gives back what it got,
-and the editor refuses to wire a CLIP that came out of it into a MODEL input. Not every ComfyUI with the V3
-node API makes it work: 0.3.52 does not offer it (``io`` has no ``MatchType``); 0.3.75 does, but writes a
-template's allowed types with no separator (``MODELCLIPVAE``, a type no output has), does not tell the frontend
-which output follows which template (``output_matchtypes``), and checks a link to such an input against the type
-``COMFY_MATCHTYPE_V3`` (so no link passes). ComfyUI 0.28.0 does all three. The template is the part a node can
-test by itself, so a template is used only where it writes its allowed types as the frontend reads them, one per
-comma; elsewhere callers keep their fixed types, and nothing is logged.
+and the editor refuses to wire a CLIP that came out of it into a MODEL input. Not every ComfyUI the pack accepts
+makes it work: 0.3.75 offers it, but writes a template's allowed types with no separator (``MODELCLIPVAE``, a type
+no output has), does not tell the frontend which output follows which template (``output_matchtypes``), and checks
+a link to such an input against the type ``COMFY_MATCHTYPE_V3`` (so no link passes). ComfyUI 0.28.0 and 0.33.0 do
+all three. The template is the part a node can test by itself, so a template is used only where it writes its
+allowed types as the frontend reads them, one per comma; elsewhere callers keep their fixed types, and nothing is
+logged.
 
 Where a template is used, ComfyUI's own check of linked types lets anything into the template's input: a node
 that wants a wrong link refused when the prompt is queued (not when it runs) checks it with :func:`link_fits`.

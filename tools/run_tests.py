@@ -20,6 +20,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -76,7 +77,9 @@ def main() -> int:
     )
     if options.quick:
         python = provision()
-        return run_steps([(PRIMARY_VERSION, [str(python), "-m", "pytest", *DURATIONS, *QUICK, *pytest_args])], started)
+        return run_stages(
+            [[(PRIMARY_VERSION, [str(python), "-m", "pytest", *DURATIONS, *QUICK, *pytest_args])]], started
+        )
     absent = {version: missing_source(version) for version in RELEASES if missing_source(version)}
     for version, reason in absent.items():
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
@@ -85,32 +88,80 @@ def main() -> int:
         log.warning("[Device Control] SKIPPED the ComfyUI %s tiers: %s.", version, reason)
     python = provision(browser=True, versions=tuple(v for v in RELEASES if v not in absent))
     primary, *others = (v for v in TESTED_VERSIONS if v not in absent)
-    steps: list[tuple[str, list[str]]] = [
+    pytest = [str(python), "-m", "pytest", *DURATIONS]
+    lint = [
         ("", [str(python), "-m", "ruff", "check", "."]),
         ("", [str(python), "-m", "ruff", "format", "--check", "."]),
-        (primary, [str(python), "-m", "pytest", *DURATIONS, *pytest_args]),
     ]
-    # The tiers that run ComfyUI, again on each other version (core/ does not depend on ComfyUI).
-    tiers = pytest_args or ["tests/integration", "tests/browser"]
-    steps += [(version, [str(python), "-m", "pytest", *DURATIONS, *tiers]) for version in others]
-    return run_steps(steps, started)
+    if pytest_args:  # what was asked for, in each pass
+        stages = [[step] for step in lint] + [[(version, [*pytest, *pytest_args])] for version in (primary, *others)]
+        return run_stages(stages, started)
+    # The lint, the core tier (it does not import ComfyUI) and the synthetic models the other tiers load run side
+    # by side (they take little memory); then the tiers that run ComfyUI, on each version in turn.
+    fixtures = (primary, [str(python), "-m", "tools.make_fixtures"])
+    stages = [[*lint, (primary, [*pytest, "tests/core"]), fixtures]]
+    stages += [[(version, [*pytest, "tests/integration", "tests/browser"])] for version in (primary, *others)]
+    return run_stages(stages, started)
 
 
-def run_steps(steps: list[tuple[str, list[str]]], started: float) -> int:
-    """Run each step (a ComfyUI version, or none, and a command) in turn; stop at the first that fails."""
+Step = tuple[str, list[str]]
+
+
+def run_stages(stages: list[list[Step]], started: float) -> int:
+    """Run each stage in turn, the steps of a stage side by side (a step: a ComfyUI version, or none, and a
+    command); stop after the first stage with a step that fails. A stage of several steps prints each one's output
+    when it ends, whole, in the order given."""
     env = {**os.environ, "DEVICE_CONTROL_REQUIRE_ALL_TIERS": "1"}
-    for version, step in steps:
-        label = " ".join(step[2:]) + (f" (ComfyUI {version})" if version else "")
-        log.info("[Device Control] $ %s", label)
-        run_env = {**env, "DEVICE_CONTROL_COMFYUI": version} if version else env
-        if subprocess.run(step, cwd=REPO, env=run_env, check=False).returncode != 0:
-            log.error("[Device Control] FAILED: %s (after %.0f s)", label, time.monotonic() - started)
+    for stage in stages:
+        failed = _run_one(stage[0], env) if len(stage) == 1 else _run_side_by_side(stage, env)
+        if failed:
+            log.error("[Device Control] FAILED: %s (after %.0f s)", failed, time.monotonic() - started)
             if disk_free_gb() < 2:
                 log.error("[Device Control] The disk is full (%.1f GB free): %s", disk_free_gb(), ROOM)
             return 1
         log.info("[Device Control] step done after %.0f s", time.monotonic() - started)
     log.info("[Device Control] all test tiers passed in %.0f s", time.monotonic() - started)
     return 0
+
+
+def _label(step: Step) -> str:
+    version, command = step
+    return " ".join(command[2:]) + (f" (ComfyUI {version})" if version else "")
+
+
+def _env_of(step: Step, env: dict[str, str]) -> dict[str, str]:
+    return {**env, "DEVICE_CONTROL_COMFYUI": step[0]} if step[0] else env
+
+
+def _run_one(step: Step, env: dict[str, str]) -> str | None:
+    """Run a step with its output going straight through; the label of a failed step, or ``None``."""
+    log.info("[Device Control] $ %s", _label(step))
+    done = subprocess.run(step[1], cwd=REPO, env=_env_of(step, env), check=False)
+    return _label(step) if done.returncode != 0 else None
+
+
+def _run_side_by_side(stage: list[Step], env: dict[str, str]) -> str | None:
+    """Start every step of ``stage`` at once, then print each one's output in turn; the labels of those that
+    failed, or ``None``."""
+    with tempfile.TemporaryDirectory(prefix="device-control-steps-") as folder:
+        outputs = [Path(folder) / f"{index}.log" for index in range(len(stage))]
+        running = []
+        for step, output in zip(stage, outputs, strict=True):
+            log.info("[Device Control] $ %s (side by side)", _label(step))
+            with open(output, "wb") as sink:
+                running.append(
+                    subprocess.Popen(step[1], cwd=REPO, env=_env_of(step, env), stdout=sink, stderr=subprocess.STDOUT)
+                )
+        codes = [process.wait() for process in running]
+        failed = []
+        for step, output, code in zip(stage, outputs, codes, strict=True):
+            log.info("[Device Control] output of %s (exit %d):", _label(step), code)
+            sys.stdout.flush()
+            sys.stdout.buffer.write(output.read_bytes())
+            sys.stdout.flush()
+            if code != 0:
+                failed.append(_label(step))
+    return ", ".join(failed) or None
 
 
 if __name__ == "__main__":
