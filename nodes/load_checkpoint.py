@@ -46,7 +46,7 @@ class LoadCheckpointWithDevice(surface.io.ComfyNode):
         return io.Schema(
             node_id="DeviceControl_LoadCheckpoint",
             display_name="Load Checkpoint With Device",
-            category="device_control",
+            category="Device Control",
             description=(
                 "Loads a checkpoint with the diffusion model, the text encoder and the VAE each on the device and in "
                 "the dtype you choose. Reads the file header first: family, sizes and whether it fits are known before "

@@ -50,7 +50,7 @@ class LoadDiffusionModelWithDevice(surface.io.ComfyNode):
         return io.Schema(
             node_id="DeviceControl_LoadDiffusionModel",
             display_name="Load Diffusion Model With Device",
-            category="device_control",
+            category="Device Control",
             description=(
                 "Loads a diffusion model saved on its own (Flux, SD3.5, Wan, Qwen-Image ... from the diffusion_models "
                 "folder) on the device and in the dtype you choose, as ComfyUI's Load Diffusion Model builds it. Reads "

@@ -67,7 +67,7 @@ class LoadTextEncodersWithDevice(surface.io.ComfyNode):
         return io.Schema(
             node_id="DeviceControl_LoadTextEncoders",
             display_name="Load Text Encoders With Device",
-            category="device_control",
+            category="Device Control",
             description=(
                 "Loads one to four text-encoder files (CLIP-L, CLIP-G, T5-XXL, UMT5, LLM encoders ...) as the text "
                 "encoder of the type you choose, on the device and in the dtype you choose: what ComfyUI's Load CLIP "

@@ -43,7 +43,7 @@ class LoadVAEWithDevice(surface.io.ComfyNode):
         return io.Schema(
             node_id="DeviceControl_LoadVAE",
             display_name="Load VAE With Device",
-            category="device_control",
+            category="Device Control",
             description=(
                 "Loads a VAE file on the device and in the dtype you choose, as ComfyUI's Load VAE builds it; it "
                 "decodes and encodes there. Reads the file header first: what the file is and its size are known "

@@ -89,7 +89,7 @@ class MoveToGPU(surface.io.ComfyNode):
         return io.Schema(
             node_id="DeviceControl_MoveToGPU",
             display_name="Move To GPU",
-            category="device_control",
+            category="Device Control",
             description=(
                 "Moves a model (MODEL, CLIP or VAE) to a GPU now, keeping as much of it resident as the VRAM budget "
                 "allows; the rest stays in RAM and streams layer by layer when it runs. The weights move in place: "

@@ -25,7 +25,7 @@ class OffloadToCPU(surface.io.ComfyNode):
         return io.Schema(
             node_id="DeviceControl_OffloadToCPU",
             display_name="Offload To CPU",
-            category="device_control",
+            category="Device Control",
             description=(
                 "Moves models from their GPU back to RAM now, without unloading them from ComfyUI: the next node "
                 "that uses one loads it again where its placement says, without reading the file. Runs on every "

@@ -23,7 +23,7 @@ class SplitModel(surface.io.ComfyNode):
         return io.Schema(
             node_id="DeviceControl_SplitModel",
             display_name="Split Model Across Devices",
-            category="device_control",
+            category="Device Control",
             description=(
                 "Shares one diffusion model (MODEL) or text encoder (CLIP) out over several devices, in whole "
                 "blocks and in model order, so a model larger than any one GPU runs. pipeline: each block computes "

@@ -73,7 +73,7 @@ class VRAMReport(io.ComfyNode):
         return io.Schema(
             node_id="DeviceControl_VRAMReport",
             display_name="VRAM Report",
-            category="device_control",
+            category="Device Control",
             description=(
                 "Shows memory per device (total, free, used by this process and by others), RAM, and every "
                 "model ComfyUI has loaded with how much of it is resident where. Put it on any wire: it "

@@ -20,7 +20,7 @@ def test_our_nodes_are_registered_with_descriptions_and_tooltips(comfy_server, a
         assert node_id in info, f"{node_id} is not registered; server log:\n{comfy_server.log_tail()}"
         node = info[node_id]
         assert node["display_name"] == display_name
-        assert node["category"] == "device_control"
+        assert node["category"] == "Device Control"
         assert len(node["description"]) > 40
         for section in ("required", "optional"):
             for name, spec in node["input"].get(section, {}).items():
