@@ -3,9 +3,13 @@ oracle, never a dependency of the pack): what the GGUF tests, the example workfl
 
 A weight is quantised the way GGUF converters do it: a layer's weight matrix (two or more dimensions) whose rows are
 whole blocks and that is not tiny takes the type asked for; vectors, small tensors and other tensors (a positional
-table) stay F32. A tensor of more than four
-dimensions (a video model's patch embedding) is stored flattened to two, with its shape recorded under
-``comfy.gguf.orig_shape.<name>``, as ComfyUI's GGUF converters record it.
+table) stay F32. A tensor of more than four dimensions (a video model's patch embedding) is kept whole in F32 with
+all its dimensions, as ComfyUI-GGUF's ``tools/fix_5d_tensors.py`` puts it back into a quantised file.
+
+:func:`write_comfyui_gguf` follows ComfyUI-GGUF's own three steps for a Wan model more closely (its
+``tools/convert.py``, llama.cpp's quantiser with that pack's ``lcpp.patch``, then ``fix_5d_tensors.py``): the
+plain types its converter picks, the tensors its quantiser leaves alone, a ``Q4_K_M`` file's ``Q6_K`` layers, the
+file type in ``general.file_type``.
 """
 
 from __future__ import annotations
@@ -70,14 +74,99 @@ def write_gguf(
 
 def _add(writer: gguf.GGUFWriter, name: str, tensor: torch.Tensor, kind: str) -> None:
     values = tensor.float().numpy()
-    if values.ndim > 4:  # GGUF holds four dimensions at most
-        writer.add_array(ORIG_SHAPE + name, list(values.shape))
-        values = values.reshape(values.shape[0], -1)
-    quant = quantised_type(name, values.shape, kind)
+    quant = quantised_type(name, values.shape, kind) if values.ndim <= 4 else gguf.GGMLQuantizationType.F32
     if quant == gguf.GGMLQuantizationType.F32:
         writer.add_tensor(name, np.ascontiguousarray(values, dtype=np.float32))
         return
     writer.add_tensor(name, gguf.quants.quantize(values, quant), raw_dtype=quant)
+
+
+#: What llama.cpp's quantiser, patched by ComfyUI-GGUF, never quantises in a Wan model (``lcpp.patch``; it
+#: quantises only names ending in ``weight``, so ``blocks.N.modulation`` stays plain too).
+WAN_KEPT = (
+    "modulation.",
+    "patch_embedding.",
+    "text_embedding.",
+    "time_projection.",
+    "time_embedding.",
+    "img_emb.",
+    "head.",
+)
+#: A ``Q4_K_M`` Wan file's layers in ``Q6_K`` (attention values, feed-forward outputs), by that patch's rules.
+Q6_K_LAYERS = (".v.weight", ".ffn.2.weight")
+#: The scale fields (byte ranges, float16) of the K blocks written at random (``gguf`` does not quantise to them).
+K_SCALES = {"Q4_K": ((0, 2), (2, 4)), "Q6_K": ((208, 210),)}
+
+
+def write_comfyui_gguf(source: Path, target: Path, file_type: str, plain: str = "F16", seed: int = 0) -> Path:
+    """``source`` (a Wan 2.1 model, safetensors) as ComfyUI-GGUF's tools leave it: its converter's plain types
+    (``plain``, the source's: F16 throughout, or BF16 with vectors, small tensors and ``modulation`` in F32),
+    quantised to ``file_type`` (``Q8_0``, or ``Q4_K_M``: ``Q4_K`` blocks, ``Q6_K`` for the layers above, random
+    blocks of finite scales since ``gguf`` cannot quantise K types) where the quantiser would, the 5-D patch
+    embedding put back as F32 after its bias, and ``general.file_type`` set; made once, then reused."""
+    if target.exists() and target.stat().st_mtime >= source.stat().st_mtime:
+        return target
+    partial = target.with_suffix(".partial")
+    writer = gguf.GGUFWriter(str(partial), "wan")
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer.add_file_type(gguf.LlamaFileType[f"MOSTLY_{file_type}"])
+    rng = np.random.default_rng(seed)
+    with safe_open(str(source), framework="pt") as tensors:
+        names = list(tensors.keys())
+        five_d = [name for name in names if len(tensors.get_slice(name).get_shape()) > 4]
+        waiting = set(five_d)
+        for name in (name for name in names if name not in five_d):
+            _add_as_comfyui_gguf(writer, name, tensors.get_tensor(name), file_type, plain, rng)
+            weight = name.replace(".bias", ".weight")
+            if weight in waiting:  # fix_5d_tensors.py adds it after the tensor it is found beside
+                writer.add_tensor(weight, tensors.get_tensor(weight).float().numpy())
+                waiting.discard(weight)
+        for name in sorted(waiting):
+            writer.add_tensor(name, tensors.get_tensor(name).float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    partial.replace(target)
+    return target
+
+
+def _add_as_comfyui_gguf(
+    writer: gguf.GGUFWriter, name: str, tensor: torch.Tensor, file_type: str, plain: str, rng: np.random.Generator
+) -> None:
+    values = tensor.float().numpy()
+    quant = _comfyui_gguf_type(name, values.shape, file_type)
+    if quant in ("Q4_K", "Q6_K"):
+        writer.add_tensor(name, _random_k_blocks(quant, values.shape, rng), raw_dtype=gguf.GGMLQuantizationType[quant])
+        return
+    if quant is None:  # kept in its converter's type
+        small = values.ndim == 1 or values.size <= SMALL or "modulation" in name
+        quant = "F32" if plain == "BF16" and small else plain
+    kind = gguf.GGMLQuantizationType[quant]
+    writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
+
+
+def _comfyui_gguf_type(name: str, shape: tuple[int, ...], file_type: str) -> str | None:
+    """The block type llama.cpp's patched quantiser gives a Wan tensor for ``file_type``, ``None`` where it keeps
+    the converter's type (vectors, the tensors it leaves alone, rows that are not whole blocks)."""
+    if len(shape) < 2 or not name.endswith("weight") or any(kept in name for kept in WAN_KEPT):
+        return None
+    quant = file_type
+    if file_type == "Q4_K_M":
+        quant = "Q6_K" if name.endswith(Q6_K_LAYERS) else "Q4_K"
+    values = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[quant]][0]
+    return quant if shape[-1] % values == 0 else None
+
+
+def _random_k_blocks(kind: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """Rows of random ``kind`` blocks for a tensor of ``shape``, their scales small finite float16 values."""
+    values, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    rows, blocks = int(np.prod(shape[:-1])), shape[-1] // values
+    data = rng.integers(0, 256, size=(rows, blocks, size), dtype=np.uint8)
+    for start, stop in K_SCALES[kind]:
+        scales = rng.normal(0, 1e-3, size=(rows, blocks)).astype(np.float16)
+        data[..., start:stop] = scales.view(np.uint8).reshape(rows, blocks, 2)
+    return data.reshape(*shape[:-1], blocks * size)
 
 
 def dequantised_twin(source: Path, target: Path, names: Mapping[str, str] | None = None) -> Path:

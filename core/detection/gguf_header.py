@@ -4,8 +4,11 @@ and byte ranges, and its scalar metadata, read without reading a weight.
 The layout (all little-endian): ``GGUF``, a version, the tensor and metadata counts; the metadata as key, value
 type and value (arrays carry their element type and count); then per tensor its name, dimension count, dimensions
 (innermost first), GGML type and offset; the data starts at the next multiple of ``general.alignment`` (32 when
-absent). Shapes are turned outermost first, as torch and safetensors write them. ComfyUI's GGUF converters keep
-a tensor of more than GGUF's four dimensions as a flat one and record its shape under
+absent). Shapes are turned outermost first, as torch and safetensors write them. GGML's own code holds four
+dimensions at most, but the ``gguf`` package's writer writes any count, and ComfyUI-GGUF's tools use that: their
+``fix_5d_tensors.py`` puts a video model's five-dimensional patch embedding (Wan, Hunyuan Video) back into the
+quantised file as a plain F32 tensor of five dimensions, so more than four are read here (up to torch's limit).
+Their converter also reshapes some tensors of SD1.5 and SDXL to rows of 256 values and records the shape under
 ``comfy.gguf.orig_shape.<name>``: that shape is the one given here. A text encoder converted by llama.cpp gets
 ComfyUI's tensor names (:mod:`.gguf_names`).
 
@@ -30,7 +33,8 @@ from .tensor_info import MAX_DIM, FileHeader, TensorInfo, check_overlaps
 
 #: A shape ComfyUI's GGUF converters could not keep in four dimensions, by tensor name after this prefix.
 ORIG_SHAPE = "comfy.gguf.orig_shape."
-MAX_DIMS = 4  # GGML's limit
+#: The most dimensions a tensor may have: torch's limit (GGML computes with four; ComfyUI-GGUF's files hold five).
+MAX_DIMS = 64
 DEFAULT_ALIGNMENT = 32
 #: Value types (``gguf_type``) by number: the struct format of a scalar, or the name of a compound one.
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -123,8 +127,9 @@ def _read_fields(file: Path, size: int) -> tuple[dict[str, Any], list[tuple[str,
     """The metadata, each tensor's raw entry (name, dimensions innermost first, type, offset) and where they end."""
     with open(file, "rb") as handle:
         cursor = _Cursor(handle, file, size)
-        if cursor.bytes(4) != b"GGUF":
-            raise broken(file, "it does not start with 'GGUF'")
+        magic = cursor.bytes(4)
+        if magic != b"GGUF":
+            raise broken(file, f"its magic is {magic!r}, where a GGUF file starts with b'GGUF'")
         version = cursor.unpack("<I")
         if version not in (2, 3):
             raise broken(file, f"it is GGUF version {version}; Device Control reads versions 2 and 3")
@@ -143,7 +148,7 @@ def _tensor_entry(cursor: _Cursor) -> tuple[str, tuple[int, ...], int, int]:
     name = cursor.string()
     count = cursor.unpack("<I")
     if count > MAX_DIMS:
-        raise broken(cursor.file, f"tensor {name!r} has {count} dimensions; GGUF allows {MAX_DIMS}")
+        raise broken(cursor.file, f"tensor {name!r} claims {count} dimensions, more than a tensor can have")
     dims = tuple(cursor.unpack("<Q") for _ in range(count))
     if any(d > MAX_DIM for d in dims):
         raise broken(cursor.file, f"tensor {name!r} has the impossible shape {dims}")

@@ -5,7 +5,9 @@
 * PyTorch pickles (``.ckpt``, ``.pt``, ``.pth``, ``.bin``): only through ``torch.load(weights_only=True)``,
   memory-mapped so no weight is read; a pickle that ``weights_only`` refuses is reported as unsafe, never
   loaded another way;
-* GGUF (``.gguf``): its header through ``gguf_header``, for detection; the loaders refuse it, naming what it
+* GGUF (``.gguf``, or any file starting with ``GGUF``): its header through ``gguf_header``, for detection; a file
+  named ``.gguf`` is judged as a GGUF whatever it starts with, so a damaged one is called a damaged GGUF (a
+  ``.safetensors`` file is judged by its content); the loaders refuse it, naming what it
   holds and pointing to the loader that reads it (Load Diffusion Model With Device and Load Text Encoders With
   Device read GGUF files).
 
@@ -74,7 +76,7 @@ def read_header(path: str | os.PathLike[str], gguf: bool = False) -> FileHeader:
     with open(file, "rb") as handle:
         magic = handle.read(8)
     identity = (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
-    if magic[:4] == b"GGUF":
+    if magic[:4] == b"GGUF" or file.suffix.lower() == ".gguf":  # a damaged .gguf is named a damaged GGUF
         return replace(_gguf(file, size, gguf), identity=identity)
     zipped = magic[:4] == b"PK\x03\x04" and file.suffix.lower() not in SAFETENSORS_SUFFIXES
     if zipped or file.suffix.lower() in PICKLE_SUFFIXES:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...core.detection.detect import Detection
+from ...core.detection.ggml_types import file_type_name
 from ...core.detection.headers import FileHeader
 from ...core.files.reader import WeightReader
 from ...core.progress import ProgressCallback
@@ -23,6 +24,7 @@ from .filling import (
     torch_device,
 )
 from .patcher import DeviceControlPatcher
+from .reading import GGUF_FILE_TYPE
 from .tracing import build_traced_model, diffusion_config_of, stand_ins
 
 
@@ -61,6 +63,8 @@ def build_diffusion_model(
         fill = {"model": fill_target(place)}
         fill_models({"model": model}, {"model": sources}, reader, fill, progress, notes)
     model.device = torch_device(fill["model"])
+    if header.format == "gguf":  # VRAM Report names the model by it (Q4_K_M), beside its block types
+        setattr(model, GGUF_FILE_TYPE, file_type_name(header.metadata))
     convert(model, accept=is_comfy_layer)  # ComfyUI's standard layers become ours: casts and patches run our code
     patcher = DeviceControlPatcher(
         model, load_device=compute, offload_device=surface.model_management().unet_offload_device()

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ...core.detection.ggml_types import GGML_TYPES, ggml_type
+from ...core.detection.ggml_types import GGML_TYPES, ggml_type, storage_label
 from ...core.devices.inventory import InventorySnapshot
 from ...core.devices.tensors import label_of
 from ...core.errors import ModelFileError
@@ -157,6 +157,10 @@ def _pending_note(patcher: Any, holding: Any, loaded: int) -> str | None:
     )
 
 
+#: The attribute of a model built from a GGUF file naming the file's type (``Q4_K_M``, from ``general.file_type``).
+GGUF_FILE_TYPE = "device_control_gguf_file_type"
+
+
 def model_key(patcher: Any) -> str:
     """The panel's name for a loaded model: its module tree's identity (shared by every clone of it)."""
     return f"m{id(patcher.model):x}"
@@ -193,33 +197,40 @@ def _stored_as(owner: Any, name: str, param: Any) -> str:
 
 def dominant_storage(module: Any) -> str | None:
     """How most of a module's weight bytes are stored (:func:`storage_bytes`; ``None`` for a module without
-    weights).
+    weights)."""
+    sizes = _kept_sizes(module)
+    return max(sizes, key=sizes.__getitem__) if sizes else None
 
-    Kept per module (the panel asks for it every second); a conversion forgets it (:func:`forget_dtype`).
-    """
+
+def _kept_sizes(module: Any) -> dict[str, int]:
+    """:func:`storage_bytes`, kept per module (the panel asks every second); a conversion forgets it
+    (:func:`forget_dtype`)."""
     try:
-        return _dtypes[module]
+        return _sizes[module]
     except (KeyError, TypeError):
         pass
     sizes = storage_bytes(module)
-    kind = max(sizes, key=sizes.__getitem__) if sizes else None
     with contextlib.suppress(TypeError):  # an object that cannot be weakly referenced is asked each time
-        _dtypes[module] = kind
-    return kind
+        _sizes[module] = sizes
+    return sizes
 
 
-_dtypes: weakref.WeakKeyDictionary[Any, str | None] = weakref.WeakKeyDictionary()
+_sizes: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDictionary()
 
 
 def forget_dtype(module: Any) -> None:
     """Forget what :func:`dominant_storage` kept for ``module`` (its weights were converted: ``bridge.auto_dtype``)."""
     with contextlib.suppress(TypeError):
-        _dtypes.pop(module, None)
+        _sizes.pop(module, None)
 
 
 def _storage_dtype(patcher: Any) -> str | None:
-    """How the model is stored: a GGUF model's GGML type (most of its bytes), else the dtype ComfyUI reports for
-    it, else the one most weights use (CLIP and VAE report none)."""
+    """How the model is stored: a GGUF model's GGML types (``Q4_K_M: Q4_K/Q6_K blocks, F32 plain``:
+    ``storage_label``), else the dtype ComfyUI reports for it, else the one most weights use (CLIP and VAE report
+    none)."""
+    quantised = storage_label(_kept_sizes(patcher.model), getattr(patcher.model, GGUF_FILE_TYPE, None))
+    if quantised is not None:
+        return quantised
     stored = dominant_storage(patcher.model)
     if stored is not None and (stored in GGML_TYPES or stored.startswith("GGML type")):
         return stored

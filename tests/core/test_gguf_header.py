@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from core.detection.detect import detect, detect_header
+from core.detection.ggml_types import FILE_TYPES, file_type_name, storage_label
 from core.detection.gguf_header import ORIG_SHAPE
 from core.detection.headers import FileHeader, TensorInfo, read_header
 from core.errors import ModelFileError
@@ -114,10 +115,32 @@ def test_the_loaders_refuse_a_gguf_saying_what_it_holds_and_what_loads_it(tmp_pa
         read_header(path)
 
 
-def test_a_shape_of_more_than_four_dimensions_comes_from_the_converters_record(tmp_path):
-    tensors = {"patch.weight": ([16 * 4 * 2 * 3 * 3], Q.F16)}
-    path = write_sparse_gguf(tensors, tmp_path / "wan.gguf", "wan", **{ORIG_SHAPE + "patch.weight": [16, 4, 2, 3, 3]})
-    assert read_header(path, gguf=True).tensors["patch.weight"].shape == (16, 4, 2, 3, 3)
+def test_a_shape_the_converter_reshaped_comes_from_its_record(tmp_path):
+    """ComfyUI-GGUF's converter stores an SD1.5 or SDXL tensor whose rows are not whole K blocks as rows of 256
+    values, recording its shape under ``comfy.gguf.orig_shape.<name>`` (its ``tools/convert.py``)."""
+    tensors = {"input_blocks.1.0.in_layers.2.weight": ([320 * 320 * 9 // 256, 256], Q.Q4_K)}
+    shape = {ORIG_SHAPE + "input_blocks.1.0.in_layers.2.weight": [320, 320, 3, 3]}
+    path = write_sparse_gguf(tensors, tmp_path / "sdxl.gguf", "sdxl", **shape)
+    assert read_header(path, gguf=True).tensors["input_blocks.1.0.in_layers.2.weight"].shape == (320, 320, 3, 3)
+
+
+def test_a_five_dimensional_tensor_as_comfyui_gguf_puts_it_back_is_read(tmp_path):
+    """ComfyUI-GGUF's ``tools/fix_5d_tensors.py`` adds Wan's and Hunyuan Video's patch embedding to the quantised
+    file as an F32 tensor of five dimensions (``gguf``'s writer writes any count; GGML's own reader allows four)."""
+    writer = gguf.GGUFWriter(str(tmp_path / "wan.gguf"), "wan")
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    writer.add_tensor("patch_embedding.bias", np.zeros(64, np.float32))
+    writer.add_tensor("patch_embedding.weight", np.ones((64, 16, 1, 2, 2), np.float32), raw_dtype=Q.F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    header = read_header(tmp_path / "wan.gguf", gguf=True)
+    theirs = {t.name: t for t in gguf.GGUFReader(tmp_path / "wan.gguf").tensors}
+    info = header.tensors["patch_embedding.weight"]
+    assert info.shape == (64, 16, 1, 2, 2) == tuple(int(d) for d in reversed(theirs[info.name].shape))
+    assert (info.dtype, header.data_start + info.begin) == ("F32", theirs[info.name].data_offset)
+    assert file_type_name(header.metadata) == "Q8_0"
 
 
 def test_a_type_we_do_not_dequantise_is_refused_naming_the_tensor(tmp_path):
@@ -143,7 +166,7 @@ def handmade(path: Path, version: int = 3, tensors: tuple = (), size: int | None
         ({"version": 1}, r"it is GGUF version 1; Device Control reads versions 2 and 3"),
         ({"tensors": (("a", (32, 2), 0, 0), ("b", (32,), 0, 128)), "size": 4096}, r"tensors 'a' and 'b' overlap"),
         ({"tensors": (("a", (32, 2), 0, 0),), "size": 96}, r"tensor 'a' lies outside the file"),
-        ({"tensors": (("a", (1, 1, 1, 1, 1), 0, 0),)}, r"tensor 'a' has 5 dimensions; GGUF allows 4"),
+        ({"tensors": (("a", (1,) * 65, 0, 0),)}, r"tensor 'a' claims 65 dimensions, more than a tensor can have"),
         ({"tensors": (("a", (33, 2), 8, 0),)}, r"tensor 'a' \(Q8_0, shape \(2, 33\)\) is not a whole number of blocks"),
     ],
 )
@@ -161,3 +184,49 @@ def test_a_truncated_header_or_a_crafted_count_is_refused_before_anything_is_all
     (tmp_path / "count.gguf").write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 2**62, 0) + b"\0" * 64)
     with pytest.raises(ModelFileError, match=r"claims 4611686018427387904 tensors"):
         read_header(tmp_path / "count.gguf", gguf=True)
+
+
+def test_a_file_named_gguf_is_judged_as_one_and_a_safetensors_by_its_content(tmp_path):
+    """A damaged ``.gguf`` is named a damaged GGUF (not a safetensors file whose header length runs past its end);
+    a ``.safetensors`` file is judged by what it holds, so a GGUF saved under that name is still read as one."""
+    from safetensors.numpy import save_file
+
+    damaged = {"zeroed.gguf": b"\0" * 64, "page.gguf": b"<!DOCTYPE html><html></html>", "short.gguf": b"GG"}
+    for name, raw in damaged.items():
+        (tmp_path / name).write_bytes(raw)
+        with pytest.raises(ModelFileError, match=rf"{name} is not a valid GGUF file: .*download it again") as raised:
+            read_header(tmp_path / name, gguf=True)
+        assert "safetensors" not in str(raised.value)
+    with pytest.raises(ModelFileError, match=r"its magic is b'<!DO', where a GGUF file starts with b'GGUF'"):
+        read_header(tmp_path / "page.gguf")
+    save_file({"w": np.zeros((2, 2), np.float32)}, str(tmp_path / "real.safetensors"))
+    assert read_header(tmp_path / "real.safetensors").format == "safetensors"
+    handmade(tmp_path / "gguf.safetensors", tensors=(("a.weight", (32, 2), 0, 0),), size=4096)
+    assert read_header(tmp_path / "gguf.safetensors", gguf=True).format == "gguf"
+    (tmp_path / "zeroed.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(ModelFileError, match=r"not a valid safetensors file: its header length"):
+        read_header(tmp_path / "zeroed.safetensors")
+
+
+def test_the_file_types_are_llama_cpps():
+    assert {n: f"MOSTLY_{name}" for n, name in FILE_TYPES.items() if n} == {
+        t.value: t.name for t in gguf.LlamaFileType if t.value in FILE_TYPES and t.value
+    }
+    assert file_type_name({"general.file_type": "15"}) == "Q4_K_M"
+    assert file_type_name({"general.file_type": 1024 + 7}) == "Q8_0"  # a type the converter guessed
+    assert file_type_name({}) is file_type_name({"general.file_type": "x"}) is file_type_name({"general.file_type": 99})
+
+
+@pytest.mark.parametrize(
+    ("sizes", "file_type", "label"),
+    [
+        ({"Q4_K": 50, "Q6_K": 30, "bfloat16": 40, "float32": 10}, "Q4_K_M", "Q4_K_M: Q4_K/Q6_K blocks, BF16/F32 plain"),
+        ({"float32": 90, "Q6_K": 30, "Q4_K": 50, "F32": 5}, None, "Q4_K/Q6_K blocks, F32 plain"),
+        ({"Q8_0": 10, "float32": 90}, "Q8_0", "Q8_0"),
+        ({"Q8_0": 10, "float16": 90}, None, "Q8_0"),
+        ({"Q4_K": 10}, "Q4_K_S", "Q4_K_S: Q4_K blocks"),
+        ({"float32": 10, "F16": 4}, "F16", None),
+    ],
+)
+def test_a_gguf_model_is_named_by_its_file_type_then_its_block_types_then_its_plain_ones(sizes, file_type, label):
+    assert storage_label(sizes, file_type) == label

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from tests.integration.simulated import with_simulated_gpu, with_simulated_gpus
-from tools.gguf_files import QWEN3_06B, llama_cpp_name, write_gguf, write_qwen3
+from tools.gguf_files import QWEN3_06B, llama_cpp_name, write_comfyui_gguf, write_gguf, write_qwen3
 
 MiB = 1024**2
 CHECKOUT = os.environ.get("DEVICE_CONTROL_COMFYUI_GGUF", "")
@@ -33,6 +33,11 @@ pytestmark = pytest.mark.skipif(
     not (Path(CHECKOUT) / "nodes.py").is_file(),
     reason="ComfyUI-GGUF is not installed here: set DEVICE_CONTROL_COMFYUI_GGUF to a checkout of it",
 )
+
+
+#: Wan 2.1 files as ComfyUI-GGUF's tools write them (``tools.gguf_files.write_comfyui_gguf``): quantisation ->
+#: the plain type of the model converted.
+WAN_FILES = {"Q8_0": "F16", "Q4_K_M": "BF16"}
 
 
 def _import_comfyui_gguf(folder: Path):
@@ -53,6 +58,8 @@ def comfy(comfy_runtime, synthetic_models, module_folder):
     mm = import_comfy()
     folder = module_folder
     unet = write_gguf(synthetic_models["sd35"], folder / "sd35_Q4_0.gguf", "Q4_0", "sd3")
+    for quant, plain in WAN_FILES.items():
+        write_comfyui_gguf(synthetic_models["wan21"], folder / f"wan21_{quant}.gguf", quant, plain)
     folder_paths = importlib.import_module("folder_paths")
     folder_paths.add_model_folder_path("diffusion_models", str(folder))
     folder_paths.add_model_folder_path("text_encoders", str(folder))
@@ -214,3 +221,40 @@ def test_vram_report_and_offload_to_cpu_work_on_it_as_it_is(comfy):
     del model
     mm.unload_all_models()
     gc.collect()
+
+
+@pytest.mark.parametrize("quant", list(WAN_FILES))
+def test_a_wan_file_of_its_tools_loads_in_ours_as_in_its_loader(comfy, quant):
+    """Its tools write Wan's patch embedding as a five-dimensional F32 tensor (``fix_5d_tensors.py``), which GGML's
+    own reader refuses: Load Diffusion Model With Device reads it, and builds the weights and the step that
+    ComfyUI-GGUF's loader builds from the same file (dequantising in float32)."""
+    mm, module, theirs, _unet = comfy
+    name = f"wan21_{quant}.gguf"
+    model = _their_unet(theirs, name)
+    ours = module("nodes.load_diffusion_model").LoadDiffusionModelWithDevice.execute(name, "cpu", "auto").args[0]
+    dequantised = _dequantised(model.model.diffusion_model)
+    layout_of = module("core.weights.quantized").layout_of
+    for path, layer in ours.model.diffusion_model.named_modules():
+        for attr, param in layer.named_parameters(recurse=False):
+            layout = layout_of(layer, attr)
+            value = param if layout is None else layout.decode(param, torch.float32)
+            assert torch.equal(value.float(), dequantised[f"{path}.{attr}"]), f"{path}.{attr}"
+    torch.manual_seed(3)
+    x, context = torch.randn(1, 16, 1, 8, 8), torch.randn(1, 7, 4096)
+    steps = []
+    for patcher in (model, ours):
+        mm.load_models_gpu([patcher])
+        with torch.no_grad():
+            steps.append(patcher.model.apply_model(x, torch.tensor([500.0]), c_crossattn=context).clone())
+    assert torch.equal(*steps)
+    subject = json.loads(module("nodes.vram_report").VRAMReport.execute("wan", value=model).args[2])["subject"]
+    assert subject["dtype"] == ("Q8_0" if quant == "Q8_0" else "Q4_K/Q6_K blocks, BF16/F32 plain"), subject
+    del model, ours
+    mm.unload_all_models()
+    gc.collect()
+
+
+def _dequantised(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every weight of a ComfyUI-GGUF model as its own dequantisation gives it, in float32."""
+    dequantize = sys.modules["ComfyUI_GGUF.dequant"].dequantize_tensor
+    return {name: dequantize(p, torch.float32, torch.float32).float() for name, p in model.named_parameters()}

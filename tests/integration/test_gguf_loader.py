@@ -1,13 +1,16 @@
 """GGUF diffusion models in Load Diffusion Model With Device, in this process, against ComfyUI's own Load Diffusion
 Model given the same model dequantised (the oracle: every tensor as the GGML project's ``gguf`` package reads it,
 saved as float32 safetensors). The files are our synthetic Wan 2.1 and SD3.5 models quantised by ``gguf`` itself
-(``tools/gguf_files.py``): Q8_0 and Q4_0 blocks, vectors in F32, Wan's five-dimensional patch embedding recorded
-as ComfyUI's converters record it.
+(``tools/gguf_files.py``): SD3.5 in Q4_0 blocks with vectors in F32; Wan as ComfyUI-GGUF's tools leave it, Q8_0
+from an fp16 model (F16 plain tensors) and Q4_K_M from a bf16 one (Q4_K and Q6_K blocks, BF16 and F32 plain
+tensors), its patch embedding a five-dimensional F32 tensor.
 
 What holds: the model keeps the file's blocks (uint8, the bytes the fit plan counts) and computes bit for bit what
 the dequantised model computes, resident or streamed from a simulated GPU under a budget that counts quantised
 bytes; a stock LoRA applies to the dequantised weights, resident and streamed alike; a broken or wrong GGUF is
-refused before a weight is read.
+refused before a weight is read, and so is a damaged file named ``.gguf``, as a damaged GGUF. On a real server,
+VRAM Report names the Q4_K_M model by its file type and all its storage types, and a damaged GGUF is refused with
+the fix while the server keeps serving.
 """
 
 from __future__ import annotations
@@ -21,18 +24,38 @@ import pytest
 import torch
 
 from tests.integration.simulated import with_simulated_gpu
-from tools.gguf_files import dequantised_twin, write_gguf
+from tools.comfy_server import ComfyError
+from tools.gguf_files import dequantised_twin, write_comfyui_gguf, write_gguf
 
 MiB = 1024**2
-#: make_all() key -> (quantisation, architecture written, the stand-in inputs of one step).
+
+
+def _wan_inputs() -> dict:
+    return {"x": torch.randn(1, 16, 1, 8, 8), "c_crossattn": torch.randn(1, 7, 4096)}
+
+
+#: Our file name -> (make_all() key, quantisation, how it is written, its block types as the summary names them,
+#: the stand-in inputs of one step).
 MODELS = {
-    "wan21": ("Q8_0", "wan", lambda: {"x": torch.randn(1, 16, 1, 8, 8), "c_crossattn": torch.randn(1, 7, 4096)}),
-    "sd35": (
+    "wan21_Q8_0": ("wan21", "Q8_0", "comfyui-gguf F16", "Q8_0", _wan_inputs),
+    "wan21_Q4_K_M": ("wan21", "Q4_K_M", "comfyui-gguf BF16", "Q4_K/Q6_K", _wan_inputs),
+    "sd35_Q4_0": (
+        "sd35",
         "Q4_0",
-        "sd3",
+        "gguf sd3",
+        "Q4_0",
         lambda: {"x": torch.randn(1, 16, 8, 8), "c_crossattn": torch.randn(1, 7, 4096), "y": torch.randn(1, 2048)},
     ),
 }
+
+
+def write_model(synthetic_models: dict, name: str, folder) -> object:
+    """The GGUF file ``name`` of :data:`MODELS` in ``folder`` (made once)."""
+    key, quant, how, _blocks, _inputs = MODELS[name]
+    writer, argument = how.split()
+    if writer == "comfyui-gguf":  # its tools' way: tools/convert.py, the patched quantiser, fix_5d_tensors.py
+        return write_comfyui_gguf(synthetic_models[key], folder / f"{name}.gguf", quant, argument)
+    return write_gguf(synthetic_models[key], folder / f"{name}.gguf", quant, argument)
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +65,9 @@ def comfy(comfy_runtime, synthetic_models, module_folder):
     mm = import_comfy()
     folder = module_folder
     files = {}
-    for key, (quant, architecture, _inputs) in MODELS.items():
-        gguf_file = write_gguf(synthetic_models[key], folder / f"{key}_{quant}.gguf", quant, architecture)
-        files[key] = (gguf_file, dequantised_twin(gguf_file, folder / f"{key}_{quant}_dequantised.safetensors"))
+    for name in MODELS:
+        gguf_file = write_model(synthetic_models, name, folder)
+        files[name] = (gguf_file, dequantised_twin(gguf_file, folder / f"{name}_dequantised.safetensors"))
     folder_paths = importlib.import_module("folder_paths")
     folder_paths.add_model_folder_path("diffusion_models", str(folder))
     pack = import_pack()
@@ -95,15 +118,18 @@ def test_the_blocks_stay_quantised_and_the_model_computes_as_its_dequantised_twi
         assert blocks.dtype == torch.uint8 and blocks.numel() == layout.kind.nbytes(expected[name].numel()), name
         assert blocks.shape == expected[name].shape, name  # what ComfyUI reads (Flux's and Wan's input channels)
         assert torch.equal(layout.decode(blocks, torch.float32), expected[name]), name
+    plain = {n: p for n, p in ours.model.diffusion_model.named_parameters() if n not in quantised}
+    assert plain.keys() | quantised.keys() == expected.keys()
+    assert all(torch.equal(p.float(), expected[n]) for n, p in plain.items())  # Wan's 5-D patch embedding too
     floats = sum(expected[name].numel() * expected[name].element_size() for name in quantised)
     blocks = sum(getattr(layer, attr).numel() for layer, attr in quantised.values())
     assert ours.model_size() == theirs.model_size() - floats + blocks  # ComfyUI's books count the blocks
     assert blocks < floats / 3
     torch.manual_seed(0)
-    inputs = MODELS[key][2]()
+    inputs = MODELS[key][4]()
     assert torch.equal(_step(ours, inputs), _step(theirs, inputs))
-    quant = MODELS[key][0]
-    assert "diffusion model: cpu (" in summary and f"GGUF {quant} blocks (computes in float32)" in summary, summary
+    blocks = MODELS[key][3]
+    assert "diffusion model: cpu (" in summary and f"GGUF {blocks} blocks (computes in float32)" in summary, summary
     del ours, theirs
     mm.unload_all_models()
     gc.collect()
@@ -115,9 +141,9 @@ def _simulated(module, monkeypatch):
 
 def test_on_a_simulated_gpu_under_a_budget_it_holds_quantised_bytes_and_computes_the_same(comfy, monkeypatch):
     mm, _comfy_sd, module, files, _models = comfy
-    gguf_file, _twin = files["sd35"]
+    gguf_file, _twin = files["sd35_Q4_0"]
     torch.manual_seed(1)
-    inputs = MODELS["sd35"][2]()
+    inputs = MODELS["sd35_Q4_0"][4]()
     resident, _ = _load(module, gguf_file.name)
     expected = _step(resident, inputs)
     sim = _simulated(module, monkeypatch)
@@ -137,7 +163,7 @@ def test_on_a_simulated_gpu_under_a_budget_it_holds_quantised_bytes_and_computes
     assert torch.equal(_step(moved, inputs), expected)
     assert "gpu:0" in summary
     report = json.loads(module("nodes.vram_report").VRAMReport.execute("gguf", value=moved).args[2])
-    assert report["subject"]["dtype"] == MODELS["sd35"][0]  # Q4_0: how its bytes are stored, not uint8
+    assert report["subject"]["dtype"] == "Q4_0"  # how its bytes are stored, not uint8
     del resident, whole, moved
     mm.unload_all_models()
     gc.collect()
@@ -145,10 +171,10 @@ def test_on_a_simulated_gpu_under_a_budget_it_holds_quantised_bytes_and_computes
 
 def test_a_lora_applies_to_the_dequantised_weights_resident_and_streamed(comfy, monkeypatch):
     mm, comfy_sd, module, files, models = comfy
-    gguf_file, twin_file = files["sd35"]
+    gguf_file, twin_file = files["sd35_Q4_0"]
     lora = importlib.import_module("comfy.utils").load_torch_file(str(models["lora_sd35"]))
     torch.manual_seed(2)
-    inputs = MODELS["sd35"][2]()
+    inputs = MODELS["sd35_Q4_0"][4]()
     theirs = comfy_sd.load_lora_for_models(comfy_sd.load_diffusion_model(str(twin_file)), None, lora, 0.8, 0)[0]
     expected = _step(theirs, inputs)
     ours = comfy_sd.load_lora_for_models(_load(module, gguf_file.name)[0], None, lora, 0.8, 0)[0]
@@ -174,6 +200,20 @@ def _truncated(path, target):
     return target
 
 
+def _damaged(path, folder) -> dict:
+    """Files named ``.gguf`` that are not whole GGUF files (the first bytes lost, a web page saved in a download's
+    place, a header cut short), each with the problem a loader must name: a damaged GGUF, not a safetensors file."""
+    whole = path.read_bytes()
+    made = {
+        "zeroed.gguf": (b"\0" * 8 + whole[8:], r"its magic is b'\\x00\\x00\\x00\\x00', where a GGUF file starts with"),
+        "page.gguf": (b"<!DOCTYPE html><html>Not found</html>", r"its magic is b'<!DO', where a GGUF file starts with"),
+        "cut.gguf": (whole[:20], r"the header runs past the end of the file \(20 bytes\)"),
+    }
+    for name, (raw, _problem) in made.items():
+        (folder / name).write_bytes(raw)
+    return {folder / name: problem for name, (_raw, problem) in made.items()}
+
+
 def record_reads(module, monkeypatch) -> list:
     """Every weight the pack's reader reads from now on (none is read, only recorded): the list to check."""
     reader = module("core.files.reader").WeightReader
@@ -188,9 +228,12 @@ def test_a_broken_or_wrong_gguf_is_refused_before_a_weight_is_read(comfy, monkey
     importlib.import_module("folder_paths").add_model_folder_path("diffusion_models", str(tmp_path))
     read = record_reads(module, monkeypatch)
     error = module("core.errors").DeviceControlError
-    truncated = _truncated(files["wan21"][0], tmp_path / "truncated.gguf")
+    truncated = _truncated(files["wan21_Q8_0"][0], tmp_path / "truncated.gguf")
     with pytest.raises(error, match=r"truncated\.gguf is not a valid GGUF file: tensor .* lies outside the file"):
         _load(module, truncated.name)
+    for damaged, problem in _damaged(files["wan21_Q8_0"][0], tmp_path).items():
+        with pytest.raises(error, match=rf"{damaged.name} is not a valid GGUF file: {problem}.*download it again"):
+            _load(module, damaged.name)
     from tests.core.test_gguf_header import write_sparse_gguf
 
     gguf = importlib.import_module("gguf")
@@ -216,3 +259,42 @@ def test_a_broken_or_wrong_gguf_is_refused_before_a_weight_is_read(comfy, monkey
     ):
         _load(module, encoder.name)
     assert read == []
+
+
+@pytest.fixture(scope="module")
+def gguf_server(synthetic_models, comfy_factory, tmp_path_factory):
+    """A real ComfyUI whose diffusion models are the mixed Q4_K_M Wan file and damaged files named ``.gguf``."""
+    base = tmp_path_factory.mktemp("gguf-server")
+    models = base / "models" / "diffusion_models"
+    models.mkdir(parents=True)
+    mixed = write_model(synthetic_models, "wan21_Q4_K_M", models)
+    _damaged(mixed, models)
+    server = comfy_factory(base)
+    yield server
+    server.stop()
+
+
+def _loader_prompt(name: str) -> dict:
+    load = {"unet_name": name, "device": "cpu", "dtype": "auto"}
+    return {
+        "1": {"class_type": "DeviceControl_LoadDiffusionModel", "inputs": load},
+        "2": {"class_type": "DeviceControl_VRAMReport", "inputs": {"label": "", "devices": "all", "value": ["1", 0]}},
+    }
+
+
+def test_vram_report_names_a_mixed_gguf_by_its_file_type_and_storage_types(gguf_server, api):
+    """Not ``float32``, the type of most of this small model's bytes: its file type, its block types by their
+    share, then its plain tensors (the BF16 and F32 ones of the file, in the float32 this loader chose on a CPU)."""
+    entry = gguf_server.run(_loader_prompt("wan21_Q4_K_M.gguf"))
+    subject = api.report_json(entry, "2")["subject"]
+    assert subject["dtype"] == "Q4_K_M: Q4_K/Q6_K blocks, F32 plain", subject
+    assert "Q4_K_M: Q4_K/Q6_K blocks, F32 plain" in api.report_text(entry, "2")
+
+
+@pytest.mark.parametrize("name", ["zeroed.gguf", "page.gguf", "cut.gguf"])
+def test_a_damaged_gguf_is_named_so_and_the_server_keeps_serving(gguf_server, api, name):
+    with pytest.raises(ComfyError, match=rf"{name} is not a valid GGUF file: .*download it again") as raised:
+        gguf_server.run(_loader_prompt(name))
+    assert "safetensors" not in str(raised.value)
+    entry = gguf_server.run(_loader_prompt("wan21_Q4_K_M.gguf"))
+    assert "Q4_K_M" in api.report_json(entry, "2")["subject"]["dtype"]
