@@ -15,7 +15,10 @@ after the queue went idle.
 20), ``?format=markdown`` as a table for a bug report; at the end of each prompt ``device_control.profile`` goes
 to the client that queued it and to every open panel. ``DEVICE_CONTROL_PROFILE=off`` records nothing. A node's
 peak comes from the device's peak counter, which the readings do not reset unless ``DEVICE_CONTROL_PEAKS=reset``
-(``core.devices.peaks``): a node that set no new high has a peak of at least what the readings saw.
+(``core.devices.peaks``): a node that set no new high has a peak of at least what the readings saw. The recorder
+derives what the node itself did from it (its rise above its start, on the device it computed on); each profile
+names the workflow its prompt was queued from (the id the frontend sends in ``extra_pnginfo``), so the frontend
+shows its badges on that workflow only.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ def _read() -> Reading:
     used["cpu"] = snapshot.host.process_rss
     models, _notes = bridge.loaded_models(snapshot)
     values, bounded = _peak_figures(peaks)
+    bounded |= {"cpu"}  # the resident set is read, not counted at its peak: what a node raised it by is a floor
     return Reading(
         used,
         values,
@@ -119,8 +123,8 @@ class _Listener:
         if self.prompt is not None:
             self._end(self.prompt, "ended")  # no end was sent: a prompt queued without a client id
         self.prompt, self.client, self.nodes = prompt_id, sid, {}
-        self.graph = _graph_of(prompt_id)
-        recorder.prompt_started(prompt_id)
+        self.graph, workflow = _running(prompt_id)
+        recorder.prompt_started(prompt_id, workflow)
 
     def _progress(self, prompt_id: str, key: str, state: Mapping[str, Any]) -> None:
         """One node's state in a ``progress_state`` event: running, finished after running, or finished at once
@@ -149,7 +153,7 @@ class _Listener:
     def close_idle(self) -> None:
         """End the prompt seen last if ComfyUI runs none now (it sent no end: queued without a client id)."""
         prompt = self.prompt
-        if prompt is not None and not _graph_of(prompt):
+        if prompt is not None and not _running(prompt)[0]:
             self._end(prompt, "ended")
 
     def _names(self, node: str) -> tuple[str, str]:
@@ -163,15 +167,23 @@ class _Listener:
         return class_type, str(title or class_type or node)
 
 
-def _graph_of(prompt_id: str) -> Mapping[str, Any]:
-    """The prompt's graph (API format), from ComfyUI's queue while it runs; empty where it cannot be read."""
+def _running(prompt_id: str) -> tuple[Mapping[str, Any], str | None]:
+    """The prompt's graph (API format) and the id of the workflow it was queued from (which the frontend sends in
+    ``extra_pnginfo``), from ComfyUI's queue while it runs; empty and ``None`` where they cannot be read."""
     try:
         for item in list(surface.prompt_server().prompt_queue.currently_running.values()):
             if len(item) > 2 and item[1] == prompt_id and isinstance(item[2], dict):
-                return item[2]
+                return item[2], _workflow_id(item[3] if len(item) > 3 else None)
     except Exception as exc:  # a queue of another shape costs the names only
         log.debug("[Device Control] could not read the running prompt: %s", exc)
-    return {}
+    return {}, None
+
+
+def _workflow_id(extra: Any) -> str | None:
+    """``extra_data.extra_pnginfo.workflow.id``, where the prompt came with it."""
+    for key in ("extra_pnginfo", "workflow", "id"):
+        extra = extra.get(key) if isinstance(extra, dict) else None
+    return str(extra) if isinstance(extra, str | int) and str(extra) else None
 
 
 def profiling_from_env(environ: Mapping[str, str] | None = None) -> bool:
@@ -248,9 +260,15 @@ async def get_profile(request: web.Request) -> web.Response:
     prompt_id = query.get("prompt_id")
     profile = recorder.profile(prompt_id)
     if profile is None:
-        kept = recorder.prompt_ids()
-        what = f"no profile of prompt {prompt_id!r}" if prompt_id else "no prompt has run since ComfyUI started"
-        return _refuse(404, f"{what}; the last {len(kept)} prompts have one: {kept}.")
+        return _refuse(404, _no_profile(prompt_id, recorder.prompt_ids()))
     if query.get("format") == "markdown":
         return web.Response(text=recorder.markdown(profile["prompt_id"]) or "", content_type="text/markdown")
     return web.json_response(profile)
+
+
+def _no_profile(prompt_id: str | None, kept: list[str]) -> str:
+    """Why there is no profile to answer, as a sentence (the panel shows it while no run is recorded)."""
+    if not kept:
+        return "No run recorded yet: queue a prompt and its memory profile appears here."
+    which = "the last one" if len(kept) == 1 else f"the last {len(kept)}"
+    return f"No profile of prompt {prompt_id!r}: profiles are kept for {which} ({', '.join(kept)})."

@@ -4,10 +4,12 @@
 // api events and fetchApi); no ComfyUI DOM is touched, so removing the pack leaves the frontend as it was.
 import { api } from "../../scripts/api.js";
 import { app } from "../../scripts/app.js";
+import "./panel/device_warnings.js";
 import { formatBytes } from "./panel/format.js";
 import { memoryReport } from "./panel/report.js";
 import { Timeline } from "./panel/timeline.js";
 import { PanelView } from "./panel/view.js";
+import { vueNodesOn } from "./panel/vue_badges.js";
 import { mountRunView, setDecimal } from "./run_profile.js";
 
 const TEXT_NODES = new Set([
@@ -17,6 +19,10 @@ const TEXT_NODES = new Set([
   "DeviceControl_OffloadToCPU",
 ]);
 const WIDGET_NAME = "report_text";
+// The frontend's own widget for a node's progress text (ComfyUI's PromptServer.send_progress_text), which it keeps
+// until the next run: our loaders say there what they are doing; once the node ended its report says what it did.
+const PROGRESS_WIDGET = "$$node-text-preview";
+const REPORT_ROWS = { least: 3, most: 24 }; // the report box under Nodes 2.0, in lines of its text
 
 function reportWidget(node) {
   const existing = node.widgets?.find((w) => w.name === WIDGET_NAME);
@@ -50,6 +56,23 @@ function reportWidget(node) {
   return widget;
 }
 
+/** Under Nodes 2.0 a node is laid out by the DOM, where the box takes the height of its rows: as many as the report
+ * has lines (a few at least, a screenful at most; the rest scrolls). On the canvas the widget's own height holds. */
+function fitToText(area, text) {
+  if (!vueNodesOn(app)) return;
+  const lines = text.split("\n").length;
+  area.rows = Math.max(REPORT_ROWS.least, Math.min(REPORT_ROWS.most, lines));
+  area.style.height = "auto";
+  area.style.minHeight = `${area.rows * 14 + 8}px`;
+}
+
+/** The node ended: its progress text ("Loading ...: the fit plan") is over, and its report takes its place. */
+function endProgressText(node) {
+  const index = node.widgets?.findIndex((w) => w.name === PROGRESS_WIDGET) ?? -1;
+  if (index < 0) return;
+  node.widgets[index].value = "";
+}
+
 app.registerExtension({
   name: "DeviceControl.NodeText",
   async beforeRegisterNodeDef(nodeType, nodeData) {
@@ -65,7 +88,10 @@ app.registerExtension({
       onExecuted?.apply(this, arguments);
       const text = Array.isArray(output?.text) ? output.text.join("\n") : "";
       // A textarea's value is never parsed as HTML, so model names from files cannot inject markup.
-      reportWidget(this).element.value = text;
+      const area = reportWidget(this).element;
+      area.value = text;
+      fitToText(area, text);
+      endProgressText(this);
       this.setDirtyCanvas?.(true, true);
     };
   },
@@ -81,6 +107,10 @@ const SETTINGS = {
 };
 const PUSH_EVENT = "device_control.vram";
 const TAB_ID = "device-control";
+// The sidebar shows a label under each icon (newer frontends; the tab's title where it has none), in the sidebar's
+// narrow width: a short one. The tooltip names the pack, and the meter's device and share.
+const TAB_LABEL = "Devices";
+const TAB_TOOLTIP = "Device Control: memory per device and model, live";
 const RENEW_MS = 4000; // the server's lease lasts at least 10 s: renew well before it ends
 const METER_MIN_SECONDS = 5; // with the panel closed, the icon's meter updates at most this often
 
@@ -92,6 +122,7 @@ const panel = {
   renewTimer: null,
   sentInterval: 0,
   sentClient: null,
+  running: false, // a prompt runs (from the run's events; the snapshot's "executing" says so too)
 };
 
 // The settings' values as their onChange handlers last saw them (the store may not hold the new value yet
@@ -154,31 +185,51 @@ function onStatus() {
   if (api.clientId && api.clientId !== panel.sentClient && wantedInterval() > 0) subscribe();
 }
 
-function badgeFor(snapshot) {
-  const shares = snapshot.report.devices
-    .filter((d) => d.kind !== "cpu" && d.total && !d.error)
-    .map((d) => (d.total - d.free) / d.total);
-  return shares.length ? `${Math.round(100 * Math.max(...shares))}%` : "";
+/** The icon's meter: the most used accelerator's share, and which device that is ({text, device}). */
+function meterFor(snapshot) {
+  let best = null;
+  for (const d of snapshot.report.devices) {
+    if (d.kind === "cpu" || !d.total || d.error) continue;
+    const share = (d.total - d.free) / d.total;
+    if (best === null || share > best.share) best = { share, device: d.id };
+  }
+  return best ? { text: `${Math.round(100 * best.share)}%`, device: best.device } : { text: "", device: null };
 }
 
 // The tab's icon badge is read once by the sidebar unless the tab record changes through the workspace store
-// (a function badge is not re-evaluated). So the badge is set on our own tab's record there; where a frontend
-// does not expose the store, the meter is simply not shown.
-function showBadge(text) {
+// (a function badge is not re-evaluated). So the badge, and the tooltip that says which device it measures, are
+// set on our own tab's record there; where a frontend does not expose the store, the meter is simply not shown.
+function showBadge(meter) {
   const tabs = app.extensionManager?.sidebarTab?.sidebarTabs;
   const ours = Array.isArray(tabs) ? tabs.find((tab) => tab.id === TAB_ID) : null;
-  if (ours && ours.iconBadge !== text) ours.iconBadge = text;
+  if (!ours) return;
+  const tooltip = meter.text ? `${TAB_TOOLTIP} · ${meter.device} ${meter.text} used` : TAB_TOOLTIP;
+  if (ours.iconBadge !== meter.text) ours.iconBadge = meter.text;
+  if (ours.tooltip !== tooltip) ours.tooltip = tooltip;
+}
+
+/** "KSampler (#8)": the node running now, by its title in the graph shown (its id where the graph lacks it). */
+function nodeName(id) {
+  const graph = app.rootGraph ?? app.graph;
+  const node = graph?.getNodeById?.(id) ?? graph?.getNodeById?.(Number(id));
+  return node?.title ? `${node.title} (#${id})` : `node #${id}`;
 }
 
 function render() {
   const decimal = String(setting(SETTINGS.units, "binary (GiB)")).startsWith("decimal");
   setDecimal(decimal); // the last run's chart and badges use the same units
   if (!panel.latest) return;
-  showBadge(setting(SETTINGS.meter, true) ? badgeFor(panel.latest) : "");
+  showBadge(setting(SETTINGS.meter, true) ? meterFor(panel.latest) : { text: "", device: null });
   if (!panel.open || !panel.view) return;
   const devices = String(setting(SETTINGS.devices, "all")).trim();
   const wanted = devices && devices.toLowerCase() !== "all" ? new Set(devices.split(",").map((d) => d.trim())) : null;
-  panel.view.update(panel.latest, panel.timeline, { decimal, wanted, interval: wantedInterval() });
+  const running = panel.running || Boolean(panel.latest.executing);
+  panel.view.update(panel.latest, panel.timeline, { decimal, wanted, interval: wantedInterval(), running, nodeName });
+}
+
+function runState(running) {
+  panel.running = running;
+  render();
 }
 
 function onSnapshot(snapshot) {
@@ -284,7 +335,8 @@ app.registerExtension({
     {
       id: SETTINGS.units,
       category: ["Device Control", "Panel", "Units"],
-      name: "Units",
+      name: "Units: binary GiB (2^30 bytes; what budgets mean by GB too) or decimal GB (10^9 bytes)",
+      tooltip: "Budgets and sizes typed into nodes read 8GB as 8 GiB (8 x 2^30 bytes); decimal shows 10^9-byte GB.",
       type: "combo",
       options: ["binary (GiB)", "decimal (GB)"],
       defaultValue: "binary (GiB)",
@@ -305,13 +357,18 @@ app.registerExtension({
   async setup() {
     api.addEventListener(PUSH_EVENT, (event) => onSnapshot(event.detail));
     api.addEventListener("executing", onExecuting);
+    api.addEventListener("execution_start", () => runState(true));
+    for (const end of ["execution_success", "execution_error", "execution_interrupted"]) {
+      api.addEventListener(end, () => runState(false));
+    }
     api.addEventListener("status", onStatus);
     api.addEventListener("reconnected", onStatus);
     app.extensionManager.registerSidebarTab({
       id: TAB_ID,
       icon: "pi pi-microchip",
       title: "Device Control",
-      tooltip: "Device Control: memory per device and model, live",
+      label: TAB_LABEL,
+      tooltip: TAB_TOOLTIP,
       type: "custom",
       iconBadge: "",
       render: (container) => {

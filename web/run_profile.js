@@ -1,5 +1,6 @@
-// Device Control: the memory profile of the last run in the frontend — a badge above each node that ran (its peak
-// memory and time, the heaviest marked; a setting hides them), and a chart of the run with exports, in the sidebar
+// Device Control: the memory profile of the last run in the frontend — a badge above each node that ran (what it
+// raised memory by, on which device, and its time; the heaviest marked; a setting hides them; only on the workflow
+// the run was recorded on), and a chart of the run with exports, in the sidebar
 // tab (mounted by device_control.js) and in a bottom panel tab. Fed by the server's "device_control.profile" push
 // and, when the page opens, by GET /device_control/profile. Documented extension APIs only.
 import { api } from "../../scripts/api.js";
@@ -92,11 +93,20 @@ async function loadLatest() {
   }
 }
 
+/** Whether the graph shown is the workflow the profile was recorded on: the prompt carries the id of the workflow
+ * it was queued from (the graph's id); a profile or a graph without one falls back to the node ids and classes. */
+function profileOfThisGraph() {
+  const shown = (app.rootGraph ?? app.graph)?.id;
+  const recorded = state.profile?.workflow;
+  return !recorded || !shown || String(shown) === String(recorded);
+}
+
 /** Draw the badges of the nodes in view, after every node and link, so none is hidden under another node (the
- * canvas's foreground hook, in graph coordinates). A node whose id now holds another class gets none. */
+ * canvas's foreground hook, in graph coordinates). A node whose id now holds another class gets none, nor does any
+ * node of another workflow than the one the profile was recorded on. */
 function drawNodeBadges(ctx, canvas) {
   const onTop = [];
-  if (state.badges.size && badgesShown()) {
+  if (state.badges.size && badgesShown() && profileOfThisGraph()) {
     const titleHeight = globalThis.LiteGraph?.NODE_TITLE_HEIGHT ?? 30;
     for (const node of canvas.visible_nodes ?? []) {
       const badge = state.badges.get(String(node.id));
@@ -120,7 +130,7 @@ app.registerExtension({
     {
       id: BADGES_SETTING,
       category: ["Device Control", "Profile", "Badges"],
-      name: "After a run, show each node's peak memory and time above it",
+      name: "After a run, show above each node what it raised memory by, on which device, and its time",
       type: "boolean",
       defaultValue: true,
       onChange: (value) => {

@@ -11,6 +11,10 @@ the bytes copied onto a GPU that did not stay there were streamed. The readings 
 device: the allocator's bytes on a GPU (and its peak since the previous reading, which the host may know only as a
 lower bound: ``peak_bounded`` names those devices, shown with a "≥"), the process's resident set on the CPU.
 
+What a node did is its ``rise`` (its peak above the level the device was at when it started) and its ``device``: the
+accelerator whose books it changed most, or the CPU where it changed none. The heaviest node is the one whose rise
+is the largest, alone: where two share it, or none raised memory, no node is marked (order decides nothing).
+
 Profiles of the last :data:`KEEP` prompts are kept; a profile never grows past :data:`MAX_NODES` nodes nor
 :data:`MAX_EVENTS` events per node (what is left out is counted), and every method is quick and takes one lock
 only for its own bookkeeping, so the thread that executes prompts never waits on a reader.
@@ -78,7 +82,8 @@ class ModelEvent:
 class NodeProfile:
     """One node of a run. ``status`` is ``running``, ``executed``, ``cached`` or ``failed``; ``start`` and ``wall``
     are seconds from the prompt's start; memory figures are bytes by device id; ``peak_bounded`` lists the devices
-    whose peak is only a lower bound ("at least")."""
+    whose peak is only a lower bound ("at least"); ``rise`` is the peak above ``before`` on each device, and
+    ``device`` the one the node computed on (see the module's docstring; empty before it finished)."""
 
     node: str
     class_type: str
@@ -92,6 +97,12 @@ class NodeProfile:
     events: list[ModelEvent] = field(default_factory=list)
     events_left_out: int = 0
     peak_bounded: list[str] = field(default_factory=list)
+    rise: dict[str, int] = field(default_factory=dict)
+    device: str = ""
+
+    def rise_text(self, device: str) -> str:
+        """The rise on ``device`` for people: ``+3.20 GiB``, or ``≥ +3.20 GiB`` where the peak is a lower bound."""
+        return ("≥ " if device in self.peak_bounded else "") + "+" + format_bytes(self.rise.get(device, 0))
 
     def peak_text(self, device: str) -> str:
         """The peak on ``device`` for people: ``3.20 GiB``, or ``≥ 3.20 GiB`` where it is a lower bound."""
@@ -104,6 +115,7 @@ class PromptProfile:
 
     prompt_id: str
     started: float
+    workflow: str | None = None  # the id of the workflow the prompt was queued from, where the client sent it
     status: str = "running"
     wall: float = 0.0
     nodes: list[NodeProfile] = field(default_factory=list)
@@ -111,17 +123,15 @@ class PromptProfile:
     recording: float = 0.0  # seconds the readings themselves took, on the executing thread
 
     def heaviest(self) -> tuple[NodeProfile, str, int] | None:
-        """The node with the highest peak on an accelerator (on the CPU where no node used one), its device and
-        the peak; ``None`` before any node ran."""
-        best: tuple[NodeProfile, str, int] | None = None
-        for accelerators in (True, False):
-            for node in self.nodes:
-                for device, peak in node.peak.items():
-                    if (device != "cpu") == accelerators and (best is None or peak > best[2]):
-                        best = (node, device, peak)
-            if best is not None:
-                return best
-        return None
+        """The node that raised memory most (its rise on the device it computed on), that device and the rise;
+        ``None`` where no node raised any, or two raised the same most (a tie is no node's)."""
+        rises = sorted(
+            ((node.rise.get(node.device, 0), i) for i, node in enumerate(self.nodes) if node.device), reverse=True
+        )
+        if not rises or rises[0][0] <= 0 or (len(rises) > 1 and rises[1][0] == rises[0][0]):
+            return None
+        node = self.nodes[rises[0][1]]
+        return node, node.device, rises[0][0]
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready, with the heaviest node's id (``null`` when none ran)."""
@@ -131,17 +141,19 @@ class PromptProfile:
         return data
 
     def summary(self) -> str:
-        """``heaviest node so far: KSampler (3), 3.20 GiB on gpu:0`` (or that no node ran yet)."""
+        """``heaviest node so far: KSampler (3), +3.20 GiB on gpu:0`` (or why no node is)."""
         heaviest = self.heaviest()
         if heaviest is None:
-            return "heaviest node so far: none (no node has run yet)"
-        node, device, _peak = heaviest
-        return f"heaviest node so far: {node.title} ({node.node}), {node.peak_text(device)} on {device}"
+            ran = any(node.device for node in self.nodes)
+            why = "no node raised memory more than every other" if ran else "no node has run yet"
+            return f"heaviest node so far: none ({why})"
+        node, device, _rise = heaviest
+        return f"heaviest node so far: {node.title} ({node.node}), {node.rise_text(device)} on {device}"
 
     def markdown(self) -> str:
         """A markdown table of the nodes, for a bug report."""
         devices = sorted({device for node in self.nodes for device in node.peak})
-        head = ["node", "class", "status", "time", *(f"peak {device}" for device in devices), "model events"]
+        head = ["node", "class", "status", "time", "rise", *(f"peak {device}" for device in devices), "model events"]
         lines = [
             f"Prompt {self.prompt_id} ({self.status}, {self.wall:.2f} s)",
             "",
@@ -151,11 +163,9 @@ class PromptProfile:
         for node in self.nodes:
             peaks = [node.peak_text(device) if device in node.peak else "" for device in devices]
             events = "; ".join(f"{e.kind} {e.model} ({format_bytes(e.bytes)})" for e in node.events)
-            lines.append(
-                _row(
-                    [f"{node.title} ({node.node})", node.class_type, node.status, f"{node.wall:.3f} s", *peaks, events]
-                )
-            )
+            rise = f"{node.rise_text(node.device)} on {node.device}" if node.device else ""
+            cells = [f"{node.title} ({node.node})", node.class_type, node.status, f"{node.wall:.3f} s", rise]
+            lines.append(_row([*cells, *peaks, events]))
         return "\n".join(lines) + "\n"
 
 
@@ -181,15 +191,16 @@ class Recorder:
 
     # -- what the host says -----------------------------------------------------------------------
 
-    def prompt_started(self, prompt_id: str) -> None:
-        """A prompt starts (again: a second call for the same prompt changes nothing)."""
+    def prompt_started(self, prompt_id: str, workflow: str | None = None) -> None:
+        """A prompt starts (again: a second call for the same prompt changes nothing); ``workflow`` is the id of
+        the workflow it was queued from, where known (the frontend shows a profile's badges on that one only)."""
         with self._lock:
             if prompt_id in self._profiles:
                 return
             for other in self._profiles.values():  # one prompt runs at a time: one that never ended did now
                 if other.status == "running":
                     self._end(other, "interrupted")
-            self._profiles[prompt_id] = PromptProfile(prompt_id, time.time())
+            self._profiles[prompt_id] = PromptProfile(prompt_id, time.time(), workflow)
             self._origin[prompt_id] = self._clock()
             while len(self._profiles) > KEEP:
                 old, _profile = self._profiles.popitem(last=False)
@@ -221,6 +232,8 @@ class Recorder:
             record.status, record.wall, record.after = "executed", now - record.start, dict(used)
             record.peak = {d: max(reading.peaks.get(d, 0), record.before.get(d, 0), n) for d, n in used.items()}
             record.peak_bounded = sorted(reading.bounded & record.peak.keys())
+            record.rise = {d: peak - record.before.get(d, peak) for d, peak in record.peak.items()}
+            record.device = compute_device(record)
             events = model_events(first.models, reading.models, now, reading.partial)
             events += streamed_events(first, reading, now)
             record.events, record.events_left_out = events[:MAX_EVENTS], max(0, len(events) - MAX_EVENTS)
@@ -296,6 +309,18 @@ class Recorder:
         for key in [key for key in self._running if key[0] == profile.prompt_id]:
             record, _first = self._running.pop(key)
             record.status, record.wall = "failed", profile.wall - record.start
+
+
+def compute_device(node: NodeProfile) -> str:
+    """The device ``node`` computed on: the accelerator whose books it changed most (its rise, else how much its
+    level moved), or ``cpu`` where it changed none."""
+    changes = {
+        device: max(node.rise.get(device, 0), abs(node.after.get(device, 0) - node.before.get(device, 0)))
+        for device in node.peak
+        if device != "cpu"
+    }
+    device, most = max(sorted(changes.items()), key=lambda item: item[1], default=("cpu", 0))
+    return device if most > 0 else "cpu"
 
 
 def model_events(before: Models, after: Models, at: float, partial: frozenset[str] = frozenset()) -> list[ModelEvent]:

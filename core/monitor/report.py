@@ -167,6 +167,10 @@ def _device_line(device: DeviceInfo) -> str:
         parts.append(_peak_part(device))
     if device.used_by_others:
         parts.append(f"other processes {format_bytes(device.used_by_others)}")
+    if device.utilization is not None:
+        parts.append(f"busy {device.utilization}%")
+    if device.temperature is not None:
+        parts.append(f"{device.temperature} °C")
     if device.is_accelerator:
         parts.append(f"computes in {'/'.join(device.dtypes)}")
     return f"{head}: " + "; ".join(parts)

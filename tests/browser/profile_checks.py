@@ -44,26 +44,33 @@ def format_bytes(value: int) -> str:
     return f"{round(size)} B" if unit == 0 else f"{size:.2f} {['B', 'KiB', 'MiB', 'GiB', 'TiB'][unit]}"
 
 
-def _peak_text(node: dict) -> str:
-    """The badge's peak: the node's highest on a GPU, after a "≥" where the profile knows only a lower bound."""
-    device, size = max(((d, n) for d, n in node["peak"].items() if d != "cpu"), key=lambda item: item[1])
+def rise_text(node: dict) -> str:
+    """The badge's memory: what the node raised its device's level by, on that device ("CPU" for the host), after
+    a "≥" where the profile knows only a lower bound."""
+    device = node["device"]
     at_least = "≥ " if device in node.get("peak_bounded", []) else ""
-    return f"{at_least}{format_bytes(size)} {device}"
+    return f"{at_least}+{format_bytes(node['rise'].get(device, 0))} {'CPU' if device == 'cpu' else device}"
 
 
 def assert_badges_show_the_profile(page: Any, profile: dict) -> None:
-    """Every node that ran has a badge with its peak on the GPU and its time from the route, drawn above its title;
-    only the heaviest node's is marked; the setting hides them all and shows them again."""
+    """Every node that ran has a badge with what it raised memory by, on the device it computed on, and its time
+    from the route, drawn above its title; only the heaviest node's is marked, and only where one node raised
+    memory most, alone; the setting hides them all and shows them again."""
     badges = drawn_badges(page)
     ran = [node for node in profile["nodes"] if node["status"] == "executed"]
     assert ran and {node["node"] for node in ran} <= set(badges), (sorted(badges), [n["node"] for n in ran])
     title_height = page.evaluate("window.LiteGraph?.NODE_TITLE_HEIGHT ?? 30")
+    heaviest = (profile["heaviest"] or {}).get("node")
+    rises = sorted((node["rise"][node["device"]] for node in ran), reverse=True)
+    assert (heaviest is not None) == (rises[0] > 0 and (len(rises) == 1 or rises[1] < rises[0])), rises
     for node in ran:
         badge = badges[node["node"]]
-        assert _peak_text(node) in badge["text"] and badge["text"].endswith(seconds(node["wall"])), badge
+        assert rise_text(node) in badge["text"] and badge["text"].endswith(seconds(node["wall"])), badge
         position = page.evaluate("(id) => window.app.graph.getNodeById(Number(id)).pos", node["node"])
         assert badge["y"] + badge["height"] <= position[1] - title_height, (badge, position)
-        assert badge["text"].startswith("▲") == (node["node"] == profile["heaviest"]["node"]), badge
+        assert badge["text"].startswith("▲") == (node["node"] == heaviest), badge
+        if node["node"] == heaviest:
+            assert node["rise"][node["device"]] == rises[0], (node, rises)
     page.evaluate("(id) => window.app.extensionManager.setting.set(id, false)", BADGES_SETTING)
     assert drawn_badges(page) == {}
     page.evaluate("(id) => window.app.extensionManager.setting.set(id, true)", BADGES_SETTING)
@@ -106,10 +113,12 @@ def assert_run_chart_is_readable(page: Any, selector: str, profile: dict) -> dic
     assert [band[0] for band in bands] == [node["node"] for node in ran]
     events = json.loads(chart.get_attribute("data-events"))
     assert len(events) == sum(len(node["events"]) for node in ran) > 0
-    heaviest = next(node for node in ran if node["node"] == profile["heaviest"]["node"])
-    band = next(band for band in bands if band[0] == heaviest["node"])
+    marked = (profile["heaviest"] or {}).get("node")
+    pointed = next((node for node in ran if node["node"] == marked), ran[0])
+    band = next(band for band in bands if band[0] == pointed["node"])
     on_band = _hover(page, selector, (band[1] + band[2]) / 2, box["height"] / 2)
-    assert on_band.startswith(f"{heaviest['title']} (#{heaviest['node']}, executed, the heaviest node)"), on_band
+    what = f"{pointed['status']}, the heaviest node" if marked else pointed["status"]
+    assert on_band.startswith(f"{pointed['title']} (#{pointed['node']}, {what})"), on_band
     on_event = _hover(page, selector, events[0], 6)
     assert " loaded (" in on_event or " moved (" in on_event or " offloaded (" in on_event, on_event
     return box

@@ -32,6 +32,9 @@ PANEL = ".device-control-panel"
 GPU_ROW = f'{PANEL} .dc-device[data-device="gpu:0"]'
 # The tab's button: 1.32.9 gives it a class named after the tab, newer frontends only its tooltip as label.
 TAB_BUTTON = '.device-control-tab-button, .side-bar-button[aria-label^="Device Control"]'
+NO_RUN_YET = "No run recorded yet: queue a prompt and its memory profile appears here."
+UNITS_DECIMAL = "Sizes in GB (10^9 bytes); budgets count 8GB as 8 GiB (8.59 GB)."
+BUSY_REASON = "Not while a prompt runs: models are not moved under it. Wait for it to finish, or cancel it."
 
 # Every test runs on the frontend the ComfyUI under test pins (each pass), and on the newest comfyui-frontend-package,
 # which is the same in every pass, in the primary ComfyUI's pass (once).
@@ -66,7 +69,10 @@ def record_panel(page: Any) -> None:
                 const row = document.querySelector('.device-control-panel .dc-device[data-device="gpu:0"]');
                 const models = [...document.querySelectorAll('.device-control-panel .dc-model')].map((m) => [
                     m.querySelector('.dc-model-name').textContent, Number(m.dataset.resident)]);
-                window.__dcSeen.push({own: Number(row?.dataset.own ?? -1), models});
+                const offload = document.querySelector('.device-control-panel .dc-offload-all');
+                const status = document.querySelector('.device-control-panel .dc-status')?.textContent ?? "";
+                window.__dcSeen.push({own: Number(row?.dataset.own ?? -1), models, status,
+                                      busy: offload?.disabled ?? null, reason: offload?.title ?? ""});
             };
             window.app.api.addEventListener("device_control.vram", read);
             window.__dcTimer = setInterval(read, 100);
@@ -74,10 +80,12 @@ def record_panel(page: Any) -> None:
     )
 
 
-def run_workflow(frontend: FrontendPage, workflow: Path) -> list[dict[str, Any]]:
-    """Load ``workflow``, press Run, wait for the end; return what the panel showed meanwhile."""
+def run_workflow(frontend: FrontendPage, workflow: Path | None) -> list[dict[str, Any]]:
+    """Load ``workflow`` (``None``: the graph shown), press Run, wait for the end; return what the panel showed
+    meanwhile."""
     page = frontend.page
-    frontend.load_workflow(workflow)
+    if workflow is not None:
+        frontend.load_workflow(workflow)
     record_panel(page)
     frontend.click_run()
     page.wait_for_function("window.__dcDone", timeout=300_000)
@@ -86,7 +94,39 @@ def run_workflow(frontend: FrontendPage, workflow: Path) -> list[dict[str, Any]]
     return page.evaluate("clearInterval(window.__dcTimer), window.__dcSeen")
 
 
+def assert_tab_label_fits(page: Any) -> None:
+    """The label the sidebar shows under the tab's icon (where the frontend shows one) is ours, short, and drawn
+    whole: no text cut at the sidebar's width."""
+    label = page.evaluate(
+        """(selector) => {
+            const el = document.querySelector(selector)?.querySelector('.side-bar-button-label');
+            if (!el || !el.offsetParent) return null;
+            const r = el.getBoundingClientRect(), bar = el.closest('.side-bar-button').getBoundingClientRect();
+            return {text: el.textContent.trim(), scroll: el.scrollWidth, client: el.clientWidth,
+                    left: r.left, right: r.right, barLeft: bar.left, barRight: bar.right};
+        }""",
+        TAB_BUTTON,
+    )
+    if label is None:  # 1.32.9 shows no labels: the icon and its tooltip
+        return
+    assert label["text"] == "Devices", label
+    assert label["scroll"] <= label["client"] + 1, label
+    assert label["barLeft"] - 0.5 <= label["left"] and label["right"] <= label["barRight"] + 0.5, label
+
+
+def assert_what_the_run_showed(seen: list[dict[str, Any]], titles: dict[str, str]) -> None:
+    """While the prompt ran the panel named the running node by its title, and its move actions were disabled with
+    the reason as their tooltip; once it ended they were enabled again."""
+    running = [s for s in seen if s["busy"]]
+    assert running and all(s["reason"] == BUSY_REASON for s in running), running[:3]
+    assert seen[-1]["busy"] is False and seen[-1]["reason"] != BUSY_REASON, seen[-1]
+    named = [m.groups() for s in seen if (m := re.search(r"running (.+) \(#(\d+)\)$", s["status"]))]
+    assert named and all(titles[node] == title for title, node in named), named
+    assert not [s["status"] for s in seen if "running node" in s["status"]]
+
+
 def test_panel_shows_the_simulated_device_and_follows_a_run(frontend, artifacts, frontend_version):
+    idle = _profile_status(frontend) == 404
     page = open_panel(frontend)
     served = page.evaluate("window.__COMFYUI_FRONTEND_VERSION__")
     assert served == (RELEASES[DEFAULT_VERSION].frontend if frontend_version == PINNED else frontend_version)
@@ -94,8 +134,18 @@ def test_panel_shows_the_simulated_device_and_follows_a_run(frontend, artifacts,
     assert int(row.get_attribute("data-total")) == 8 * GIB
     assert "Simulated GPU 0" in row.inner_text()
     assert page.locator(f'{PANEL} .dc-device[data-device="cpu"]').count() == 1
+    # The simulated GPU, like the CPU, cannot tell its utilisation and temperature: the panel says so.
+    assert row.locator(".dc-gauges").inner_text() == "utilisation and temperature: not reported"
+    assert_tab_label_fits(page)
+    if idle:  # no run yet: the last run's section says so in a sentence
+        summary = f"{PANEL} .dc-run-summary"
+        page.wait_for_function("(s) => document.querySelector(s).textContent.startsWith('No run')", arg=summary)
+        assert page.locator(summary).inner_text() == NO_RUN_YET
 
     seen = run_workflow(frontend, SEED)
+    titles = {str(n["id"]): n.get("title") or n["type"] for n in json.loads(SEED.read_text())["nodes"]}
+    titles.update(page.evaluate("Object.fromEntries(window.app.graph.nodes.map((n) => [String(n.id), n.title]))"))
+    assert_what_the_run_showed(seen, titles)
     gpu_use = [s["own"] for s in seen]
     # The seed: Move To GPU puts the UNet on gpu:0, Offload To CPU takes it back before decoding.
     assert max(gpu_use) - gpu_use[0] >= UNET_BYTES * 0.95, gpu_use
@@ -118,10 +168,34 @@ def test_panel_shows_the_simulated_device_and_follows_a_run(frontend, artifacts,
     assert page.evaluate("window.__dcProfile.prompt_id") == profile["prompt_id"]
     assert_run_chart_is_readable(page, PANEL, profile)
     assert_badges_show_the_profile(page, profile)
-    drawn_badges(page, 0.85, (35, 110))  # the sampler and its neighbours, at a readable size
+    badges = drawn_badges(page, 0.85, (35, 110))  # the sampler and its neighbours, at a readable size
     page.screenshot(path=str(artifacts / f"profile_badges_{frontend_version}.png"))
+    assert_badges_tell_what_each_node_did(page, profile, badges)
     assert frontend.our_errors() == []
     page.locator(PANEL).screenshot(path=str(artifacts / f"panel_after_seed_run_{frontend_version}.png"))
+    frontend.load_workflow(PLACED)  # another workflow, with nodes of the same ids and classes: no badge of the run
+    assert drawn_badges(page) == {}
+
+
+def assert_badges_tell_what_each_node_did(page: Any, profile: dict, badges: dict[str, dict]) -> None:
+    """On the seed: Move To GPU raised gpu:0 by the UNet; Empty Latent Image did its little on the CPU; the sampler's
+    badge is its own, not the level of the device it ran beside; the profile belongs to the graph shown."""
+    nodes = {node["node"]: node for node in profile["nodes"]}
+    assert nodes["3"]["device"] == "gpu:0" and nodes["3"]["rise"]["gpu:0"] >= UNET_BYTES * 0.95
+    assert " gpu:0 · " in badges["3"]["text"]
+    assert nodes["7"]["device"] == "cpu" and " CPU · " in badges["7"]["text"], badges["7"]
+    assert nodes["7"]["rise"]["cpu"] < 64 * 1024**2  # a 64x64 latent
+    assert badges["8"]["text"] != badges["7"]["text"], (badges["8"], badges["7"])
+    assert profile["workflow"] and profile["workflow"] == page.evaluate("(window.app.rootGraph ?? window.app.graph).id")
+
+
+def _profile_status(frontend: FrontendPage) -> int:
+    """The status of the server's latest profile: 200, or 404 while no prompt has run."""
+    try:
+        frontend.server.get("/device_control/profile")
+    except urllib.error.HTTPError as error:
+        return error.code
+    return 200
 
 
 def assert_the_chart_is_readable(page: Any, timeline: Any) -> None:
@@ -200,10 +274,18 @@ def test_last_run_chart_in_the_bottom_panel_and_its_exports(frontend, artifacts,
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     assert (int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")) == (1200, 300)
     (artifacts / f"profile_export_{frontend_version}.png").write_bytes(png)
-    # A run that used no GPU: the badge names the process's RAM.
+    # A run that used no GPU: the badge names the CPU, and what the node raised the process's RAM by.
     cpu_only = {
         "nodes": [
-            {**node, "before": {"cpu": 1024**3}, "after": {"cpu": 1024**3}, "peak": {"cpu": 2 * 1024**3}}
+            {
+                **node,
+                "before": {"cpu": 1024**3},
+                "after": {"cpu": 1024**3},
+                "peak": {"cpu": 2 * 1024**3},
+                "rise": {"cpu": 1024**3},
+                "device": "cpu",
+                "peak_bounded": ["cpu"],
+            }
             for node in profile["nodes"]
             if node["node"] == "8"
         ],
@@ -213,7 +295,7 @@ def test_last_run_chart_in_the_bottom_panel_and_its_exports(frontend, artifacts,
         "async ([path, p]) => [...(await import(path + 'panel/badges.js')).nodeBadges(p, false).values()][0].text",
         [OUR_EXTENSION_PATH, cpu_only],
     )
-    assert text.startswith("▲ 2.00 GiB RAM · ") and text.endswith(seconds(cpu_only["nodes"][0]["wall"])), text
+    assert text.startswith("▲ ≥ +1.00 GiB CPU · ") and text.endswith(seconds(cpu_only["nodes"][0]["wall"])), text
     assert frontend.our_errors() == []
 
 
@@ -229,6 +311,13 @@ def test_offload_button_moves_a_model_back_to_ram(frontend, artifacts, frontend_
     own_before = int(page.locator(GPU_ROW).get_attribute("data-own"))
     badge = page.locator(TAB_BUTTON).first
     assert re.search(r"(^|\s)40%", badge.inner_text())  # the meter on the tab's icon: 3.2 of 8 GiB used
+    # Which device the meter measures: in the tab's tooltip (the button's label where the frontend gives one).
+    tooltip = page.evaluate(
+        "window.app.extensionManager.sidebarTab.sidebarTabs.find((t) => t.id === 'device-control').tooltip"
+    )
+    assert tooltip.endswith(" · gpu:0 40% used"), tooltip
+    label = badge.get_attribute("aria-label")
+    assert label is None or label.endswith("gpu:0 40% used"), label
     page.set_viewport_size({"width": 1800, "height": 1100})
     page.screenshot(path=str(artifacts / f"panel_with_placed_unet_{frontend_version}.png"))
 
@@ -265,6 +354,7 @@ def test_copy_report_and_settings(frontend):
     assert "--cpu" in data["snapshot"]["flags"]
     assert {"samples", "markers"} <= set(data["timeline"])
 
+    assert "2^30 bytes" in page.locator(f"{PANEL} .dc-units").inner_text()  # binary, as budgets count
     # Showing one device only, in decimal units.
     page.evaluate(
         """async () => {
@@ -275,6 +365,8 @@ def test_copy_report_and_settings(frontend):
     page.locator(f"{PANEL} .dc-refresh").click()
     page.wait_for_function("!document.querySelector('.device-control-panel .dc-device[data-device=\"gpu:0\"]')")
     assert " GB" in page.locator(f'{PANEL} .dc-device[data-device="cpu"]').inner_text()
+    # Decimal GB is not what a budget's GB means: the panel says which its figures are.
+    assert page.locator(f"{PANEL} .dc-units").inner_text() == UNITS_DECIMAL
     # Refresh 0: this page ends its subscription (pages of earlier tests may hold theirs a few seconds more).
     listeners = frontend.server.get("/device_control/snapshot")["push"]["listeners"]
     page.evaluate("window.app.extensionManager.setting.set('DeviceControl.Panel.RefreshSeconds', 0)")

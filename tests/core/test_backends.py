@@ -20,6 +20,7 @@ import torch
 
 from core.devices import backends
 from core.devices.inventory import DeviceInventory
+from core.devices.simulated import SimulatedDevice
 
 GiB = 1024**3
 
@@ -123,6 +124,45 @@ def test_reports_and_profile_readings_leave_torchs_peak_counters_alone_by_defaul
     assert module.reset == []  # another tool's torch.cuda.max_memory_allocated is what torch counted
     DeviceInventory(backends=[backends.CudaBackend()], peak_mode="reset").reset_peaks()
     assert module.reset == [0, 1]  # DEVICE_CONTROL_PEAKS=reset: the old exact measure
+
+
+class GaugedTorchModule(FakeTorchModule):
+    """``torch.cuda`` where the management library answers (utilisation, temperature), or raises as torch does
+    without pynvml/amdsmi (``fails``); counts the calls."""
+
+    def __init__(self, cards: list[FakeCard], fails: bool = False) -> None:
+        super().__init__(cards)
+        self.fails, self.calls = fails, 0
+
+    def utilization(self, index: int) -> int:
+        self.calls += 1
+        if self.fails:
+            raise ModuleNotFoundError("No module named 'pynvml'")
+        return 40 + index
+
+    def temperature(self, index: int) -> int:
+        self.calls += 1
+        if self.fails:
+            raise ModuleNotFoundError("No module named 'pynvml'")
+        return 60 + index
+
+
+def test_utilisation_and_temperature_are_read_where_the_driver_reports_them_and_none_elsewhere(fake):
+    fake("cuda", GaugedTorchModule([FakeCard("RTX 3090"), FakeCard("RTX 3060")]))
+    first, second = backends.CudaBackend().devices()
+    assert (first.utilization, first.temperature, second.utilization, second.temperature) == (40, 60, 41, 61)
+    module = fake("cuda", GaugedTorchModule([FakeCard("RTX 3090")], fails=True))
+    backend = backends.CudaBackend()
+    (card,) = backend.devices()
+    assert (card.utilization, card.temperature, card.total) == (None, None, 8 * GiB)  # memory still reported
+    backend.devices()
+    assert module.calls == 2  # each gauge raised once and is not asked again
+    fake("cuda", FakeTorchModule([FakeCard("old torch")]))  # no such functions at all
+    assert backends.CudaBackend().devices()[0].utilization is None
+    cpu = backends.CpuBackend().devices()[0]
+    assert (cpu.utilization, cpu.temperature) == (None, None)
+    (simulated,) = backends.simulated_backends([SimulatedDevice(GiB)])[0].devices()
+    assert (simulated.utilization, simulated.temperature) == (None, None)  # like a backend that cannot tell
 
 
 def test_rocm_is_named_so_and_its_dtypes_come_from_the_gfx_architecture(fake):

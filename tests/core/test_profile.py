@@ -76,9 +76,14 @@ def test_each_node_gets_its_time_memory_peak_and_model_events():
     assert offload["after"]["gpu:0"] == 0
     assert offload["peak"]["gpu:0"] == 4 * MiB and offload["peak_bounded"] == ["gpu:0"]  # no new high: at least
     assert data["heaviest"] == {"node": "7", "device": "gpu:0"} and data["recording"] > 0
-    assert recorder.latest().summary() == "heaviest node so far: KSampler (7), 12.00 MiB on gpu:0"
+    # What each node did: its own peak above the level it started at, on the device whose books it changed.
+    assert (move["rise"]["gpu:0"], move["device"]) == (4 * MiB, "gpu:0")
+    assert (sampler["rise"]["gpu:0"], sampler["device"]) == (8 * MiB, "gpu:0")
+    assert (offload["rise"]["gpu:0"], offload["device"]) == (0, "gpu:0")  # it lowered the level: no rise
+    assert recorder.latest().summary() == "heaviest node so far: KSampler (7), +8.00 MiB on gpu:0"
     table = recorder.markdown("p1")
     assert "| KSampler (7) | Sampler | executed |" in table and "| Load (2) | Loader | cached |" in table
+    assert "| +8.00 MiB on gpu:0 |" in table
     assert "| Offload To CPU (9) | Offload | executed |" in table and "| ≥ 4.00 MiB |" in table
 
 
@@ -107,9 +112,39 @@ def test_a_peak_known_only_as_a_lower_bound_reads_at_least_in_the_summary_and_th
     recorder.node_finished("p", "3")
     node = recorder.profile("p")["nodes"][0]
     assert (node["peak"], node["peak_bounded"]) == ({"gpu:0": 2 * MiB}, ["gpu:0"])
-    assert recorder.latest().summary() == "heaviest node so far: VAE Decode (3), ≥ 2.00 MiB on gpu:0"
+    assert recorder.latest().summary() == "heaviest node so far: VAE Decode (3), ≥ +1.00 MiB on gpu:0"
     table = recorder.markdown("p")
     assert "| VAE Decode (3) | Decode | executed | " in table and "| ≥ 2.00 MiB |" in table
+
+
+def test_the_heaviest_mark_goes_to_the_largest_rise_alone_and_a_node_without_gpu_work_is_on_the_cpu():
+    """A node that changed no accelerator's books computed on the CPU; two nodes that raised memory equally, or
+    none raising any, leave no node marked (the order they ran in decides nothing)."""
+
+    def run(rises: list[tuple[int, int]]) -> dict:
+        readings = []
+        for gpu, cpu in rises:
+            readings += [Reading({"gpu:0": MiB, "cpu": MiB}, {"gpu:0": MiB}, {})]
+            readings += [Reading({"gpu:0": MiB, "cpu": MiB + cpu}, {"gpu:0": MiB + gpu}, {})]
+        feed = iter(readings)
+        recorder = Recorder(lambda: next(feed))
+        for index in range(len(rises)):
+            recorder.node_started("p", str(index), "N", f"N{index}")
+            recorder.node_finished("p", str(index))
+        return recorder.profile("p")
+
+    data = run([(0, 0), (2 * MiB, 0), (0, 0)])
+    assert [n["device"] for n in data["nodes"]] == ["cpu", "gpu:0", "cpu"]
+    assert data["heaviest"] == {"node": "1", "device": "gpu:0"}
+    assert run([(2 * MiB, 0), (2 * MiB, 0)])["heaviest"] is None  # a tie
+    assert run([(0, 0), (0, 0)])["heaviest"] is None  # nothing raised
+    on_cpu = run([(0, 3 * MiB), (0, MiB)])
+    assert on_cpu["heaviest"] == {"node": "0", "device": "cpu"} and on_cpu["nodes"][0]["rise"]["cpu"] == 3 * MiB
+    feed = iter([Reading({}, {}, {})] * 2)
+    recorder = Recorder(lambda: next(feed))
+    recorder.prompt_started("w", workflow="wf-1")
+    assert recorder.profile("w")["workflow"] == "wf-1"
+    assert recorder.latest().summary() == "heaviest node so far: none (no node has run yet)"
 
 
 def test_a_node_that_never_finished_failed_and_only_the_last_twenty_prompts_are_kept():

@@ -147,6 +147,8 @@ def test_the_push_reaches_websocket_clients_while_subscribed_and_stops_after(ser
     assert len(pushed) >= 4
     assert all("gpu:0" in [d["id"] for d in p["report"]["devices"]] for p in pushed)
     assert pushed[-1]["time"] > pushed[0]["time"]
+    # Utilisation and temperature per device, in the push: neither the CPU nor the simulated GPU can tell.
+    assert all((d["utilization"], d["temperature"]) == (None, None) for d in pushed[-1]["report"]["devices"])
     server.post("/device_control/subscribe", {"interval": 0, "client": client})
     time.sleep(0.3)
     assert run_coroutine(_listen(server.url, client, 1.0)) == []

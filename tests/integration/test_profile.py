@@ -84,8 +84,17 @@ def test_every_node_is_profiled_with_the_bytes_the_books_held(server, api):
     assert offload["before"]["gpu:0"] - offload["after"]["gpu:0"] >= placed
     assert [(e["kind"], e["bytes"]) for e in offload["events"]] == [("offloaded", placed)]
     assert nodes["8"]["peak"]["gpu:0"] >= placed  # the sampler ran with the UNet on the GPU
-    assert profile["heaviest"] == {"node": "8", "device": "gpu:0"}
-    assert api.report_text(entry, "12").splitlines()[-1].startswith("heaviest node so far: KSampler (8), ")
+    # What each node did: Move To GPU raised gpu:0 by the UNet; the sampler, beside it, by little of its own.
+    assert move["device"] == "gpu:0" and move["rise"]["gpu:0"] >= placed
+    assert nodes["8"]["rise"]["gpu:0"] < 256 * 1024**2 and nodes["7"]["device"] == "cpu"
+    rises = sorted(((n["rise"][n["device"]], key) for key, n in nodes.items()), reverse=True)
+    assert rises[0][0] > rises[1][0] and profile["heaviest"] == {
+        "node": rises[0][1],
+        "device": nodes[rises[0][1]]["device"],
+    }
+    heaviest = nodes[rises[0][1]]
+    line = api.report_text(entry, "12").splitlines()[-1]
+    assert line.startswith(f"heaviest node so far: {heaviest['title']} ({heaviest['node']}), "), line
     table = status_of(server, f"/device_control/profile?prompt_id={prompt_id}&format=markdown")[1]
     assert "| KSampler (8) | KSampler | executed |" in table
 
@@ -134,7 +143,7 @@ def test_a_failing_run_still_has_its_profile_and_the_failing_node_is_marked(serv
 @pytest.mark.parametrize(
     ("query", "status", "message"),
     [
-        ("?prompt_id=no-such-prompt", 404, "no profile of prompt 'no-such-prompt'; the last"),
+        ("?prompt_id=no-such-prompt", 404, "No profile of prompt 'no-such-prompt': profiles are kept for the last"),
         ("?prompt_id=%3Cscript%3E", 400, "prompt_id must be a prompt's id"),
         ("?prompt=1", 400, "unknown or repeated query parameters ['prompt']"),
         ("?prompt_id=a&prompt_id=b", 400, "unknown or repeated query parameters"),

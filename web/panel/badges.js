@@ -1,11 +1,12 @@
-// Device Control: after a run, a badge above each node that ran, with its peak memory and its time; the heaviest
-// node's badge is orange and marked. The peak is the highest on an accelerator (RAM where the run used none); a peak
-// the profile knows only as a lower bound (listed in the node's `peak_bounded`) reads "≥".
+// Device Control: after a run, a badge above each node that ran, with what it did: its own peak above the level
+// its device was at when it started ("+3.20 GiB"), the device it computed on ("gpu:0", or "CPU" where it changed no
+// accelerator's books), and its time. The node that raised memory most, alone, is orange and marked (none on a tie).
+// A figure the profile knows only as a lower bound (listed in the node's `peak_bounded`) reads "≥".
 // Pure module: it computes the badges from a profile and draws one on a canvas context it is given, in the node's
 // own coordinates; `drawn` keeps what was last drawn per node (graph coordinates), for the tests' geometry checks.
 
-import { seconds } from "./format.js";
-import { peakText, profileDevices, ranNodes } from "./run_chart.js";
+import { formatBytes, seconds } from "./format.js";
+import { ranNodes } from "./run_chart.js";
 
 const FONT = "11px sans-serif";
 const HEIGHT = 16;
@@ -15,21 +16,25 @@ const FILLS = { normal: "rgba(40,40,40,0.88)", heaviest: "rgba(230,120,0,0.95)",
 /** What was last drawn, by node id: {text, x, y, width, height} in graph coordinates. */
 export const drawn = new Map();
 
-/** The device a node's badge names: its highest peak on an accelerator, or RAM when the run used none. */
-function peakOf(node, accelerators) {
-  const candidates = Object.entries(node.peak ?? {}).filter(([id]) => (accelerators ? id !== "cpu" : id === "cpu"));
-  return candidates.reduce((best, entry) => (best === null || entry[1] > best[1] ? entry : best), null);
+/** How a badge names a device: "CPU" for the host, the device's id otherwise. */
+export function deviceName(id) {
+  return id === "cpu" ? "CPU" : id;
 }
 
-/** The badges of a profile, by node id: {text, node, classType, device, peak, bounded, wall, status, heaviest}. */
+/** What a node raised memory by on `device`: "+3.20 GiB", "≥ +0 B" where its peak is only a lower bound. */
+export function riseText(node, device, decimal) {
+  const bounded = (node.peak_bounded ?? []).includes(device);
+  return `${bounded ? "≥ " : ""}+${formatBytes(node.rise?.[device] ?? 0, decimal)}`;
+}
+
+/** The badges of a profile, by node id: {text, node, classType, device, rise, bounded, wall, status, heaviest}. */
 export function nodeBadges(profile, decimal) {
   const badges = new Map();
   if (!profile) return badges;
-  const accelerators = profileDevices(profile).some((id) => id !== "cpu");
   for (const node of ranNodes(profile)) {
-    const [device, peak] = peakOf(node, accelerators) ?? peakOf(node, false) ?? [null, null];
+    const device = node.device || null;
     const heaviest = profile.heaviest?.node === node.node;
-    const memory = device === null ? "" : `${peakText(node, device, decimal)} ${device === "cpu" ? "RAM" : device} · `;
+    const memory = device === null ? "" : `${riseText(node, device, decimal)} ${deviceName(device)} · `;
     const status = node.status === "failed" ? "failed · " : "";
     const text = `${heaviest ? "▲ " : ""}${status}${memory}${seconds(node.wall)}`;
     badges.set(String(node.node), {
@@ -37,7 +42,7 @@ export function nodeBadges(profile, decimal) {
       node: String(node.node),
       classType: node.class_type,
       device,
-      peak,
+      rise: device === null ? null : node.rise?.[device] ?? 0,
       bounded: (node.peak_bounded ?? []).includes(device),
       wall: node.wall,
       status: node.status,

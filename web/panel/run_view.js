@@ -4,10 +4,11 @@
 
 import { button, element, legendEntry } from "./dom.js";
 import { seconds } from "./format.js";
-import { RunChart, deviceColor, peakText, profileDevices, ranNodes } from "./run_chart.js";
+import { riseText } from "./badges.js";
+import { RunChart, deviceColor, profileDevices, ranNodes } from "./run_chart.js";
 
-/** "prompt 1a2b3c4d · success · 12.3 s · 9 nodes ran, 2 cached · heaviest: KSampler (8), 3.40 GiB on gpu:0" (a
- * peak known only as a lower bound reads "≥ 3.40 GiB"). */
+/** "prompt 1a2b3c4d · success · 12.3 s · 9 nodes ran, 2 cached · heaviest: KSampler (8), +3.40 GiB on gpu:0" (what
+ * the node raised memory by; a figure known only as a lower bound reads "≥ +3.40 GiB"). */
 export function runSummary(profile, decimal) {
   const ran = ranNodes(profile).length;
   const cached = (profile.nodes ?? []).filter((n) => n.status === "cached").length;
@@ -20,7 +21,9 @@ export function runSummary(profile, decimal) {
   const heaviest = profile.heaviest && profile.nodes.find((n) => n.node === profile.heaviest.node);
   if (heaviest) {
     const device = profile.heaviest.device;
-    parts.push(`heaviest: ${heaviest.title} (${heaviest.node}), ${peakText(heaviest, device, decimal)} on ${device}`);
+    parts.push(`heaviest: ${heaviest.title} (${heaviest.node}), ${riseText(heaviest, device, decimal)} on ${device}`);
+  } else if (ran) {
+    parts.push("no node raised memory more than every other");
   }
   return parts.join(" · ");
 }

@@ -6,6 +6,19 @@ import { clock, formatBytes, percent } from "./format.js";
 
 const ROOT_CLASS = "device-control-panel";
 const TIMELINE_HEIGHT = 120;
+const BUSY_REASON = "Not while a prompt runs: models are not moved under it. Wait for it to finish, or cancel it.";
+const UNITS_NOTE = {
+  binary: "Sizes in GiB (2^30 bytes), as budgets count: a budget of 8GB is 8 GiB.",
+  decimal: "Sizes in GB (10^9 bytes); budgets count 8GB as 8 GiB (8.59 GB).",
+};
+
+/** "busy 40% · 65 °C", or why there is no such figure (the backend cannot tell: CPU, the simulated GPU, ...). */
+export function gaugesText(device) {
+  const parts = [];
+  if (device.utilization !== null && device.utilization !== undefined) parts.push(`busy ${device.utilization}%`);
+  if (device.temperature !== null && device.temperature !== undefined) parts.push(`${device.temperature} °C`);
+  return parts.length ? parts.join(" · ") : "utilisation and temperature: not reported";
+}
 
 /** The colours of a split model's parts in its bar, one per device in the order the split fills them. */
 const PART_COLORS = ["#2196f3", "#9c27b0", "#00bcd4", "#795548"];
@@ -79,6 +92,8 @@ export class PanelView {
     this.status = element("div", "dc-status", "waiting for the first update...");
     this.status.style.opacity = "0.8";
     this.devices = section("Devices");
+    this.units = element("div", "dc-units");
+    this.units.style.opacity = "0.7";
     this.models = section("Models");
     const timelineSection = section("Used memory per device (share of its total), with node starts");
     this.legend = element("div", "dc-legend");
@@ -90,16 +105,19 @@ export class PanelView {
     Object.assign(this.hovered.style, { minHeight: "14px", opacity: "0.85" });
     timelineSection.append(this.legend, this.canvas, this.hovered);
     const actions = section("Actions");
-    actions.append(
+    this.moves = [
       button("Offload all", "dc-offload-all", () => this.actions.offloadAll(), "Move every model back to RAM"),
       button("Free caches", "dc-free-caches", () => this.actions.freeCaches(), "Give cached allocator memory back"),
+    ];
+    actions.append(
+      ...this.moves,
       button("Copy memory report", "dc-copy", () => this.actions.copy(), "Copy a report for bug reports"),
       button("Refresh", "dc-refresh", () => this.actions.refresh(), "Update now"),
     );
     this.notes = element("div", "dc-notes");
     this.notes.style.opacity = "0.8";
     this.runSlot = element("div", "dc-run-slot"); // the last run's chart (run_profile.js mounts it)
-    root.append(this.status, this.devices, this.models, timelineSection, this.runSlot, actions, this.notes);
+    root.append(this.status, this.devices, this.units, this.models, timelineSection, this.runSlot, actions, this.notes);
     container.append(root);
     this.root = root;
   }
@@ -111,12 +129,15 @@ export class PanelView {
   /** Show a snapshot (and the timeline so far). */
   update(snapshot, timeline, options) {
     if (!this.root || !snapshot) return;
-    const { decimal, wanted, interval } = options;
+    const { decimal, wanted, interval, running, nodeName } = options;
+    this.running = running;
     const bytes = (value) => formatBytes(value, decimal);
     const report = snapshot.report;
-    const running = snapshot.executing ? ` · running node ${snapshot.executing.node ?? "?"}` : "";
+    const node = snapshot.executing?.node;
+    const doing = running ? ` · running ${node === null || node === undefined ? "a prompt" : nodeName(node)}` : "";
     const every = interval > 0 ? `every ${interval} s` : "updates off";
-    this.status.textContent = `updated ${clock(snapshot.time)} · ${every}${running}`;
+    this.status.textContent = `updated ${clock(snapshot.time)} · ${every}${doing}`;
+    this.units.textContent = UNITS_NOTE[decimal ? "decimal" : "binary"];
 
     this.devices.replaceChildren(this.devices.firstChild);
     for (const device of report.devices) {
@@ -143,6 +164,11 @@ export class PanelView {
           element("div", "dc-device-text", text),
         );
       }
+      const gauges = element("div", "dc-gauges", gaugesText(device));
+      gauges.dataset.utilization = String(device.utilization ?? "");
+      gauges.dataset.temperature = String(device.temperature ?? "");
+      gauges.style.opacity = "0.8";
+      row.append(gauges);
       row.style.marginBottom = "6px";
       this.devices.append(row);
     }
@@ -172,7 +198,7 @@ export class PanelView {
       const shareText = shares.map(([id, size]) => `${percent(size, model.total_bytes)} on ${id}`).join(", ");
       controls.append(
         element("span", "dc-model-share", `${parts.length > 1 ? "split: " : ""}${shareText} `),
-        button("Offload", "dc-offload", () => this.actions.offload(model.key, model.name), "Move it back to RAM"),
+        this.move(button("Offload", "dc-offload", () => this.actions.offload(model.key, model.name), "Move it back to RAM")),
       );
       const segments = shares.map(([id, size], i) => [
         i ? "dc-resident-part" : "dc-resident",
@@ -187,6 +213,8 @@ export class PanelView {
       this.models.append(row);
     }
 
+    for (const action of this.moves) this.allow(action, !running);
+
     const mode = report.mode;
     const modeText = mode ? [`ComfyUI memory mode ${mode.vram_state}: ${mode.description}`, `dynamic VRAM ${mode.dynamic_vram}`] : [];
     this.notes.textContent = modeText.concat(report.notes || []).join(" · ");
@@ -197,6 +225,21 @@ export class PanelView {
     this.canvas.dataset.layout = JSON.stringify(timeline.layout.labels);
     this.canvas.dataset.markerPositions = JSON.stringify(timeline.layout.markers.map((m) => m.x));
     this.renderLegend(timeline);
+  }
+
+  /** A button that moves models, disabled (with the reason as its tooltip) while a prompt runs. */
+  move(action) {
+    action.dataset.title = action.title;
+    this.allow(action, !this.running);
+    return action;
+  }
+
+  allow(action, allowed) {
+    action.dataset.title ??= action.title;
+    action.disabled = !allowed;
+    action.title = allowed ? action.dataset.title : BUSY_REASON;
+    action.style.cursor = allowed ? "pointer" : "not-allowed";
+    action.style.opacity = allowed ? "1" : "0.5";
   }
 
   /** One entry per device line: a swatch in its color and its name (text, so it never overlaps the chart). */

@@ -38,6 +38,9 @@ class DeviceInfo:
     held at once: as a backend reports it, its peak counter; in an inventory's snapshot, the peak since the VRAM
     Report's previous report (:meth:`DeviceInventory.reset_peaks`), which ``peak_bounded`` marks as only a lower
     bound (no new high was set since, and the counters are not reset: ``core.devices.peaks``).
+    ``utilization`` (percent of the last sample period the device was busy) and ``temperature`` (degrees Celsius)
+    are what the driver reports, or ``None`` where the backend cannot tell (the CPU, the simulated GPU, a CUDA
+    build without the NVIDIA/AMD management library).
     """
 
     id: str
@@ -54,6 +57,8 @@ class DeviceInfo:
     peak_allocated: int | None = None
     torch_visible: bool = True
     peak_bounded: bool = False
+    utilization: int | None = None
+    temperature: int | None = None
 
     @property
     def used(self) -> int | None:

@@ -6,6 +6,7 @@ differs between them (the dtypes a device computes in, pinning host memory) is l
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import replace
@@ -14,6 +15,8 @@ from typing import Any
 import torch
 
 from .base import DeviceBackend, DeviceInfo, Target, describe, dtypes_from
+
+log = logging.getLogger("device_control")
 
 
 class TorchModuleBackend(DeviceBackend):
@@ -36,6 +39,7 @@ class TorchModuleBackend(DeviceBackend):
         self._capabilities = capabilities or (lambda _mod, _index: (True, True, False))
         self._streams: dict[torch.device, Any] = {}
         self._lock = threading.Lock()
+        self._no_gauge: set[str] = set()  # gauges that raised once (no management library): not asked again
 
     def _torch_module(self) -> Any:
         return getattr(torch, self.module, None)
@@ -70,7 +74,22 @@ class TorchModuleBackend(DeviceBackend):
         except Exception as exc:
             return DeviceInfo("", self.name, name, torch_device, None, None, error=describe(exc))
         info = DeviceInfo("", self.name, name, torch_device, total, free, allocated, reserved, others, dtypes)
-        return replace(info, peak_allocated=peak)
+        return replace(info, peak_allocated=peak, **self._gauges(mod, index))
+
+    def _gauges(self, mod: Any, index: int) -> dict[str, int | None]:
+        """The device's utilisation and temperature where the module reports them (``torch.cuda`` does through
+        pynvml or amdsmi, and raises without them); ``None`` for each it cannot tell."""
+        read: dict[str, int | None] = {}
+        for gauge in ("utilization", "temperature"):
+            read[gauge] = None
+            if gauge in self._no_gauge or not callable(getattr(mod, gauge, None)):
+                continue
+            try:
+                read[gauge] = int(getattr(mod, gauge)(index))
+            except Exception as exc:  # no management library, or a driver that does not answer: not reported
+                self._no_gauge.add(gauge)
+                log.info("[Device Control] %s of %s devices not reported: %s", gauge, self.name, describe(exc))
+        return read
 
     def reset_peaks(self) -> None:
         mod = self._torch_module()
