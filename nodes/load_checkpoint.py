@@ -80,7 +80,13 @@ class LoadCheckpointWithDevice(surface.io.ComfyNode):
         # offered only what a VAE takes) is told why when queued, not only that it is not in the list.
         if vae_dtype not in VAE_DTYPES:
             return f"vae_dtype: {vae_dtype_problem(vae_dtype, 'vae_dtype')}"
-        return check_devices(model_device=model_device, clip_device=clip_device, vae_device=vae_device)
+        return check_devices(
+            "Load Checkpoint With Device",
+            cls,
+            model_device=model_device,
+            clip_device=clip_device,
+            vae_device=vae_device,
+        )
 
     @classmethod
     def execute(

@@ -82,7 +82,7 @@ class LoadDiffusionModelWithDevice(surface.io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, device: str) -> bool | str:
-        return check_devices(device=device)
+        return check_devices("Load Diffusion Model With Device", cls, device=device)
 
     @classmethod
     def execute(cls, unet_name: str, device: str, dtype: str) -> Any:

@@ -102,7 +102,7 @@ class LoadTextEncodersWithDevice(surface.io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, device: str) -> bool | str:
-        return check_devices(device=device)
+        return check_devices("Load Text Encoders With Device", cls, device=device)
 
     @classmethod
     def execute(

@@ -68,7 +68,7 @@ class LoadVAEWithDevice(surface.io.ComfyNode):
         # another loader) is told why, not only that it is not in the list.
         if dtype not in VAE_DTYPES:
             return f"dtype: {vae_dtype_problem(dtype, 'dtype')}"
-        return check_devices(device=device)
+        return check_devices("Load VAE With Device", cls, device=device)
 
     @classmethod
     def execute(cls, vae_name: str, device: str, dtype: str) -> Any:

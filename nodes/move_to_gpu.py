@@ -6,26 +6,23 @@ import logging
 from typing import Any
 
 from ..core.devices.inventory import parse_device_spec
-from ..core.errors import InvalidDeviceSpecError
-from . import panel, surface, surface_types
-from .bridge.books import displacements
+from ..core.errors import InvalidDeviceSpecError, InvalidSizeError
+from ..core.placement.budget import Budget
+from . import panel, surface
 from .bridge.moves import MoveResult, move
+from .device_warnings import warn_missing_devices
 from .state import device_options, inventory
 
 log = logging.getLogger("device_control")
 
 MODEL_TYPES = "the MODEL, CLIP or VAE"
-#: The types the model input takes, as ComfyUI writes them (and the output's type where it cannot follow the input).
+#: The types the model input takes, and its output's (the editor narrows the output to the type connected to the
+#: input: ``web/panel/device_warnings.js``), as ComfyUI writes them.
 MODEL_IO_TYPE = "MODEL,CLIP,VAE"
 MODEL_TOOLTIP = "A MODEL, CLIP or VAE from any loader (ComfyUI's own or Load Checkpoint With Device)."
-MOVED_TOOLTIP = "The same model (a clone that carries the placement)."
-#: Where the running ComfyUI's MatchType works: the template Move To GPU's model input and output share, so the
-#: output's type is the input's (a CLIP in, a CLIP out). ``None``: the input takes the three and the output is
-#: typed with all three.
-MODEL_TEMPLATE = surface_types.match_template("model", [surface.io.Model, surface.io.Clip, surface.io.Vae])
-#: The type each input of Move To GPU takes when linked, checked by the node where its model input follows a
-#: template (ComfyUI's own check lets anything into it); the device and trigger take what their links give.
-LINKED_TYPES = {"model": MODEL_IO_TYPE, "vram_budget": "STRING", "keep_resident": "BOOLEAN"}
+MOVED_TOOLTIP = (
+    "The same model (a clone that carries the placement), of the type connected to the input: a CLIP in, a CLIP out."
+)
 
 
 def model_input(optional: bool = False) -> Any:
@@ -35,31 +32,10 @@ def model_input(optional: bool = False) -> Any:
 
 
 def model_output() -> Any:
-    """The output that gives back what came in, typed with all three (a MODEL, CLIP or VAE)."""
+    """The output that gives back what came in: typed with all three here, narrowed by the editor to the type
+    connected to the input. (ComfyUI's MatchType would do that where it works, 0.28 on; on 0.3.75 it does not, and
+    the node's Info would read COMFY_MATCHTYPE_V3: one mechanism for every ComfyUI and frontend tested.)"""
     return surface.io.Custom(MODEL_IO_TYPE).Output("moved", display_name="model", tooltip=MOVED_TOOLTIP)
-
-
-def model_slots() -> tuple[Any, Any]:
-    """Move To GPU's model input and output: joined by :data:`MODEL_TEMPLATE` where there is one, so the editor
-    types the output as whatever is connected to the input; else :func:`model_input` and :func:`model_output`."""
-    if MODEL_TEMPLATE is None:
-        return model_input(), model_output()
-    io = surface.io
-    return (
-        io.MatchType.Input(id="model", template=MODEL_TEMPLATE, tooltip=MODEL_TOOLTIP),
-        io.MatchType.Output(id="moved", template=MODEL_TEMPLATE, display_name="model", tooltip=MOVED_TOOLTIP),
-    )
-
-
-def refused_links(input_types: dict[str, Any] | None) -> str | None:
-    """What is wrong with the types linked to Move To GPU's inputs (``input_types``, as ComfyUI hands them to
-    ``validate_inputs``), or ``None``."""
-    wrong = [
-        f"{name}: a {received} is linked where {LINKED_TYPES[name]} is taken; link an output of that type instead"
-        for name, received in (input_types or {}).items()
-        if name in LINKED_TYPES and not surface_types.link_fits(received, LINKED_TYPES[name])
-    ]
-    return "; ".join(wrong) or None
 
 
 def trigger_input() -> Any:
@@ -85,7 +61,6 @@ class MoveToGPU(surface.io.ComfyNode):
     @classmethod
     def define_schema(cls) -> Any:
         io = surface.io
-        model_in, model_out = model_slots()
         return io.Schema(
             node_id="DeviceControl_MoveToGPU",
             display_name="Move To GPU",
@@ -95,10 +70,12 @@ class MoveToGPU(surface.io.ComfyNode):
                 "allows; the rest stays in RAM and streams layer by layer when it runs. The weights move in place: "
                 "nothing is read from disk again, LoRAs are kept, and later nodes (KSampler, CLIP Text Encode, VAE "
                 "Decode) keep the placement instead of loading the model their own way. The dtype stays, except that a "
-                "diffusion model loaded with dtype auto takes ComfyUI's dtype for the new device (fp16 on a GPU)."
+                "diffusion model loaded with dtype auto takes ComfyUI's dtype for the new device (fp16 on a GPU). "
+                "Cached like any node: the placement belongs to the model, so after an Offload To CPU the next node "
+                "that computes with it loads it back here, under this budget, without this node running again."
             ),
             inputs=[
-                model_in,
+                model_input(),
                 io.Combo.Input(
                     "device",
                     options=device_options(),
@@ -126,38 +103,32 @@ class MoveToGPU(surface.io.ComfyNode):
                 ),
                 trigger_input(),
             ],
+            hidden=[io.Hidden.unique_id],
             outputs=[
-                model_out,
+                model_output(),
                 trigger_output(),
                 io.String.Output("summary", display_name="summary", tooltip="What was moved where, and what streams."),
             ],
         )
 
     @classmethod
-    def check_device(cls, device: str) -> bool | str:
-        # Only the device is validated here: ComfyUI reports a validation error against every input this
-        # method takes, so the budget (checked first thing when the node runs, before anything moves) is not.
-        # A device this machine lacks is not an error: it falls back at run time, with a warning.
+    def validate_inputs(cls, device: str | None, vram_budget: str | None) -> bool | str:
+        # Checked when the prompt is queued, before anything loads. ComfyUI files a refusal under every input
+        # this method takes, so the message names the input at fault. A device this machine lacks is not an
+        # error: it falls back at run time, and the user is warned now. A linked budget (None here) is checked
+        # when the node runs.
         try:
-            parse_device_spec(device)
+            if device is not None:
+                parse_device_spec(device)
+            if vram_budget is not None:
+                Budget.parse(vram_budget)
         except InvalidDeviceSpecError as exc:
-            return str(exc)
+            return f"device: {exc}"
+        except InvalidSizeError as exc:
+            return f"vram_budget: {exc}"
+        if device is not None:
+            warn_missing_devices("Move To GPU", cls.hidden.unique_id if cls.hidden else None, device=device)
         return True
-
-    @classmethod
-    def check_device_and_links(cls, device: str, input_types: dict[str, Any] | None = None) -> bool | str:
-        # Taking input_types turns ComfyUI's own check of linked types off for this node, so it is done here:
-        # a LATENT linked to the model input is still refused when the prompt is queued.
-        return refused_links(input_types) or cls.check_device(device)
-
-    # Where the model input follows a template, ComfyUI lets any link into it: the node checks links itself.
-    validate_inputs = check_device_and_links if MODEL_TEMPLATE is not None else check_device
-
-    @classmethod
-    def fingerprint_inputs(cls, **kwargs: Any) -> int:
-        # Cached like any node while nothing has left a device since it ran; run again (and move again) once
-        # something was offloaded or evicted, so the move still happens at this point of the graph.
-        return displacements()
 
     @classmethod
     def execute(cls, model: Any, device: str, vram_budget: str, keep_resident: bool, trigger: Any = None) -> Any:

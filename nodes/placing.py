@@ -20,7 +20,6 @@ from ..core.devices.backends import DeviceInfo, backend_of
 from ..core.devices.inventory import InventorySnapshot, parse_device_spec
 from ..core.errors import (
     DeviceControlError,
-    DeviceNotFoundError,
     InvalidDeviceSpecError,
     ModelFileError,
     UnknownModelError,
@@ -32,7 +31,9 @@ from . import panel, surface
 from .bridge import device_id
 from .bridge.checkpoint import default_dtype
 from .bridge.comfy_detection import detect_with_comfyui
+from .bridge.fallback import resolve_or_fallback
 from .bridge.filling import ComponentPlan
+from .device_warnings import warn_missing_devices
 from .state import device_options, inventory
 
 log = logging.getLogger("device_control")
@@ -76,14 +77,12 @@ def _chosen_device(
     role: str, spec: str, snapshot: InventorySnapshot, notes: list[str]
 ) -> tuple[DeviceInfo, torch.device, bool]:
     """The device for ``role``, its torch device, and whether the user chose it (``auto`` and a device this
-    machine lacks leave the choice to ComfyUI; the latter says so in ``notes``)."""
+    machine lacks leave the choice to ComfyUI; the latter says so in ``notes``, as Move To GPU does)."""
     if spec.strip().lower() != "auto":
-        try:
-            info = inventory.resolve(spec, snapshot=snapshot).device
+        info, warning = resolve_or_fallback(inventory, spec, snapshot)
+        if info is not None:
             return info, torch.device(info.torch_device or "cpu"), True
-        except DeviceNotFoundError as exc:  # a workflow from another machine: run anyway, and say so
-            what = role.replace("_", " ")
-            notes.append(f"{what}: {exc.problem}; using auto (ComfyUI's choice) instead")
+        notes.append(f"{role.replace('_', ' ')}: {warning}")  # a workflow from another machine: run anyway
     torch_device = _comfy_default_device(role)
     return snapshot.get(device_id(torch_device, snapshot)) or snapshot.get("cpu"), torch_device, False
 
@@ -129,14 +128,19 @@ def dtype_input(name: str, what: str, options: list[str] | tuple[str, ...] = tup
     )
 
 
-def check_devices(**inputs: str) -> bool | str:
-    """A node's ``validate_inputs`` answer for its device inputs (by name): a malformed one is refused when the
-    prompt is queued; a device this machine lacks is not an error (it falls back at run time, with a warning)."""
-    for name, value in inputs.items():
+def check_devices(title: str, node: type, **inputs: str | None) -> bool | str:
+    """A node's ``validate_inputs`` answer for its device inputs (by name), when the prompt is queued: a malformed
+    one is refused; one this machine lacks is not an error (it falls back at run time) but a warning the user sees
+    now (``device_warnings``), from node ``node`` (the class ComfyUI validates, shown as ``title``). A linked
+    device (None) is checked when the node runs."""
+    given = {name: value for name, value in inputs.items() if value is not None}
+    for name, value in given.items():
         try:
             parse_device_spec(value)
         except InvalidDeviceSpecError as exc:
             return f"{name}: {exc}"
+    hidden = getattr(node, "hidden", None)
+    warn_missing_devices(title, getattr(hidden, "unique_id", None), **given)
     return True
 
 

@@ -8,7 +8,6 @@ from typing import Any
 from ..core.errors import InvalidAllocationError
 from ..core.placement.allocation import parse_allocation
 from . import surface
-from .bridge.books import displacements
 from .bridge.split_moves import split_model
 from .move_to_gpu import placed_output, trigger_input, trigger_output
 from .state import inventory
@@ -28,7 +27,8 @@ class SplitModel(surface.io.ComfyNode):
                 "Shares one diffusion model (MODEL) or text encoder (CLIP) out over several devices, in whole "
                 "blocks and in model order, so a model larger than any one GPU runs. pipeline: each block computes "
                 "on the device that holds it and only activations cross between devices. stream: the first device "
-                "computes and the others hold the rest, streamed to it ahead of use."
+                "computes and the others hold the rest, streamed to it ahead of use. Cached like any node: the split "
+                "belongs to the model and holds whenever it next computes."
             ),
             inputs=[
                 io.MultiType.Input(
@@ -73,17 +73,14 @@ class SplitModel(surface.io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, allocation: str) -> bool | str:
+    def validate_inputs(cls, allocation: str | None) -> bool | str:
+        # Checked when the prompt is queued, before anything loads (a linked allocation, None here, when it runs).
         try:
-            parse_allocation(allocation)
+            if allocation is not None:
+                parse_allocation(allocation)
         except InvalidAllocationError as exc:
             return str(exc)
         return True
-
-    @classmethod
-    def fingerprint_inputs(cls, **kwargs: Any) -> int:
-        # As Move To GPU's: cached while nothing left a device since it ran, so the split is in force downstream.
-        return displacements()
 
     @classmethod
     def execute(cls, model: Any, allocation: str, mode: str, trigger: Any = None) -> Any:

@@ -133,8 +133,11 @@ class VRAMReport(io.ComfyNode):
         return True
 
     @classmethod
-    def fingerprint_inputs(cls, **kwargs: Any) -> float:
-        return float("nan")  # never equal to itself: the report is made afresh on every run
+    def fingerprint_inputs(cls, **kwargs: Any) -> float | bool:
+        # Wired after a node (``value`` linked: None here), the report says what that point of the graph left, and
+        # is cached with it as any node is: an unchanged prompt queued again runs nothing. With nothing connected
+        # it reports memory now: NaN, never equal to itself, makes it run on every queue.
+        return False if "value" in kwargs else float("nan")
 
     @classmethod
     def execute(

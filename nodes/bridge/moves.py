@@ -31,6 +31,7 @@ from .books import (
     make_room_for,
 )
 from .dynamic_vram import classic_clone, is_dynamic
+from .fallback import resolve_or_fallback
 from .foreign import placeable
 from .patcher import DeviceControlPatcher, adopt, last_load
 from .reading import residency_of
@@ -81,10 +82,12 @@ def clone_subject(subject: Subject) -> Subject:
 def resolve_target(
     inventory: DeviceInventory, text: str, snapshot: InventorySnapshot
 ) -> tuple[Target, str, str | None]:
-    """``(target, device id, warning)`` for a device string; a device this machine lacks falls back to auto."""
-    resolution = inventory.resolve(text, fallback=True, snapshot=snapshot)
-    info = resolution.device
-    return inventory.target(info.id, snapshot), info.id, resolution.warning
+    """``(target, device id, warning)`` for a device string; a device this machine lacks falls back to auto, by the
+    rule and in the words of the loaders (``bridge.fallback``)."""
+    info, warning = resolve_or_fallback(inventory, text, snapshot)
+    if info is None:
+        info = inventory.resolve("auto", snapshot=snapshot).device
+    return inventory.target(info.id, snapshot), info.id, warning
 
 
 @dataclass

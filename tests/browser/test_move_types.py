@@ -1,25 +1,28 @@
 """In the real editor, Move To GPU's model output takes the type of what is connected to its input (a CLIP in, a CLIP
-out), so the editor refuses to wire a moved CLIP into a KSampler's model input. That needs a ComfyUI whose MatchType
-works (0.28.0 among those tested; elsewhere the output stays ``MODEL,CLIP,VAE`` and this module is skipped), on the
-frontend it pins and on the newest one served."""
+out), so the editor refuses to wire a moved CLIP into a KSampler's model input; what ComfyUI lists for the node, and
+its Info shows, reads ``MODEL,CLIP,VAE``. Saved workflows keep their links. A device this machine does not have is a
+warning the editor shows when the prompt is queued. On the frontend the running ComfyUI pins (1.32.9 on 0.3.75) and
+on 1.45.21 (0.28.0's) and the newest served."""
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.browser.conftest import PINNED
-from tests.integration.test_object_info import MATCH_TYPE_WORKS
-from tools.runtime import DEFAULT_VERSION, NEWEST_FRONTEND
+from tools.runtime import DEFAULT_VERSION, NEWEST_FRONTEND, RELEASES
 
-pytestmark = [
-    pytest.mark.parametrize("frontend_version", [PINNED, NEWEST_FRONTEND], indirect=True, scope="module"),
-    pytest.mark.skipif(
-        DEFAULT_VERSION not in MATCH_TYPE_WORKS,
-        reason=f"ComfyUI {DEFAULT_VERSION}'s MatchType does not work: Move To GPU's output stays MODEL,CLIP,VAE",
-    ),
-]
+REPO = Path(__file__).resolve().parents[2]
+MOVE = REPO / "workflows" / "sd15_move_to_gpu_and_offload.json"
+#: 0.28.0's pinned frontend, the first tested with ComfyUI's own MatchType.
+FRONTEND_0_28 = RELEASES["0.28.0"].frontend
+FRONTENDS = [PINNED, *{FRONTEND_0_28, NEWEST_FRONTEND} - {RELEASES[DEFAULT_VERSION].frontend}]
+
+pytestmark = pytest.mark.parametrize("frontend_version", sorted(FRONTENDS), indirect=True, scope="module")
 
 #: Builds a graph through the frontend's own graph API: a loader's output into Move To GPU, then Move To GPU's
 #: output offered to a KSampler's model input and to a CLIP Text Encode's clip input. Returns what the editor did.
@@ -32,8 +35,8 @@ WIRE = """async ([loaderType, outputName, linkFirst]) => {
     const frame = () => new Promise((done) => requestAnimationFrame(() => requestAnimationFrame(done)));
     await frame();
     const modelIn = sampler.findInputSlot("model"), clipIn = encode.findInputSlot("clip");
-    const typeBefore = move.outputs[0].type;
-    // Wired before the input is connected (the output takes any type then): connecting a CLIP must drop it.
+    const typeBefore = move.outputs[0].type, inputType = move.inputs[0].type;
+    // Wired before the input is connected (the output takes any of its types then): connecting a CLIP drops it.
     const early = linkFirst ? !!move.connect(0, sampler, modelIn) : null;
     const fed = !!loader.connect(loader.findOutputSlot(outputName), move, move.findInputSlot("model"));
     await frame();
@@ -43,8 +46,14 @@ WIRE = """async ([loaderType, outputName, linkFirst]) => {
     const toSampler = !!move.connect(0, sampler, modelIn);
     const toEncoder = !!move.connect(0, encode, clipIn);
     const valid = window.LiteGraph.isValidConnection(typeAfter, sampler.inputs[modelIn].type);
-    return {typeBefore, early, fed, typeAfter, keptEarly, toSampler, toEncoder, valid,
+    return {typeBefore, inputType, early, fed, typeAfter, keptEarly, toSampler, toEncoder, valid,
             samplerLinked: sampler.inputs[modelIn].link != null, encoderLinked: encode.inputs[clipIn].link != null};
+}"""
+
+#: After a workflow was loaded: Move To GPU's output type and how many links leave it.
+MOVED_OUTPUT = """() => {
+    const move = window.app.graph._nodes.find((n) => n.comfyClass === "DeviceControl_MoveToGPU");
+    return {type: move.outputs[0].type, links: (move.outputs[0].links || []).length};
 }"""
 
 
@@ -54,13 +63,13 @@ def _wire(frontend: Any, loader: str, output: str, link_first: bool = False) -> 
 
 @pytest.fixture
 def editor(frontend):
-    """The editor, opened on a server that gives Move To GPU's model input a match-type template."""
     frontend.open()
     return frontend
 
 
 def test_a_moved_clip_is_a_clip_and_cannot_feed_a_sampler(editor):
     wired = _wire(editor, "CLIPLoader", "CLIP")
+    assert wired["typeBefore"] == wired["inputType"] == "MODEL,CLIP,VAE", wired  # readable, as the Info shows it
     assert wired["fed"] and wired["typeAfter"] == "CLIP", wired
     assert wired["valid"] is False and wired["toSampler"] is False and not wired["samplerLinked"], wired
     assert wired["toEncoder"] and wired["encoderLinked"], wired
@@ -69,7 +78,7 @@ def test_a_moved_clip_is_a_clip_and_cannot_feed_a_sampler(editor):
 
 def test_a_link_to_a_sampler_made_before_a_clip_is_connected_is_dropped(editor):
     wired = _wire(editor, "CLIPLoader", "CLIP", link_first=True)
-    assert wired["early"] is True, wired  # nothing connected yet: the output takes any type
+    assert wired["early"] is True, wired  # nothing connected yet: the output takes any of the three
     assert wired["typeAfter"] == "CLIP" and wired["keptEarly"] is False, wired
 
 
@@ -78,3 +87,59 @@ def test_a_moved_model_still_feeds_a_sampler(editor):
     assert wired["fed"] and wired["typeAfter"] == "MODEL", wired
     assert wired["valid"] and wired["toSampler"] and wired["samplerLinked"], wired
     assert wired["toEncoder"] is False and not wired["encoderLinked"], wired
+
+
+@pytest.mark.parametrize("saved_as", ["MODEL,CLIP,VAE", "COMFY_MATCHTYPE_V3"])
+def test_a_saved_workflow_loads_with_its_links_and_a_typed_output(editor, tmp_path, saved_as):
+    # Saved by this version (the three types) or by one that used ComfyUI's MatchType (its template type).
+    workflow = json.loads(MOVE.read_text())
+    move = next(n for n in workflow["nodes"] if n["type"] == "DeviceControl_MoveToGPU")
+    move["outputs"][0]["type"] = saved_as
+    saved = tmp_path / "saved.json"
+    saved.write_text(json.dumps(workflow))
+    editor.load_workflow(saved)
+    assert editor.page.evaluate(MOVED_OUTPUT) == {"type": "MODEL", "links": len(move["outputs"][0]["links"])}
+    assert editor.our_errors() == []
+
+
+#: How many links the loaded graph has.
+LINKS = """() => { const links = window.app.graph.links; return links instanceof Map ? links.size
+    : Object.values(links).filter(Boolean).length; }"""
+
+
+def test_every_example_workflow_keeps_every_link(editor):
+    # The outputs that follow their input are typed when a workflow loads: none of the examples' links may drop.
+    for workflow in sorted((REPO / "workflows").glob("*.json")):
+        editor.load_workflow(workflow)
+        assert editor.page.evaluate(LINKS) == len(json.loads(workflow.read_text())["links"]), workflow.name
+    assert editor.our_errors() == []
+
+
+#: Set the device of the loader and of Move To GPU to one this machine lacks (a workflow from another machine).
+ELSEWHERE = """() => {
+    for (const node of window.app.graph._nodes) {
+        for (const widget of node.widgets || []) {
+            if (["device", "model_device"].includes(widget.name)) widget.value = "gpu:3";
+        }
+    }
+}"""
+
+
+def test_a_device_this_machine_lacks_is_a_warning_shown_when_queued(editor, artifacts, frontend_version):
+    editor.load_workflow(MOVE)
+    editor.page.evaluate(ELSEWHERE)
+    editor.click_run()
+    page = editor.page
+    try:
+        # The toast's look differs between frontends (PrimeVue's before 1.5x): found by its text.
+        for title, name in (("Load Checkpoint With Device", "model_device"), ("Move To GPU", "device")):
+            page.get_by_text(re.compile(rf"^{title} #\d+$")).first.wait_for(state="visible", timeout=30_000)
+            said = f"{name}: device 'gpu:3' does not exist on this machine (devices here: "
+            told = page.get_by_text(said).first
+            told.wait_for(state="visible", timeout=5_000)
+            assert told.inner_text().endswith("using auto (ComfyUI's choice) instead")
+        page.screenshot(path=str(artifacts / f"device_warning_{frontend_version}.png"))
+    finally:
+        editor.server.post("/queue", {"clear": True})
+        editor.server.post("/interrupt", {})
+    assert editor.our_errors() == []
