@@ -5,7 +5,6 @@
 import { api } from "../../scripts/api.js";
 import { app } from "../../scripts/app.js";
 import "./panel/device_warnings.js";
-import "./panel/device_warnings.js";
 import { formatBytes } from "./panel/format.js";
 import { memoryReport } from "./panel/report.js";
 import { Timeline } from "./panel/timeline.js";
