@@ -2,9 +2,11 @@
 
 Each is what a 12 GB card wants: the diffusion model read into RAM in the dtype that suits it, then moved to
 ``gpu:0`` under a budget by Move To GPU (what does not fit streams from RAM at each step); the text encoders on
-the CPU; the VAE on ``gpu:0``, where it decodes. The files named are the synthetic ones the tests generate
-(``tools/make_family_fixtures.py``), whose text conditioning comes from CLIP-L (and CLIP-G for SDXL) loaded as ComfyUI's
-``sd3`` type (``sdxl`` for SDXL); a note in each workflow says which released files to pick instead.
+the CPU; the VAE on ``gpu:0``, where it decodes. Each family has two sides: :class:`Released`, what the workflow
+file names and how it samples (the released files, at the settings of ComfyUI's own examples), and the synthetic
+files the tests generate (``tools/make_family_fixtures.py``), whose text conditioning comes from CLIP-L (and CLIP-G
+for SDXL) loaded as ComfyUI's ``sd3`` type (``sdxl`` for SDXL). ``tools.workflow_api.for_fixtures`` turns the first
+into the second.
 """
 
 from __future__ import annotations
@@ -20,8 +22,22 @@ NOTE_SIZE = (420, 220)
 
 
 @dataclass(frozen=True)
+class Released:
+    """What a family's workflow file names and how it samples: the released files (``tools.template_models``), the
+    latent's width, height (and frames), and the steps and cfg of ComfyUI's own example for that model."""
+
+    unet: str
+    text_encoders: tuple[str, ...]
+    clip_type: str
+    vae: str
+    size: tuple[int, ...]
+    steps: int
+    cfg: float
+
+
+@dataclass(frozen=True)
 class Family:
-    """One family's example: its files, how its diffusion model is placed, and how it samples."""
+    """One family's example: its test files, how its diffusion model is placed, how it samples, and its release."""
 
     stem: str
     unet: str
@@ -33,6 +49,7 @@ class Family:
     latent: tuple[str, list]
     sampler: tuple[str, str]
     note: str
+    released: Released
     guidance: bool = False
 
 
@@ -42,6 +59,8 @@ def _vae(key: str) -> str:
 
 _CLIP_PAIR = (SD15_CLIP_L, CLIP_G.file)
 _SD3_LATENT = ("EmptySD3LatentImage", [64, 64, 1])
+_FLUX_TE = ("clip_l.safetensors", "t5xxl_fp8_e4m3fn.safetensors")
+_FLUX = Released("flux1-dev.safetensors", _FLUX_TE, "flux", "ae.safetensors", (1024, 1024), 20, 1.0)
 
 FAMILIES = (
     Family(
@@ -54,8 +73,17 @@ FAMILIES = (
         SD15_VAE,
         ("EmptyLatentImage", [64, 64, 1]),
         ("euler", "normal"),
-        "SDXL in separate files. With the released files: the SDXL UNet (fp16, 4.8 GiB) in diffusion_models, "
-        "clip_l and clip_g in text_encoders (type sdxl), the SDXL VAE in vae. The UNet fits an 8 GB budget whole.",
+        "SDXL base in separate files: its UNet (fp16, 4.8 GiB) in models/diffusion_models, clip_l and clip_g in "
+        "models/text_encoders (type sdxl), the SDXL VAE in models/vae. The UNet fits an 8 GB budget whole.",
+        Released(
+            "sdxl_unet_fp16.safetensors",
+            ("clip_l.safetensors", "clip_g.safetensors"),
+            "sdxl",
+            "sdxl_vae.safetensors",
+            (1024, 1024),
+            25,
+            7.0,
+        ),
     ),
     Family(
         "sd35_split_files_fp8_budget",
@@ -67,9 +95,18 @@ FAMILIES = (
         _vae("vae_16ch"),
         _SD3_LATENT,
         ("euler", "simple"),
-        "SD3.5 Large in separate files. With the released files: sd3.5_large (7.6 GiB in fp8) in "
-        "diffusion_models; clip_l, clip_g and t5xxl in text_encoders as clip_name1-3 (type sd3), on the CPU; the SD3 "
-        "VAE. A 7 GB budget keeps most of the model on the GPU and streams the rest each step.",
+        "SD3.5 Large in separate files: sd3.5_large (7.6 GiB in fp8) in models/diffusion_models; clip_l, clip_g and "
+        "t5xxl in models/text_encoders (type sd3), on the CPU; the SD3.5 VAE in models/vae. A 7 GB budget keeps most "
+        "of the model on the GPU and streams the rest each step.",
+        Released(
+            "sd3.5_large.safetensors",
+            ("clip_l.safetensors", "clip_g.safetensors", "t5xxl_fp8_e4m3fn_scaled.safetensors"),
+            "sd3",
+            "sd3.5_vae.safetensors",
+            (1024, 1024),
+            30,
+            4.5,
+        ),
     ),
     Family(
         "flux_split_files_fp8_budget",
@@ -81,9 +118,10 @@ FAMILIES = (
         _vae("vae_16ch"),
         _SD3_LATENT,
         ("euler", "simple"),
-        "Flux.1 dev in separate files. With the released files: flux1-dev (11.1 GiB in fp8) in "
-        "diffusion_models; clip_l and t5xxl as clip_name1-2 with type flux, on the CPU; ae.safetensors as the VAE. "
-        "A 9 GB budget leaves room on a 12 GB card for the activations; the rest streams each step.",
+        "Flux.1 dev in separate files: flux1-dev (11.1 GiB in fp8) in models/diffusion_models; clip_l and t5xxl in "
+        "models/text_encoders (type flux), on the CPU; ae.safetensors in models/vae. A 9 GB budget leaves room on a "
+        "12 GB card for the activations; the rest streams each step. For Flux.1 schnell: 4 steps.",
+        _FLUX,
         guidance=True,
     ),
     Family(
@@ -96,8 +134,17 @@ FAMILIES = (
         _vae("vae_16ch"),
         _SD3_LATENT,
         ("euler", "simple"),
-        "Chroma in separate files. With the released files: the Chroma model (8.3 GiB in fp8) in "
-        "diffusion_models; t5xxl as clip_name1 with type chroma, on the CPU; the Flux ae.safetensors as the VAE.",
+        "Chroma in separate files: Chroma1-HD (8.3 GiB in fp8) in models/diffusion_models; t5xxl in "
+        "models/text_encoders (type chroma), on the CPU; the Flux ae.safetensors in models/vae.",
+        Released(
+            "Chroma1-HD.safetensors",
+            ("t5xxl_fp8_e4m3fn.safetensors",),
+            "chroma",
+            "ae.safetensors",
+            (1024, 1024),
+            26,
+            4.0,
+        ),
     ),
     Family(
         "wan21_split_files_fp8_budget",
@@ -109,9 +156,19 @@ FAMILIES = (
         _vae("wan21_vae"),
         ("EmptyHunyuanLatentVideo", [64, 64, 5, 1]),
         ("euler", "simple"),
-        "Wan 2.1 text-to-video in separate files (five frames here). With the released files: wan2.1_t2v_14B (13.3 GiB "
-        "in fp8, more than the card holds) in diffusion_models; umt5_xxl as clip_name1 with type wan, on the CPU; "
-        "wan_2.1_vae. A 9 GB budget keeps about two thirds of the model on the GPU and streams the rest each step.",
+        "Wan 2.1 text-to-video in separate files, 33 frames at 832x480 saved as images: wan2.1_t2v_14B (13.3 GiB in "
+        "fp8, more than the card holds) in models/diffusion_models; umt5_xxl in models/text_encoders (type wan), on "
+        "the CPU; wan_2.1_vae in models/vae. A 9 GB budget keeps about two thirds of the model on the GPU and streams "
+        "the rest each step.",
+        Released(
+            "wan2.1_t2v_14B_fp8_e4m3fn.safetensors",
+            ("umt5_xxl_fp8_e4m3fn_scaled.safetensors",),
+            "wan",
+            "wan_2.1_vae.safetensors",
+            (832, 480, 33),
+            30,
+            6.0,
+        ),
     ),
 )
 
@@ -128,9 +185,10 @@ FLUX_GGUF_EXAMPLE = Family(
     _vae("vae_16ch"),
     _SD3_LATENT,
     ("euler", "simple"),
-    "Flux.1 dev as a GGUF file (Q8_0). With the released files: a flux1-dev GGUF (Q4_K_S, Q5_K_S, Q8_0 ...) in "
-    "diffusion_models or unet; clip_l and t5xxl as safetensors (or the T5 as a GGUF) as "
-    "clip_name1-2 with type flux, on the CPU; ae.safetensors as the VAE. The weights stay quantised: the 6 GB budget "
-    "counts their quantised bytes, the rest streams as blocks, and each layer is dequantised where it computes.",
+    "Flux.1 dev as a GGUF file (Q8_0; Q4_K_S, Q5_K_S ... load the same way) in models/diffusion_models or "
+    "models/unet; clip_l and t5xxl in models/text_encoders (type flux), on the CPU; ae.safetensors in models/vae. The "
+    "weights stay quantised: the 6 GB budget counts their quantised bytes, the rest streams as blocks, and each layer "
+    "is dequantised where it computes.",
+    Released("flux1-dev-Q8_0.gguf", _FLUX_TE, "flux", "ae.safetensors", (1024, 1024), 20, 1.0),
     guidance=True,
 )

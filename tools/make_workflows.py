@@ -4,6 +4,13 @@ The graphs are described here in a few lines each and laid out as the frontend s
 outputs, links, widget values), against a running ComfyUI's ``/object_info``; the browser tests then check
 that the real frontend loads each file and turns it into the same prompt as ``tools.workflow_api``.
 
+The files are for users: each names the released model files (``tools.template_models``), carries the
+frontend's model metadata on its loaders (``properties.models``: name, url, directory, which the missing-model
+dialog offers to download) and samples at settings that give a real image. The graphs below are written on the
+test fixtures and released by :func:`release`; the four hand-made SD1.5 files (``txt2img_vram_report`` and the
+``sd15_*`` ones not built here) are released and laid out the same way. Nodes are packed in columns from the sizes
+written, so none overlaps (``tests/browser/test_templates.py`` checks the frontend's own rectangles).
+
 Run ``python3 tools/make_workflows.py`` after changing a graph or a node's inputs, and commit the files.
 """
 
@@ -25,10 +32,23 @@ if __package__ in (None, ""):
 from tools.comfy_server import ComfyServer
 from tools.family_workflows import FAMILIES, FLUX_GGUF_EXAMPLE, NOTE_SIZE, Family
 from tools.make_fixtures import SD15_CHECKPOINT, SD15_CHECKPOINT_B, SD15_CLIP_L, SD15_LORA, SD15_UNET, SD15_VAE
+from tools.template_models import MODELS
 
 log = logging.getLogger("device_control.tools")
 REPO = Path(__file__).resolve().parent.parent
-NODE_WIDTH, REPORT_SIZE = 320, (640, 360)
+NODE_WIDTH, REPORT_SIZE, GAP, OUR_TEXT_BOX = 340, (520, 360), 50, 160
+#: The fixture files of the SD1.5 graphs below -> the released files their workflow names.
+RELEASED_SD15 = {
+    SD15_CHECKPOINT: "v1-5-pruned-emaonly-fp16.safetensors",
+    SD15_CHECKPOINT_B: "DreamShaper_8_pruned.safetensors",
+    SD15_LORA: "lcm-lora-sdv1-5.safetensors",
+    SD15_UNET: "sd15_unet_fp16.safetensors",
+    SD15_CLIP_L: "clip_l.safetensors",
+    SD15_VAE: "vae-ft-mse-840000-ema-pruned.safetensors",
+}
+#: SD1.5 sampling that gives a real image: 512x512, 20 steps at cfg 7 (with the LCM LoRA: 6 steps at cfg 1.5).
+SD15_SIZE, SD15_STEPS, SD15_CFG = 512, 20, 7.0
+LCM_SAMPLING = (6, 1.5, "lcm", "sgm_uniform")
 PROMPT = "a lighthouse on a cliff at sunset, oil painting"
 
 
@@ -133,44 +153,45 @@ def split_across_gpus() -> list[Node]:
     """Flux's diffusion model over two GPUs in pipeline mode (on a machine without them, it stays in RAM, warned);
     its text encoder in RAM, the VAE on ``gpu:0``."""
     flux = next(family for family in FAMILIES if family.stem.startswith("flux"))
+    files = flux.released
     return [
-        Node(1, "DeviceControl_LoadDiffusionModel", [flux.unet, "cpu", flux.dtype], {}, (20, 80)),
+        Node(1, "DeviceControl_LoadDiffusionModel", [files.unet, "cpu", flux.dtype], {}, (20, 80)),
         Node(2, "DeviceControl_SplitModel", ["gpu:0=50%, gpu:1=*", "pipeline"], {"model": (1, 0)}, (20, 420)),
         report(3, "split over two GPUs", (2, 0), (20, 720)),
         Node(
             4,
             "DeviceControl_LoadTextEncoders",
-            [*flux.text_encoders, "none", "none", "none", flux.clip_type, "cpu", "auto"],
+            [*files.text_encoders, "none", "none", files.clip_type, "cpu", "auto"],
             {},
             (460, 80),
         ),
         Node(5, "CLIPTextEncode", [PROMPT], {"clip": (4, 0)}, (840, 80)),
         Node(6, "CLIPTextEncode", ["blurry"], {"clip": (4, 0)}, (840, 300)),
         Node(7, "FluxGuidance", [3.5], {"conditioning": (5, 0)}, (840, 720)),
-        Node(8, *flux.latent, {}, (840, 520)),
+        Node(8, flux.latent[0], [*files.size, 1], {}, (840, 520)),
         Node(
             9,
             "KSampler",
-            [42, "fixed", 1, 1, *flux.sampler, 1],
+            [42, "fixed", files.steps, files.cfg, *flux.sampler, 1],
             {"model": (3, 0), "positive": (7, 0), "negative": (6, 0), "latent_image": (8, 0)},
             (1220, 80),
         ),
         report(10, "after sampling", (9, 0), (1220, 720)),
-        Node(11, "DeviceControl_LoadVAE", [flux.vae, "gpu:0", "auto"], {}, (1220, 520)),
+        Node(11, "DeviceControl_LoadVAE", [files.vae, "gpu:0", "auto"], {}, (1220, 520)),
         Node(12, "VAEDecode", [], {"samples": (10, 0), "vae": (11, 0)}, (1600, 80)),
         Node(13, "SaveImage", ["flux_split_across_two_gpus"], {"images": (12, 0)}, (1960, 80)),
         Node(
             14,
             "Note",
             [
-                "Flux.1 dev over two GPUs. With the released files: flux1-dev (11.1 GiB in fp8) in diffusion_models "
-                "is split half and half over gpu:0 and gpu:1 (two 8 GB cards), each half computing where it lives; "
-                "clip_l and t5xxl as clip_name1-2 with type flux, on the CPU; ae.safetensors as the VAE. On one GPU "
-                "and RAM, write 'gpu:0=6GB, cpu=*' and choose stream."
+                "Flux.1 dev over two GPUs: flux1-dev (11.1 GiB in fp8) in models/diffusion_models is split half and "
+                "half over gpu:0 and gpu:1 (two 8 GB cards), each half computing where it lives; clip_l and t5xxl in "
+                "models/text_encoders (type flux), on the CPU; ae.safetensors in models/vae. On one GPU and RAM, "
+                "write 'gpu:0=6GB, cpu=*' and choose stream."
             ],
             {},
             (460, 420),
-            title="With the released files",
+            title="About this workflow",
         ),
     ]
 
@@ -192,29 +213,30 @@ def split_files() -> list[Node]:
 
 def family_split_files(family: Family) -> list[Node]:
     """A family shipped as separate files, placed for a 12 GB card (see ``tools.family_workflows``)."""
-    files = [*family.text_encoders, *["none"] * (4 - len(family.text_encoders))]
-    latent_type, latent_widgets = family.latent
+    released = family.released
+    files = [*released.text_encoders, *["none"] * (4 - len(released.text_encoders))]
+    latent_type = family.latent[0]
     positive = (7, 0) if family.guidance else (5, 0)
     nodes = [
-        Node(1, "DeviceControl_LoadDiffusionModel", [family.unet, "cpu", family.dtype], {}, (20, 80)),
+        Node(1, "DeviceControl_LoadDiffusionModel", [released.unet, "cpu", family.dtype], {}, (20, 80)),
         Node(2, "DeviceControl_MoveToGPU", ["gpu:0", family.budget, False], {"model": (1, 0)}, (20, 420)),
         report(3, f"diffusion model on gpu:0, {family.budget} budget", (2, 0), (20, 720)),
-        Node(4, "DeviceControl_LoadTextEncoders", [*files, family.clip_type, "cpu", "auto"], {}, (460, 80)),
+        Node(4, "DeviceControl_LoadTextEncoders", [*files, released.clip_type, "cpu", "auto"], {}, (460, 80)),
         Node(5, "CLIPTextEncode", [PROMPT], {"clip": (4, 0)}, (840, 80)),
         Node(6, "CLIPTextEncode", ["blurry"], {"clip": (4, 0)}, (840, 300)),
-        Node(8, latent_type, latent_widgets, {}, (840, 520)),
+        Node(8, latent_type, [*released.size, 1], {}, (840, 520)),
         Node(
             9,
             "KSampler",
-            [42, "fixed", 1, 1, *family.sampler, 1],
+            [42, "fixed", released.steps, released.cfg, *family.sampler, 1],
             {"model": (3, 0), "positive": positive, "negative": (6, 0), "latent_image": (8, 0)},
             (1220, 80),
         ),
-        Node(10, "DeviceControl_LoadVAE", [family.vae, "gpu:0", "auto"], {}, (1220, 520)),
+        Node(10, "DeviceControl_LoadVAE", [released.vae, "gpu:0", "auto"], {}, (1220, 520)),
         Node(11, "VAEDecode", [], {"samples": (9, 0), "vae": (10, 0)}, (1600, 80)),
         report(12, "after decoding", (11, 0), (1600, 420)),
         Node(13, "SaveImage", [family.stem], {"images": (12, 0)}, (1960, 80)),
-        Node(14, "Note", [family.note], {}, (460, 720), title="With the released files"),
+        Node(14, "Note", [family.note], {}, (460, 720), title="About this workflow"),
     ]
     if family.guidance:
         nodes.append(Node(7, "FluxGuidance", [3.5], {"conditioning": (5, 0)}, (840, 720)))
@@ -354,6 +376,74 @@ def _note(node: Node, order: int) -> dict[str, Any]:
     }
 
 
+def _release_widgets(kind: str, values: list[Any], lcm: bool) -> list[Any]:
+    values = [RELEASED_SD15.get(v, v) if isinstance(v, str) else v for v in values]
+    if kind == "EmptyLatentImage" and values[:2] == [64, 64]:
+        values[:2] = [SD15_SIZE, SD15_SIZE]
+    if kind == "KSampler" and values[2] == 1:  # written at the fixtures' one step
+        values[2:6] = list(LCM_SAMPLING) if lcm else [SD15_STEPS, SD15_CFG, *values[4:6]]
+    return values
+
+
+def release(workflow: dict[str, Any]) -> dict[str, Any]:
+    """``workflow`` as users get it: the SD1.5 fixtures named as the released files, sampling at SD1.5's real
+    settings, and each loader's ``properties.models`` listing the files it names (name, url, directory)."""
+    lora = {SD15_LORA, RELEASED_SD15[SD15_LORA]}
+    lcm = any(lora & set(map(str, n.get("widgets_values") or [])) for n in workflow["nodes"])
+    for node in workflow["nodes"]:
+        values = node.get("widgets_values")
+        if node["type"] == "Note" or not isinstance(values, list):
+            continue
+        node["widgets_values"] = values = _release_widgets(node["type"], values, lcm)
+        models = [MODELS[v].metadata() for v in values if isinstance(v, str) and v in MODELS]
+        if models:
+            node.setdefault("properties", {})["models"] = models
+    return workflow
+
+
+def _size(node: dict[str, Any], object_info: dict[str, Any]) -> list[int]:
+    """A size at least the frontend's own for this node (title, slot rows, widget rows, text boxes)."""
+    if node["type"] == "Note":
+        return list(NOTE_SIZE)
+    if node["type"] == "DeviceControl_VRAMReport":
+        return list(REPORT_SIZE)
+    linked = {i["name"] for i in node.get("inputs", []) if i.get("link") is not None}
+    slots, widgets, text = 0, 0, 0
+    for name, spec, _optional in _inputs(object_info[node["type"]]):
+        if not _is_widget(spec) or name in linked:
+            slots += 1
+        elif _type_of(spec) == "STRING" and ((spec[1] if len(spec) > 1 else {}) or {}).get("multiline"):
+            text += 1
+        else:
+            options = (spec[1] if len(spec) > 1 else {}) or {}
+            widgets += 2 if options.get("control_after_generate") else 1
+    rows = max(slots, len(node.get("outputs", [])))
+    report_box = OUR_TEXT_BOX if node["type"].startswith("DeviceControl_") else 0  # each node of ours reports in one
+    return [NODE_WIDTH, 46 + 24 * rows + 28 * widgets + 130 * text + report_box]
+
+
+def layout(workflow: dict[str, Any], object_info: dict[str, Any]) -> dict[str, Any]:
+    """Pack the nodes in columns: nodes sharing an x form a column, in the order of their y, each below the one
+    before; each column starts right of the widest node of the one before. No two nodes overlap."""
+    columns: dict[int, list[dict[str, Any]]] = {}
+    for node in workflow["nodes"]:
+        node["size"] = _size(node, object_info)
+        columns.setdefault(int(node["pos"][0]), []).append(node)
+    x = 20
+    for _, column in sorted(columns.items()):
+        y = 80
+        for node in sorted(column, key=lambda n: n["pos"][1]):
+            node["pos"] = [x, y]
+            y += node["size"][1] + GAP
+        x += max(n["size"][0] for n in column) + GAP
+    return workflow
+
+
+def _write(path: Path, workflow: dict[str, Any], object_info: dict[str, Any]) -> None:
+    path.write_text(json.dumps(layout(release(workflow), object_info), indent=2) + "\n")
+    log.info("[Device Control] wrote %s", path.relative_to(REPO))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.parse_args()
@@ -365,9 +455,10 @@ def main() -> int:
         finally:
             server.stop()
     for name, graph in WORKFLOWS.items():
-        path = REPO / "workflows" / name
-        path.write_text(json.dumps(build(graph(), object_info), indent=2) + "\n")
-        log.info("[Device Control] wrote %s", path.relative_to(REPO))
+        _write(REPO / "workflows" / name, build(graph(), object_info), object_info)
+    for path in sorted((REPO / "workflows").glob("*.json")):
+        if path.name not in WORKFLOWS:  # made by hand: released and laid out the same way
+            _write(path, json.loads(path.read_text()), object_info)
     return 0
 
 

@@ -25,7 +25,7 @@ import aiohttp
 
 from tools.comfy_server import ComfyServer
 from tools.make_fixtures import SD15_CHECKPOINT
-from tools.workflow_api import ui_to_api
+from tools.workflow_api import load_workflow, ui_to_api
 
 REPO = Path(__file__).resolve().parents[1]
 WORKFLOW = REPO / "workflows" / "sd15_move_to_gpu_and_offload.json"
@@ -38,7 +38,7 @@ T = TypeVar("T")
 
 def example_prompt(server: ComfyServer, steps: int = 1) -> dict[str, Any]:
     """The example workflow (load, Move To GPU, sample, Offload To CPU, decode) as an API prompt."""
-    prompt = ui_to_api(json.loads(WORKFLOW.read_text()), server.get("/object_info"))
+    prompt = ui_to_api(load_workflow(WORKFLOW), server.get("/object_info"))
     prompt[SAMPLER]["inputs"]["steps"] = steps
     return prompt
 

@@ -12,7 +12,19 @@ through; notes are dropped; muted nodes are left out.
 
 from __future__ import annotations
 
+import copy
+import json
+from pathlib import Path
 from typing import Any
+
+from tools.template_models import (
+    FIXTURE_CFG,
+    FIXTURE_FRAMES,
+    FIXTURE_SIZE,
+    FIXTURE_STEPS,
+    MODELS,
+    TEXT_ENCODER_FIXTURES,
+)
 
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 NOTE_TYPES = {"Note", "MarkdownNote"}
@@ -94,3 +106,44 @@ def ui_to_api(workflow: dict[str, Any], object_info: dict[str, Any]) -> dict[str
                     inputs[socket["name"]] = source
         prompt[str(node["id"])] = {"class_type": kind, "inputs": inputs, "_meta": {"title": node.get("title") or kind}}
     return prompt
+
+
+#: Latent nodes whose first two widgets are width and height (a video latent's third is its length in frames).
+LATENT_TYPES = {"EmptyLatentImage", "EmptySD3LatentImage", "EmptyHunyuanLatentVideo"}
+SAMPLER_TYPES = {"KSampler"}
+
+
+def _fixture_widgets(kind: str, values: list[Any]) -> list[Any]:
+    values = [MODELS[v].fixture if isinstance(v, str) and v in MODELS else v for v in values]
+    if kind == "DeviceControl_LoadTextEncoders" and values[4] in TEXT_ENCODER_FIXTURES:
+        files, fixture_type = TEXT_ENCODER_FIXTURES[values[4]]
+        values[:5] = [*files, *["none"] * (4 - len(files)), fixture_type]
+    elif kind in LATENT_TYPES:
+        values[:2] = [FIXTURE_SIZE, FIXTURE_SIZE]
+        if kind == "EmptyHunyuanLatentVideo":
+            values[2] = FIXTURE_FRAMES
+    elif kind in SAMPLER_TYPES:
+        values[2:4] = [FIXTURE_STEPS, FIXTURE_CFG]
+    return values
+
+
+def for_fixtures(workflow: dict[str, Any]) -> dict[str, Any]:
+    """A copy of an example workflow that runs on the synthetic test models, as fast as the tests need.
+
+    The example workflows name the released files and sample at their real sizes and steps; this swaps each
+    file for its fixture (``tools.template_models``), the text encoders for the fixtures' CLIP-L (and CLIP-G for
+    SDXL), latents for 64x64 (five frames), and samplers for one step at cfg 1. The download metadata is dropped,
+    so the frontend finds nothing missing.
+    """
+    copied = copy.deepcopy(workflow)
+    for node in copied["nodes"]:
+        if isinstance(node.get("widgets_values"), list):
+            node["widgets_values"] = _fixture_widgets(node["type"], node["widgets_values"])
+        node.get("properties", {}).pop("models", None)
+    return copied
+
+
+def load_workflow(path: Path) -> dict[str, Any]:
+    """An example workflow file as the tests, the demo and the thumbnails run it: on the fixtures
+    (:func:`for_fixtures`)."""
+    return for_fixtures(json.loads(Path(path).read_text()))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -10,6 +9,7 @@ from typing import Any
 import pytest
 
 from tools.runtime import CHROMIUM, frontend_root
+from tools.workflow_api import load_workflow
 
 CHROMIUM_FLAGS = [
     "--no-sandbox",
@@ -54,8 +54,8 @@ class FrontendPage:
         (queue if queue.count() else self.page.get_by_role("button", name="Run", exact=True)).click()
 
     def load_workflow(self, path: Path) -> None:
-        """Open a UI-format workflow file the way the frontend's Load does."""
-        self.page.evaluate("async (wf) => { await window.app.loadGraphData(wf); }", json.loads(path.read_text()))
+        """Open a UI-format workflow file the way the frontend's Load does, on the test models (``for_fixtures``)."""
+        self.page.evaluate("async (wf) => { await window.app.loadGraphData(wf); }", load_workflow(path))
 
     def our_errors(self) -> list[dict[str, str]]:
         """Console errors that come from our extension's files."""

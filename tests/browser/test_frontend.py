@@ -6,7 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
-from tools.workflow_api import ui_to_api
+from tools.workflow_api import load_workflow, ui_to_api
 
 REPO = Path(__file__).resolve().parents[2]
 WORKFLOWS = sorted((REPO / "workflows").glob("*.json"))
@@ -33,7 +33,7 @@ def test_frontend_converts_each_workflow_as_our_converter_does(frontend):
         from_browser = json.loads(
             frontend.page.evaluate("async () => JSON.stringify((await window.app.graphToPrompt()).output)")
         )
-        if simplify(from_browser) != simplify(ui_to_api(json.loads(workflow.read_text()), object_info)):
+        if simplify(from_browser) != simplify(ui_to_api(load_workflow(workflow), object_info)):
             differ.append(workflow.name)
     assert WORKFLOWS and differ == [], f"the frontend converts these otherwise: {differ}"
 

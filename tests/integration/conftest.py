@@ -18,7 +18,7 @@ from PIL import Image
 
 from core.units import format_bytes
 from tools.comfy_server import ComfyServer
-from tools.workflow_api import ui_to_api
+from tools.workflow_api import load_workflow, ui_to_api
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,8 +30,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def load_prompt(server: ComfyServer, workflow: Path) -> dict[str, Any]:
-    """The API-format prompt for a UI-format workflow file, converted against this server's nodes."""
-    return ui_to_api(json.loads(workflow.read_text()), server.get("/object_info"))
+    """The API-format prompt for a UI-format workflow file on the test models, converted against this server's
+    nodes."""
+    return ui_to_api(load_workflow(workflow), server.get("/object_info"))
 
 
 def report_prompt(**inputs: Any) -> dict[str, Any]:

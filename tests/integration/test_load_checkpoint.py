@@ -12,7 +12,7 @@ import pytest
 
 from tools.comfy_server import ComfyError
 from tools.make_fixtures import SD15_CHECKPOINT
-from tools.workflow_api import ui_to_api
+from tools.workflow_api import load_workflow, ui_to_api
 
 REPO = Path(__file__).resolve().parents[2]
 STOCK = REPO / "workflows" / "txt2img_vram_report.json"
@@ -22,7 +22,7 @@ GiB = 1024**3
 
 def prompt_of(server, workflow: Path, **loader: str) -> dict:
     """A workflow as an API prompt, with the loader's inputs changed as given."""
-    prompt = ui_to_api(json.loads(workflow.read_text()), server.get("/object_info"))
+    prompt = ui_to_api(load_workflow(workflow), server.get("/object_info"))
     prompt["1"]["inputs"].update(loader)
     return prompt
 
@@ -38,9 +38,7 @@ def sim_server(servers):
 
 @pytest.fixture(scope="module")
 def stock_image(sim_server, api):
-    return api.image_of(
-        sim_server, sim_server.run(ui_to_api(json.loads(STOCK.read_text()), sim_server.get("/object_info")))
-    )
+    return api.image_of(sim_server, sim_server.run(ui_to_api(load_workflow(STOCK), sim_server.get("/object_info"))))
 
 
 def test_same_seed_same_image_as_comfyui_loader_fp32_on_cpu(sim_server, api, stock_image):

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from tests.passes import EVERY_VERSION
 from tools.comfy_server import ComfyError
 from tools.make_fixtures import SD15_CHECKPOINT
-from tools.workflow_api import ui_to_api
+from tools.workflow_api import load_workflow, ui_to_api
 
 REPO = Path(__file__).resolve().parents[2]
 LORA_WORKFLOW = REPO / "workflows" / "sd15_lora_unet_on_gpu.json"
@@ -33,7 +33,7 @@ def small_gpu_server(servers):
 
 @pytest.fixture(scope="module")
 def prompts(small_gpu_server):
-    ours = ui_to_api(json.loads(LORA_WORKFLOW.read_text()), small_gpu_server.get("/object_info"))
+    ours = ui_to_api(load_workflow(LORA_WORKFLOW), small_gpu_server.get("/object_info"))
     stock = json.loads(json.dumps(ours))
     stock["1"] = {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": SD15_CHECKPOINT}}
     return stock, ours
