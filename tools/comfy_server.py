@@ -237,7 +237,10 @@ class ComfyServer:
         """
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            history = self.get(f"/history/{prompt_id}")
+            try:
+                history = self.get(f"/history/{prompt_id}")
+            except TimeoutError:  # a server whose CPU sampling starves its event loop answers late, not never
+                continue
             entry = history.get(prompt_id)
             if entry and entry.get("status", {}).get("completed") is not None:
                 status = entry["status"]
