@@ -76,7 +76,7 @@ def table(times: dict[str, list[float]], steps: int) -> str:
         [
             "| workflow | runs | profile recorded | profile off | difference of the medians | recording's own time |",
             "| --- | --- | --- | --- | --- | --- |",
-            f"| sd15_move_to_gpu_and_offload.json, {steps} steps | {len(times['on'])} | {cell['on']} | "
+            f"| 01_start_here_sd15_move_to_gpu_and_offload.json, {steps} steps | {len(times['on'])} | {cell['on']} | "
             f"{cell['off']} | {(on - off) / off * 100:+.1f} % | {cell['recording']} |",
         ]
     )

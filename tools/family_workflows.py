@@ -64,7 +64,7 @@ _FLUX = Released("flux1-dev.safetensors", _FLUX_TE, "flux", "ae.safetensors", (1
 
 FAMILIES = (
     Family(
-        "sdxl_split_files_unet_on_gpu",
+        "09_sdxl_split_files_unet_on_gpu",
         DIFFUSION_FIXTURES["sdxl_unet"].file,
         "fp16",
         "8GB",
@@ -86,7 +86,7 @@ FAMILIES = (
         ),
     ),
     Family(
-        "sd35_split_files_fp8_budget",
+        "13_sd35_split_files_fp8_budget",
         DIFFUSION_FIXTURES["sd35"].file,
         "fp8_e4m3fn",
         "7GB",
@@ -109,7 +109,7 @@ FAMILIES = (
         ),
     ),
     Family(
-        "flux_split_files_fp8_budget",
+        "10_flux_split_files_fp8_budget",
         DIFFUSION_FIXTURES["flux"].file,
         "fp8_e4m3fn",
         "9GB",
@@ -125,7 +125,7 @@ FAMILIES = (
         guidance=True,
     ),
     Family(
-        "chroma_split_files_fp8_budget",
+        "14_chroma_split_files_fp8_budget",
         DIFFUSION_FIXTURES["chroma"].file,
         "fp8_e4m3fn",
         "8GB",
@@ -147,7 +147,7 @@ FAMILIES = (
         ),
     ),
     Family(
-        "wan21_split_files_fp8_budget",
+        "15_wan21_split_files_fp8_budget",
         DIFFUSION_FIXTURES["wan21"].file,
         "fp8_e4m3fn",
         "9GB",
@@ -176,7 +176,7 @@ FAMILIES = (
 #: :data:`FAMILIES`: ComfyUI's stock loaders cannot read it, so ``test_gguf_example.py`` compares it with the fp16
 #: model's image instead).
 FLUX_GGUF_EXAMPLE = Family(
-    "flux_gguf_q8_budget",
+    "11_flux_gguf_q8_budget",
     FLUX_GGUF,
     "auto",
     "6GB",

@@ -7,7 +7,7 @@ that the real frontend loads each file and turns it into the same prompt as ``to
 The files are for users: each names the released model files (``tools.template_models``), carries the
 frontend's model metadata on its loaders (``properties.models``: name, url, directory, which the missing-model
 dialog offers to download) and samples at settings that give a real image. The graphs below are written on the
-test fixtures and released by :func:`release`; the four hand-made SD1.5 files (``txt2img_vram_report`` and the
+test fixtures and released by :func:`release`; the four hand-made SD1.5 files (``03_txt2img_vram_report`` and the
 ``sd15_*`` ones not built here) are released and laid out the same way. Nodes are packed in columns from the sizes
 written, so none overlaps (``tests/browser/test_templates.py`` checks the frontend's own rectangles).
 
@@ -106,7 +106,7 @@ def move_and_offload() -> list[Node]:
         report(10, "after Offload To CPU", (9, 0), (1140, 640)),
         Node(11, "VAEDecode", [], {"samples": (10, 0), "vae": (1, 2)}, (1960, 80)),
         report(12, "after decoding", (11, 0), (1820, 640)),
-        Node(13, "SaveImage", ["sd15_move_to_gpu_and_offload"], {"images": (12, 0)}, (2300, 80)),
+        Node(13, "SaveImage", ["01_start_here_sd15_move_to_gpu_and_offload"], {"images": (12, 0)}, (2300, 80)),
     ]
 
 
@@ -120,7 +120,7 @@ def low_vram_lora() -> list[Node]:
         *sampling(5, (2, 1), (4, 0), 1220),
         Node(9, "VAEDecode", [], {"samples": (8, 0), "vae": (1, 2)}, (1960, 80)),
         report(10, "after decoding", (9, 0), (1540, 640)),
-        Node(11, "SaveImage", ["sd15_low_vram_lora_budget"], {"images": (10, 0)}, (2300, 80)),
+        Node(11, "SaveImage", ["04_sd15_low_vram_lora_budget"], {"images": (10, 0)}, (2300, 80)),
     ]
 
 
@@ -145,14 +145,14 @@ def two_checkpoints() -> list[Node]:
             (1220, 1100),
         ),
         Node(15, "VAEDecode", [], {"samples": (14, 0), "vae": (9, 2)}, (1600, 1100)),
-        Node(16, "SaveImage", ["two_checkpoints_offload_between"], {"images": (15, 0)}, (1960, 1100)),
+        Node(16, "SaveImage", ["07_two_checkpoints_offload_between"], {"images": (15, 0)}, (1960, 1100)),
     ]
 
 
 def split_across_gpus() -> list[Node]:
     """Flux's diffusion model over two GPUs in pipeline mode (on a machine without them, it stays in RAM, warned);
     its text encoder in RAM, the VAE on ``gpu:0``."""
-    flux = next(family for family in FAMILIES if family.stem.startswith("flux"))
+    flux = next(family for family in FAMILIES if "_flux_" in f"_{family.stem}")
     files = flux.released
     return [
         Node(1, "DeviceControl_LoadDiffusionModel", [files.unet, "cpu", flux.dtype], {}, (20, 80)),
@@ -179,7 +179,7 @@ def split_across_gpus() -> list[Node]:
         report(10, "after sampling", (9, 0), (1220, 720)),
         Node(11, "DeviceControl_LoadVAE", [files.vae, "gpu:0", "auto"], {}, (1220, 520)),
         Node(12, "VAEDecode", [], {"samples": (10, 0), "vae": (11, 0)}, (1600, 80)),
-        Node(13, "SaveImage", ["flux_split_across_two_gpus"], {"images": (12, 0)}, (1960, 80)),
+        Node(13, "SaveImage", ["12_flux_split_across_two_gpus"], {"images": (12, 0)}, (1960, 80)),
         Node(
             14,
             "Note",
@@ -207,7 +207,7 @@ def split_files() -> list[Node]:
         Node(8, "VAELoader", [SD15_VAE], {}, (1220, 480)),
         Node(9, "VAEDecode", [], {"samples": (7, 0), "vae": (8, 0)}, (1580, 80)),
         report(10, "after decoding", (9, 0), (1580, 640)),
-        Node(11, "SaveImage", ["sd15_split_files_diffusion_model_on_gpu"], {"images": (10, 0)}, (1960, 80)),
+        Node(11, "SaveImage", ["08_sd15_split_files_diffusion_model_on_gpu"], {"images": (10, 0)}, (1960, 80)),
     ]
 
 
@@ -244,11 +244,11 @@ def family_split_files(family: Family) -> list[Node]:
 
 
 WORKFLOWS = {
-    "sd15_move_to_gpu_and_offload.json": move_and_offload,
-    "sd15_split_files_diffusion_model_on_gpu.json": split_files,
-    "sd15_low_vram_lora_budget.json": low_vram_lora,
-    "two_checkpoints_offload_between.json": two_checkpoints,
-    "flux_split_across_two_gpus.json": split_across_gpus,
+    "01_start_here_sd15_move_to_gpu_and_offload.json": move_and_offload,
+    "08_sd15_split_files_diffusion_model_on_gpu.json": split_files,
+    "04_sd15_low_vram_lora_budget.json": low_vram_lora,
+    "07_two_checkpoints_offload_between.json": two_checkpoints,
+    "12_flux_split_across_two_gpus.json": split_across_gpus,
     **{f"{family.stem}.json": partial(family_split_files, family) for family in FAMILIES},
     f"{FLUX_GGUF_EXAMPLE.stem}.json": partial(family_split_files, FLUX_GGUF_EXAMPLE),
 }

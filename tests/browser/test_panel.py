@@ -23,8 +23,8 @@ from tests.passes import ONCE
 from tools.runtime import DEFAULT_VERSION, NEWEST_FRONTEND, RELEASES
 
 REPO = Path(__file__).resolve().parents[2]
-SEED = REPO / "workflows" / "sd15_move_to_gpu_and_offload.json"
-PLACED = REPO / "workflows" / "sd15_unet_on_gpu_text_encoder_on_cpu.json"
+SEED = REPO / "workflows" / "01_start_here_sd15_move_to_gpu_and_offload.json"
+PLACED = REPO / "workflows" / "02_sd15_unet_on_gpu_text_encoder_on_cpu.json"
 GIB = 1024**3
 UNET_BYTES = int(3.2 * GIB)  # the synthetic SD1.5 UNet, fp32
 

@@ -22,7 +22,7 @@ from tools.make_fixtures import SD15_CHECKPOINT
 from tools.workflow_api import load_workflow, ui_to_api
 
 REPO = Path(__file__).resolve().parents[2]
-LORA_WORKFLOW = REPO / "workflows" / "sd15_lora_unet_on_gpu.json"
+LORA_WORKFLOW = REPO / "workflows" / "06_sd15_lora_unet_on_gpu.json"
 
 
 @pytest.fixture(scope="module")

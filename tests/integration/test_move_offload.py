@@ -17,9 +17,9 @@ from tools.comfy_server import ComfyError
 from tools.make_fixtures import SD15_CHECKPOINT
 
 REPO = Path(__file__).resolve().parents[2]
-MOVE = REPO / "workflows" / "sd15_move_to_gpu_and_offload.json"
-LOW_VRAM = REPO / "workflows" / "sd15_low_vram_lora_budget.json"
-TWO = REPO / "workflows" / "two_checkpoints_offload_between.json"
+MOVE = REPO / "workflows" / "01_start_here_sd15_move_to_gpu_and_offload.json"
+LOW_VRAM = REPO / "workflows" / "04_sd15_low_vram_lora_budget.json"
+TWO = REPO / "workflows" / "07_two_checkpoints_offload_between.json"
 GiB = 1024**3
 #: The synthetic SD1.5 UNet in fp32.
 UNET_BYTES = 3438091856

@@ -18,7 +18,7 @@ GiB = 1024**3
 #: Tests of what the node decides before ComfyUI loads anything (the allocation's text, its devices, the input's
 #: kind): the same code in every ComfyUI version, so they run once, in the primary version's pass.
 WORKFLOWS = Path(__file__).resolve().parents[2] / "workflows"
-EXAMPLE = WORKFLOWS / "flux_split_across_two_gpus.json"
+EXAMPLE = WORKFLOWS / "12_flux_split_across_two_gpus.json"
 ALLOCATION = "gpu:0=40%, gpu:1=30%, gpu:2=*"
 
 
@@ -304,7 +304,7 @@ def test_sdxl_larger_than_any_gpu_splits_over_two_of_them_and_over_one_and_ram(s
     half and half over gpu:0 and gpu:1 (pipeline), then 1.5 GB on gpu:2 and the rest in RAM (stream); both give
     the image of the same model in RAM. The same code in every ComfyUI version as SD1.5's UNet (ComfyUI's
     openaimodel), so it runs once."""
-    prompt = api.load_prompt(server, WORKFLOWS / "sdxl_split_files_unet_on_gpu.json")
+    prompt = api.load_prompt(server, WORKFLOWS / "09_sdxl_split_files_unet_on_gpu.json")
     lora = {"model": ["1", 0], "lora_name": synthetic_models["lora_sdxl"].name, "strength_model": 1.0}
     prompt["39"] = {"class_type": "LoraLoaderModelOnly", "inputs": lora}
     split = {"allocation": "gpu:0=50%, gpu:1=*", "mode": "pipeline"}

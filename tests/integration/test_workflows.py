@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 #: loaders.
 ELSEWHERE = {f.stem for f in (*FAMILIES, FLUX_GGUF_EXAMPLE)}
 WORKFLOWS = sorted(w for w in (REPO / "workflows").glob("*.json") if w.stem not in ELSEWHERE)
-TXT2IMG = REPO / "workflows" / "txt2img_vram_report.json"
+TXT2IMG = REPO / "workflows" / "03_txt2img_vram_report.json"
 
 
 @pytest.fixture(scope="module")
