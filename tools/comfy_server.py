@@ -258,6 +258,14 @@ class ComfyServer:
         """Queue a prompt and wait for it; return its history entry."""
         return self.wait(self.queue(prompt), timeout)
 
+    def forget_outputs(self) -> None:
+        """Forget every cached output but keep the models loaded: the next prompt runs each of its nodes again.
+
+        Our nodes are cached like stock ones, so a test that must see a node run (its text, its move, its badge) in a
+        server where an earlier test ran the same graph starts from here. ComfyUI acts on it before its next prompt.
+        """
+        self.post("/free", {"unload_models": False, "free_memory": True})
+
     def free(self) -> None:
         """Unload every model and forget every cached output, as the frontend's "Free model and node cache"
         does: the next prompt loads its models from disk, as on a fresh server.

@@ -142,6 +142,7 @@ def test_panel_shows_the_simulated_device_and_follows_a_run(frontend, artifacts,
         page.wait_for_function("(s) => document.querySelector(s).textContent.startsWith('No run')", arg=summary)
         assert page.locator(summary).inner_text() == NO_RUN_YET
 
+    frontend.server.forget_outputs()  # another module ran the seed on this server: every node must run for its badge
     seen = run_workflow(frontend, SEED)
     titles = {str(n["id"]): n.get("title") or n["type"] for n in json.loads(SEED.read_text())["nodes"]}
     titles.update(page.evaluate("Object.fromEntries(window.app.graph.nodes.map((n) => [String(n.id), n.title]))"))
@@ -168,7 +169,7 @@ def test_panel_shows_the_simulated_device_and_follows_a_run(frontend, artifacts,
     assert page.evaluate("window.__dcProfile.prompt_id") == profile["prompt_id"]
     assert_run_chart_is_readable(page, PANEL, profile)
     assert_badges_show_the_profile(page, profile)
-    badges = drawn_badges(page, 0.85, (35, 110))  # the sampler and its neighbours, at a readable size
+    badges = drawn_badges(page, 0.6, (20, 110))  # from the loader to the sampler, at a readable size
     page.screenshot(path=str(artifacts / f"profile_badges_{frontend_version}.png"))
     assert_badges_tell_what_each_node_did(page, profile, badges)
     assert frontend.our_errors() == []

@@ -67,11 +67,12 @@ def moves_hold(entry: dict[str, Any], prompt: dict[str, Any]) -> list[str]:
 
     A move is checked through the VRAM Report that takes its output: the model must be resident on the device
     the move's summary names, with exactly the bytes it states, under Device Control's placement. (A summary
-    alone is the node's claim; the report reads where the weights are.)
+    alone is the node's claim; the report reads where the weights are.) A move answered from ComfyUI's cache did
+    not run in this prompt and is not checked.
     """
     checked = []
     for node_id, node in prompt.items():
-        if node["class_type"] != "DeviceControl_MoveToGPU":
+        if node["class_type"] != "DeviceControl_MoveToGPU" or node_id not in entry["outputs"]:
             continue
         summary = entry["outputs"][node_id]["text"][0]
         claimed = _RESIDENT.search(summary)

@@ -71,6 +71,7 @@ def test_the_snapshot_shows_devices_models_and_placements(server, api):
 
 def test_offloading_one_model_frees_its_vram_and_the_next_run_is_unchanged(server, api):
     prompt = api.load_prompt(server, PLACED)
+    server.forget_outputs()  # answered from the cache, an unchanged prompt would load nothing to offload
     before = api.image_of(server, server.run(prompt))
     unet = model(server.get("/device_control/snapshot"), "MODEL")
     answer = server.post("/device_control/offload", {"model": unet["key"]})
@@ -78,12 +79,14 @@ def test_offloading_one_model_frees_its_vram_and_the_next_run_is_unchanged(serve
     after = server.get("/device_control/snapshot")
     assert model(after, "MODEL") is None  # ComfyUI's books no longer list it
     assert gpu(after)["torch_allocated"] < 64 * 1024**2
-    again = server.run(prompt)  # loads it back (from RAM) where the workflow puts it
+    server.forget_outputs()  # unchanged, the prompt would be answered from the cache and load nothing
+    again = server.run(prompt)  # loads it back where the workflow puts it
     assert np.array_equal(api.image_of(server, again), before)
     assert model(server.get("/device_control/snapshot"), "MODEL")["resident"]["gpu:0"] == unet["total_bytes"]
 
 
 def test_offload_all_and_free_caches(server, api):
+    server.forget_outputs()
     server.run(api.load_prompt(server, PLACED))
     answer = server.post("/device_control/offload", {"all": True})
     assert answer["offloaded"] >= 2 and answer["freed"]["gpu:0"] >= UNET_BYTES

@@ -100,11 +100,13 @@ def test_a_checkpoint_deleted_after_the_prompt_was_queued_is_named_with_the_fix(
 
 
 def test_two_prompts_queued_back_to_back_both_run_and_give_back_their_vram(server, api):
+    server.forget_outputs()  # the first runs every node; the second, a new seed, answers the move from the cache
     first = server.queue(fresh(example_prompt(server)))
     second = server.queue(fresh(example_prompt(server)))
-    for prompt_id in (first, second):
+    for prompt_id, moves in ((first, ["3"]), (second, [])):
         entry = server.wait(prompt_id)
-        assert api.moves_hold(entry, example_prompt(server)) == ["3"]
+        assert api.moves_hold(entry, example_prompt(server)) == moves
+        # The cached move's placement holds when the sampler loads the model again: the offload frees it.
         assert "3.20 GiB freed" in text(entry, "9")
         assert gpu_allocated(entry, api, AFTER_OFFLOAD) == 0
 
