@@ -4,12 +4,12 @@ The graphs are described here in a few lines each and laid out as the frontend s
 outputs, links, widget values), against a running ComfyUI's ``/object_info``; the browser tests then check
 that the real frontend loads each file and turns it into the same prompt as ``tools.workflow_api``.
 
-The files are for users: each names the released model files (``tools.template_models``), carries the
-frontend's model metadata on its loaders (``properties.models``: name, url, directory, which the missing-model
-dialog offers to download) and samples at settings that give a real image. The graphs below are written on the
-test fixtures and released by :func:`release`; the four hand-made SD1.5 files (``03_txt2img_vram_report`` and the
-``sd15_*`` ones not built here) are released and laid out the same way. Nodes are packed in columns from the sizes
-written, so none overlaps (``tests/browser/test_templates.py`` checks the frontend's own rectangles).
+The files are for users: each names the released model files (``tools.template_models``), carries the frontend's
+model metadata on its loaders (``properties.models``: name, url, directory, which the missing-model dialog offers to
+download) and samples at settings that give a real image. The graphs below are written on the test fixtures and
+released by ``tools.template_release.release``; the four hand-made SD1.5 files (``02_``, ``03_``, ``05_`` and
+``06_``, not built here) are released and laid out the same way. Nodes are packed in columns from the sizes written,
+so none overlaps (``tests/browser/test_templates.py`` checks the frontend's own rectangles).
 
 Run ``python3 tools/make_workflows.py`` after changing a graph or a node's inputs, and commit the files.
 """
@@ -32,23 +32,11 @@ if __package__ in (None, ""):
 from tools.comfy_server import ComfyServer
 from tools.family_workflows import FAMILIES, FLUX_GGUF_EXAMPLE, NOTE_SIZE, Family
 from tools.make_fixtures import SD15_CHECKPOINT, SD15_CHECKPOINT_B, SD15_CLIP_L, SD15_LORA, SD15_UNET, SD15_VAE
-from tools.template_models import MODELS
+from tools.template_release import release
 
 log = logging.getLogger("device_control.tools")
 REPO = Path(__file__).resolve().parent.parent
 NODE_WIDTH, REPORT_SIZE, GAP, OUR_TEXT_BOX = 340, (520, 360), 50, 160
-#: The fixture files of the SD1.5 graphs below -> the released files their workflow names.
-RELEASED_SD15 = {
-    SD15_CHECKPOINT: "v1-5-pruned-emaonly-fp16.safetensors",
-    SD15_CHECKPOINT_B: "DreamShaper_8_pruned.safetensors",
-    SD15_LORA: "lcm-lora-sdv1-5.safetensors",
-    SD15_UNET: "sd15_unet_fp16.safetensors",
-    SD15_CLIP_L: "clip_l.safetensors",
-    SD15_VAE: "vae-ft-mse-840000-ema-pruned.safetensors",
-}
-#: SD1.5 sampling that gives a real image: 512x512, 20 steps at cfg 7 (with the LCM LoRA: 6 steps at cfg 1.5).
-SD15_SIZE, SD15_STEPS, SD15_CFG = 512, 20, 7.0
-LCM_SAMPLING = (6, 1.5, "lcm", "sgm_uniform")
 PROMPT = "a lighthouse on a cliff at sunset, oil painting"
 
 
@@ -374,31 +362,6 @@ def _note(node: Node, order: int) -> dict[str, Any]:
         "color": "#432",
         "bgcolor": "#653",
     }
-
-
-def _release_widgets(kind: str, values: list[Any], lcm: bool) -> list[Any]:
-    values = [RELEASED_SD15.get(v, v) if isinstance(v, str) else v for v in values]
-    if kind == "EmptyLatentImage" and values[:2] == [64, 64]:
-        values[:2] = [SD15_SIZE, SD15_SIZE]
-    if kind == "KSampler" and values[2] == 1:  # written at the fixtures' one step
-        values[2:6] = list(LCM_SAMPLING) if lcm else [SD15_STEPS, SD15_CFG, *values[4:6]]
-    return values
-
-
-def release(workflow: dict[str, Any]) -> dict[str, Any]:
-    """``workflow`` as users get it: the SD1.5 fixtures named as the released files, sampling at SD1.5's real
-    settings, and each loader's ``properties.models`` listing the files it names (name, url, directory)."""
-    lora = {SD15_LORA, RELEASED_SD15[SD15_LORA]}
-    lcm = any(lora & set(map(str, n.get("widgets_values") or [])) for n in workflow["nodes"])
-    for node in workflow["nodes"]:
-        values = node.get("widgets_values")
-        if node["type"] == "Note" or not isinstance(values, list):
-            continue
-        node["widgets_values"] = values = _release_widgets(node["type"], values, lcm)
-        models = [MODELS[v].metadata() for v in values if isinstance(v, str) and v in MODELS]
-        if models:
-            node.setdefault("properties", {})["models"] = models
-    return workflow
 
 
 def _size(node: dict[str, Any], object_info: dict[str, Any]) -> list[int]:
