@@ -37,6 +37,7 @@ from PIL import Image
 
 from core.detection.headers import read_header
 from tests.host_math import same_result
+from tests.integration.executions import watch
 from tests.passes import EVERY_VERSION, ONCE
 from tools.family_workflows import FAMILIES, FLUX_GGUF_EXAMPLE, Family
 from tools.make_family_fixtures import DIFFUSION_FIXTURES
@@ -119,6 +120,8 @@ def test_the_example_workflow_gives_the_stock_loaders_image(server, api, family:
     prompt = api.load_prompt(server, REPO / "workflows" / f"{family.stem}.json")
     ours = _run_alone(server, prompt)
     assert api.moves_hold(ours, prompt), "the move was not checked against the books"
+    again = watch(server, prompt)  # queued again unchanged: as with stock nodes, nothing runs
+    assert again.prompt_id and again.executed == [], f"{family.stem}: queued again, it ran {again.executed}"
     stock = _run_alone(server, api.stock_equivalent(prompt))
     _same_images(server, ours, stock, family.stem)
     summary = ours["outputs"]["4"]["text"][0]  # Load Text Encoders With Device's summary

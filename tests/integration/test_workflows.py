@@ -1,5 +1,6 @@
-"""Every example workflow runs end to end in a real ComfyUI, and its VRAM Reports carry real numbers (those of the
-model families shipped as separate files run in ``test_families.py``)."""
+"""Every example workflow runs end to end in a real ComfyUI, queued again unchanged runs nothing (ComfyUI's cache
+answers every node, ours included), and its VRAM Reports carry real numbers (those of the model families shipped as
+separate files run in ``test_families.py``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import psutil
 import pytest
 from PIL import Image, ImageStat
 
+from tests.integration.executions import watch
 from tools.family_workflows import FAMILIES, FLUX_GGUF_EXAMPLE
 
 REPO = Path(__file__).resolve().parents[2]
@@ -81,3 +83,6 @@ def test_example_workflow_runs_end_to_end(fresh_server, api, workflow):
     moves = [node_id for node_id, node in prompt.items() if node["class_type"] == "DeviceControl_MoveToGPU"]
     assert sorted(api.moves_hold(entry, prompt)) == sorted(moves), "a move with no VRAM Report after it"
     assert json.loads(workflow.read_text())["nodes"], "workflow has no nodes"
+    again = watch(fresh_server, prompt)  # queued again unchanged: as with stock nodes, nothing runs
+    assert again.prompt_id, (workflow.name, again.error, again.node_errors)
+    assert again.executed == [], f"{workflow.name}: queued again unchanged, it ran {again.executed}"
