@@ -64,6 +64,11 @@ def write_gguf(
             tensor = tensors.get_tensor(name)
             if tensor.is_floating_point():
                 _add(writer, rename(name), tensor, kind)
+    return _finish(writer, partial, target)
+
+
+def _finish(writer: gguf.GGUFWriter, partial: Path, target: Path) -> Path:
+    """Write the header, metadata and tensors, then move the finished file into place (never a half-written one)."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -123,12 +128,7 @@ def write_comfyui_gguf(source: Path, target: Path, file_type: str, plain: str = 
                 waiting.discard(weight)
         for name in sorted(waiting):
             writer.add_tensor(name, tensors.get_tensor(name).float().numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    partial.replace(target)
-    return target
+    return _finish(writer, partial, target)
 
 
 def _add_as_comfyui_gguf(
