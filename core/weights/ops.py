@@ -265,3 +265,24 @@ def convert(
         handle.undo()
         raise
     return handle
+
+
+def set_cast_flags(module: torch.nn.Module, stored: torch.dtype, compute: torch.dtype | None) -> None:
+    """Set ``comfy_cast_weights`` on ``module``'s layers for a model stored in ``stored`` that computes in
+    ``compute`` (``None``: in ``stored`` itself), as the host application builds a model for one device.
+
+    With a compute dtype of its own every layer casts (ComfyUI's manual cast). Without, a layer whose parameters
+    are all in ``stored`` casts no more: left set from an earlier device (a load to the CPU casts float16 to
+    float32), its resident weights would go through the cast path at every forward for nothing. A layer with
+    parameters in another dtype keeps its flag. A streaming layer (``prev_comfy_cast_weights``, ComfyUI's mark)
+    keeps casting: the flag it gets back when it becomes resident is set instead.
+    """
+    for layer in module.modules():
+        if not hasattr(layer, "comfy_cast_weights"):
+            continue
+        if compute is None and any(
+            p.is_floating_point() and p.dtype != stored for p in layer.parameters(recurse=False)
+        ):
+            continue
+        name = "prev_comfy_cast_weights" if hasattr(layer, "prev_comfy_cast_weights") else "comfy_cast_weights"
+        setattr(layer, name, compute is not None)

@@ -35,6 +35,7 @@ import torch
 
 from ...core.devices.transfer import pinned_memory
 from ...core.placement.engine import partial_model_of
+from ...core.weights.ops import set_cast_flags
 from .. import surface
 from .books import clone_entries, unload_entries
 from .reading import forget_dtype
@@ -144,13 +145,7 @@ def _set_dtypes(model: Any, storage: torch.dtype, cast: torch.dtype | None) -> N
     model.model_config.set_inference_dtype(storage, cast)
     model.diffusion_model.dtype = storage
     model.manual_cast_dtype = cast
-    if cast is None:
-        return  # layers that cast already keep doing so (a no-op where the dtypes agree)
-    for layer in model.diffusion_model.modules():
-        if hasattr(layer, "comfy_cast_weights"):  # stored and computed dtypes differ now: every layer casts,
-            layer.comfy_cast_weights = True
-            if hasattr(layer, "prev_comfy_cast_weights"):  # streaming or not
-                layer.prev_comfy_cast_weights = True
+    set_cast_flags(model.diffusion_model, storage, cast)  # resident layers in the compute dtype cast no more
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -156,3 +156,42 @@ def test_a_clone_computing_on_the_cpu_after_the_move_computes_as_comfyui_compute
     del ours, moved
     mm.unload_all_models()
     gc.collect()
+
+
+def _casting(patcher) -> tuple[list[bool], list[bool]]:
+    """The cast flags of the resident and of the streamed cast layers of ``patcher``'s diffusion model."""
+    layers = [m for m in patcher.model.diffusion_model.modules() if hasattr(m, "comfy_cast_weights")]
+    streamed = [hasattr(m, "prev_comfy_cast_weights") for m in layers]
+    resident = [m.comfy_cast_weights for m, s in zip(layers, streamed, strict=True) if not s]
+    return resident, [m.comfy_cast_weights for m, s in zip(layers, streamed, strict=True) if s]
+
+
+def test_resident_layers_computing_in_their_stored_dtype_skip_the_cast_after_a_cpu_load(comfy, monkeypatch):
+    """A load on the CPU casts float16 to float32 (every layer's flag set); loaded again on a GPU that computes
+    float16 itself, its resident layers must not go through the cast path at each forward, while its streamed
+    layers keep it, across load, offload and load."""
+    mm, module, name, _lora_sd = comfy
+    ours = _load(module, name)
+    with_simulated_gpu(module, monkeypatch, ("nodes.move_to_gpu",))
+    _gpu_answers_fp16(mm, monkeypatch)
+    native = mm.unet_manual_cast
+    monkeypatch.setattr(mm, "unet_manual_cast", lambda *args, **kwargs: None)  # the GPU computes float16 itself
+    moved = _move(module, ours)[0]
+    monkeypatch.setattr(mm, "unet_manual_cast", native)
+    _step(ours)  # the input, on the CPU: float16 cast to float32, every layer casts
+    assert ours.model.manual_cast_dtype == torch.float32 and all(_casting(ours)[0])
+    monkeypatch.setattr(mm, "unet_manual_cast", lambda *args, **kwargs: None)
+    _step(moved)
+    resident, streamed = _casting(moved)
+    assert resident and not any(resident) and not streamed
+    half = _move(module, moved, budget=f"{moved.model_size() // 2}B")[0]
+    _step(half)
+    resident, streamed = _casting(half)
+    assert streamed and all(streamed) and resident and not any(resident)
+    mm.unload_all_models()  # offloaded: every layer back in RAM, none casting
+    assert not any(_casting(half)[0])
+    _step(_move(module, half)[0])
+    assert not any(_casting(half)[0])
+    del ours, moved, half
+    mm.unload_all_models()
+    gc.collect()
