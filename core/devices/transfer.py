@@ -210,16 +210,17 @@ class PinnedMemory:
         """Bytes pinned now: tensors pinned in place, and blocks locked (:meth:`lock`)."""
         return sum(size for size, _target in self.pinned.values()) + sum(size for size, *_rest in self.blocks.values())
 
-    def lock(self, block: torch.Tensor, target: Target) -> bool:
+    def lock(self, block: torch.Tensor, target: Target, *, capped: bool = True) -> bool:
         """Page-lock ``block`` (one host tensor, a ring's slab) in place for copies to ``target``, at its exact size,
         counted against the cap until :meth:`unlock` or until the block's tensor is freed; ``False`` where the
         backend cannot, the cap is reached, or locking failed (the block stays pageable: copies stay correct, and
-        block the host)."""
+        block the host). ``capped=False``: locked even past the cap (a ring's small staging buffers, what lets
+        the groups the cap left pageable cross without stopping the host); counted all the same."""
         label, backend = label_of(target), backend_of(target)
         pointer, nbytes = block.data_ptr(), block.numel() * block.element_size()
         if pointer in self.blocks:
             return True
-        if not backend.can_pin or label in self.failed or self.pinned_bytes + nbytes > self.max_bytes:
+        if not backend.can_pin or label in self.failed or (capped and self.pinned_bytes + nbytes > self.max_bytes):
             return False
         if not backend.pin(pointer, nbytes):
             self.failed.add(label)

@@ -96,7 +96,7 @@ class PartialModel:
         self.policy = DEFAULT_POLICY
         self.limits: dict[str, int] = {}
         self.lookahead = Lookahead()
-        self.ring = Ring()
+        self.ring = Ring(root)
         self._layers: list[Layer] | None = None
 
     def layers(self) -> list[Layer]:

@@ -16,10 +16,21 @@ lookup, and everything else happens once per *group*:
   compute stream waits for it once, when the group's first layer computes. Before a slot is refilled, the copy
   waits for an event the compute stream recorded after the slot's last reader: no ``record_stream``, no
   allocation per copy, and device memory fixed by the ring.
+* **Groups follow the order the model runs in**, not the order it registers its layers (a transformer block
+  registers attn1, ff, attn2, norms and runs norm1, attn1, norm2, attn2, norm3, ff): the first pass through a ring
+  is watched layer by layer, and when it ends (a layer comes again, or the model's use ends) the groups are packed
+  again in that order, once, so each group crosses once a pass. The order learned is kept for later plans.
 * **Prefetch** is how many groups ahead are copied: the next group (learned from the order the model really
   runs in, wrapping from a pass's last group to the next pass's first for a model run step after step) crosses
   while this one computes. It changes when copies are issued, not how much host work they take, so it cannot
   make a step slower; ``DEVICE_CONTROL_PREFETCH=off`` leaves one slot, copied when reached.
+* **The end of a use.** A model run once per use (a text encoder, a VAE: :attr:`Ring.wraps` off) gives its ring
+  back when its use ends, read from the model's own forwards (``core.placement.uses``), whatever order its layers
+  run in and whichever of them it uses.
+* **No room for the ring** (another program took memory since the plan was made): the layers copy their tensors
+  one by one until the next :meth:`Ring.settle`; the allocation is not tried again at every layer.
+* **A slab that could not be page-locked** crosses through a page-locked staging buffer of its slot
+  (``core.placement.staging``), so the host does not wait for the device at every group.
 
 The host never writes to or frees a slab a copy may still read: :meth:`Ring.settle` (end of sampling, and
 before ComfyUI rewrites weights in place for its hooks) and :meth:`Ring.detach` wait for the copies in flight.
@@ -29,7 +40,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
@@ -37,11 +47,11 @@ from ..devices.backends import Target, backend_of, label_of, same_target, target
 from ..devices.memory import is_out_of_memory
 from ..devices.tensors import HOST, count_copy
 from ..devices.transfer import GROUPED
+from .members import Member, RingStats
 from .prefetch import prefetching
+from .run_order import RunOrder
 from .slabs import (
-    Part,
     Slab,
-    aligned,
     in_slab,
     in_slab_tensor,
     key_of,
@@ -50,6 +60,8 @@ from .slabs import (
     parts_of,
     tensors_of,
 )
+from .staging import Staging
+from .uses import UseWatch
 
 log = logging.getLogger("device_control")
 
@@ -57,37 +69,15 @@ log = logging.getLogger("device_control")
 PREFETCH_SLOTS = 2
 
 
-@dataclass(eq=False)
-class Member:
-    """A streamed layer of a ring: its group, where its weight and bias lie, and their views in each slot."""
-
-    ring: Ring
-    group: int
-    weight: Part | None
-    bias: Part | None
-    views: list[tuple[torch.Tensor | None, torch.Tensor | None]] = field(default_factory=list)
-
-    def fetch(self, target: Target) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
-        """This layer's weight and bias on ``target``, their copy waited for by the compute stream; ``None`` when
-        the ring serves another device (the caller copies the layer's tensors as usual)."""
-        return self.ring.fetch(self, target)
-
-
-@dataclass
-class RingStats:
-    """What the ring did: groups copied (``copies``), of which ahead of use (``ahead``), bytes copied, and groups
-    found in a slot already when reached (``hits``)."""
-
-    copies: int = 0
-    ahead: int = 0
-    nbytes: int = 0
-    hits: int = 0
-
-
 class Ring:
-    """The grouped streaming of one model's whole streamed layers to one device (one per model: the engine's)."""
+    """The grouped streaming of one model's whole streamed layers to one device (one per model: the engine's).
 
-    def __init__(self) -> None:
+    Args:
+        root: the model, watched for the end of each use when it does not :attr:`wraps`.
+    """
+
+    def __init__(self, root: torch.nn.Module | None = None) -> None:
+        self.root = root
         #: Whether a pass's last group is followed by the next pass's first (a sampler's diffusion model); its
         #: owner turns it off for a model run once per use (a text encoder, a VAE).
         self.wraps = True
@@ -95,10 +85,14 @@ class Ring:
         self.target: Target | None = None
         self.group_bytes = 0
         self.slots = self._planned_slots = 0
+        self._reserve = 0
         self._groups: list[Slab] = []
         self._members: list[tuple[torch.nn.Module, Member]] = []
         self._next: list[int | None] = []
         self._kept: dict[tuple[int, ...], Slab] = {}
+        self._order = RunOrder()
+        self._staging = Staging()
+        self._uses = UseWatch(self._end_of_use)
         self._reset_ring()
 
     def _reset_ring(self) -> None:
@@ -110,27 +104,32 @@ class Ring:
         self._slot_of: dict[int, int] = {}
         self._current: int | None = None
         self._released: object | None = None  # compute-stream event when the current group began
-        self._closing = False  # the current group ends a pass of a model that does not wrap
-        self._left = 0  # layers of that group still to compute
+        self._failed = False  # no slot fitted: the layers copy their own tensors until the next settle
 
     # -- set up by the engine ---------------------------------------------------------------------
 
     def attach(self, modules: Sequence[torch.nn.Module], target: Target, reserve: int) -> None:
         """Stream ``modules`` (whole streamed layers in host memory, in the model's order) to ``target`` through a
-        ring that fits in ``reserve`` bytes (the plan's streaming reserve)."""
+        ring that fits in ``reserve`` bytes (the plan's streaming reserve), grouped in the order the model runs
+        in where it is known."""
         self.detach(unlock=False)
         if not modules:
             return
+        self._build(self._order.sort(modules), target, reserve)
+        if self.root is not None:
+            self._uses.watch(self.root)
+
+    def _build(self, modules: Sequence[torch.nn.Module], target: Target, reserve: int) -> None:
         sizes = [layer_bytes(module) for module in modules]
         self.slots = self._planned_slots = PREFETCH_SLOTS if prefetching() else 1
         self.group_bytes = max(max(sizes), reserve // (PREFETCH_SLOTS + 1))
-        self.target = target
+        self.target, self._reserve = target, reserve
         groups, start, size = [], 0, 0
         for index, nbytes in enumerate(sizes):
             if size and size + nbytes > self.group_bytes:
                 groups.append(modules[start:index])
                 start, size = index, 0
-            size += aligned(nbytes)
+            size += nbytes
         groups.append(modules[start:])
         kept, self._kept = self._kept, {}
         for number, group in enumerate(groups):
@@ -141,20 +140,25 @@ class Ring:
         """Stop streaming through the ring (layers move, the model is unloaded, or another loader took it): the
         copies in flight are waited for and the ring freed. The slabs stay their weights' home and are kept for a
         next plan with the same groups; ``unlock``: they are unlocked too (the model leaves the device; a re-plan
-        keeps them locked)."""
+        keeps them locked), as are the staging buffers."""
         self.settle()
+        self._uses.unwatch()
         for module, _member in self._members:
             module.__dict__.pop(GROUPED, None)
         for group in self._groups:
             if unlock:
                 group.unlock()
             self._kept[key_of(group.modules)] = group  # added to: attach detaches first too
+        if unlock:
+            self._staging.release()
         self._members, self._groups, self._next = [], [], []
+        self._order.stop()
         self.target = None
 
     def settle(self) -> None:
         """Sampling ended (or host weights are about to be rewritten): wait for the copies in flight, free the
-        ring's device memory, and forget what its slots held. The groups and the learned order are kept."""
+        ring's device memory, and forget what its slots held. The groups and the learned order are kept; a ring
+        that found no room may try again."""
         if self._buffers and self.target is not None:
             backend = backend_of(self.target)
             for event in self._filled:
@@ -178,19 +182,27 @@ class Ring:
 
     def fetch(self, member: Member, target: Target) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
         """``member``'s weight and bias on ``target`` (views of its group's slot), ready for the compute stream."""
+        if self._order.learning and self._order.note(member.module) and self._relearn():  # packed again
+            member = member.module.__dict__.get(GROUPED)
+            if member is None:
+                return None
         group = member.group
-        if group != self._current:
-            if group < 0 or not same_target(target, self.target) or not (self._buffers or self._allocate()):
-                return None
-            self._enter(group)
-            if member.group < 0:  # its weight changed shape or dtype: it left the ring as its group was copied
-                return None
-        views = member.views[self._slot_of[group]]
-        if self._closing:  # the last group of a model run once per use: the ring goes once it is used
-            self._left -= 1
-            if not self._left:
-                self.settle()
-        return views
+        if group != self._current and not self._start(group, target):
+            return None
+        if member.group < 0:  # its weight changed shape or dtype: it left the ring as its group was copied
+            return None
+        return member.views[self._slot_of[group]]
+
+    def _start(self, group: int, target: Target) -> bool:
+        """A layer of ``group`` computes first in its group: the group entered; ``False`` where the ring cannot
+        serve it (another device, a layer that left the ring, no room for a slot)."""
+        if group < 0 or self._failed or not same_target(target, self.target):
+            return False
+        if not self._buffers and not self._allocate():
+            self._failed = True
+            return False
+        self._enter(group)
+        return True
 
     def _enter(self, group: int) -> None:
         """The first layer of ``group`` computes: its copy (and the next ones') queued, the compute stream made to
@@ -213,10 +225,34 @@ class Ring:
         if not self._waited[slot]:
             backend.wait(compute, self._filled[slot])
             self._waited[slot] = True
-        # A model run once per use (a text encoder, a VAE) is not sampled: nothing settles it, so its ring is given
-        # back when its last group's layers have all computed, and nothing streamed stays on the device after it.
-        self._closing = not self.wraps and self._next[group] is None
-        self._left = len(self._groups[group].modules)
+
+    def _end_of_use(self) -> None:
+        """The model's computation ended (``core.placement.uses``): a model run once per use gives its ring back
+        (nothing settles it otherwise), the order of its first pass learned."""
+        if self.wraps:
+            return
+        if self._order.learning and self._order.watched:
+            self._relearn()
+        self.settle()
+
+    def _relearn(self) -> bool:
+        """The first pass ended: pack the groups again in the order it ran in, if it is not theirs (``True``)."""
+        order = self._order.learn([module for group in self._groups for module in group.modules])
+        if order is not None:
+            self._repack(order)
+        return order is not None
+
+    def _repack(self, order: list[torch.nn.Module]) -> None:
+        """Pack the groups again in ``order``: the copies in flight waited for, the old slabs unlocked and let go
+        (each is freed as its last weight moves to a new one, so host memory grows by a group at most)."""
+        self.settle()
+        for module, _member in self._members:
+            module.__dict__.pop(GROUPED, None)
+        for group in self._groups:
+            group.unlock()
+        self._members, self._groups, self._kept = [], [], {}
+        self._build(order, self.target, self._reserve)
+        self.stats.reordered += 1
 
     def _window(self, group: int) -> list[int]:
         """``group`` and the groups expected after it, as many as the ring has slots."""
@@ -248,18 +284,31 @@ class Ring:
             backend.copy_into(self._buffers[slot].narrow(0, 0, source.nbytes), source.block, non_blocking=False)
             event = None
         else:
-            with backend.on_stream(side):
-                if self._released is not None:
-                    backend.wait(side, self._released)
-                destination = self._buffers[slot].narrow(0, 0, source.nbytes)
-                backend.copy_into(destination, source.block, non_blocking=source.pinned)
-                event = backend.record(side)
+            event = self._copy(slot, source, side)
         self._holding[slot], self._filled[slot], self._waited[slot] = group, event, event is None
         self._slot_of[group] = slot
         count_copy(HOST, self.target, source.nbytes)  # the device's traffic books (memory profile, benchmarks)
         self.stats.copies += 1
         self.stats.ahead += ahead
         self.stats.nbytes += source.nbytes
+
+    def _copy(self, slot: int, source: Slab, side: object) -> object:
+        """``source`` copied into ``slot`` on the side stream once the compute stream's earlier reads are done
+        (even taking a view of the slot is work on a stream), through the slot's staging buffer where the slab is
+        pageable; the event that ends the copy."""
+        backend = backend_of(self.target)
+        staged = not source.pinned and self._staging.ready
+        data = self._staging.stage(slot, source.block) if staged else source.block
+        with backend.on_stream(side):
+            if self._released is not None:
+                backend.wait(side, self._released)
+            destination = self._buffers[slot].narrow(0, 0, source.nbytes)
+            backend.copy_into(destination, data, non_blocking=source.pinned or staged)
+            event = backend.record(side)
+        if staged:
+            self._staging.used(slot, event)
+            self.stats.staged += 1
+        return event
 
     def _refresh(self, group: int) -> None:
         """Before ``group``'s slab is copied: a weight replaced by another tensor since it was packed (not written
@@ -288,36 +337,37 @@ class Ring:
         """The ring's slots on the device, and every member's views of its tensors in each. Where the device has
         no room for every slot (another program took memory since the plan was made), fewer slots; ``False``
         when not even one fits (the layers then copy their tensors one by one, as without a ring)."""
-        backend = backend_of(self.target)
         size = self._slot_bytes = max(group.nbytes for group in self._groups)
-        self._buffers = []
-        try:
-            for _ in range(self._planned_slots):
-                self._buffers.append(backend.empty(self.target, torch.Size([size]), torch.uint8))
-        except Exception as error:
-            if not is_out_of_memory(error):
-                raise
-            log.warning(
-                "[Device Control] room for %d of %d streaming slots on %s; streaming with fewer",
-                len(self._buffers),
-                self._planned_slots,
-                label_of(self.target),
-            )
+        self._buffers = self._slots(size)
         if not self._buffers:
             return False
+        if not all(group.pinned for group in self._groups):
+            self._staging.prepare(self.target, len(self._buffers), size)
         self.slots = len(self._buffers)
         self._holding = [None] * self.slots
         self._filled = [None] * self.slots
         self._waited = [True] * self.slots
         for _module, member in self._members:
-            member.views = [
-                (
-                    member.weight.view(buffer) if member.weight is not None else None,
-                    member.bias.view(buffer) if member.bias is not None else None,
-                )
-                for buffer in self._buffers
-            ]
+            member.views = [member.views_in(buffer) for buffer in self._buffers]
         return True
+
+    def _slots(self, size: int) -> list[torch.Tensor]:
+        """As many of the planned slots of ``size`` bytes as the device has room for, said once when fewer."""
+        backend, buffers = backend_of(self.target), []
+        try:
+            for _ in range(self._planned_slots):
+                buffers.append(backend.empty(self.target, torch.Size([size]), torch.uint8))
+        except Exception as error:
+            if not is_out_of_memory(error):
+                raise
+            log.warning(
+                "[Device Control] room for %d of %d streaming slots on %s; %s until sampling ends",
+                len(buffers),
+                self._planned_slots,
+                label_of(self.target),
+                "streaming with fewer" if buffers else "each streamed layer copies its own weights",
+            )
+        return buffers
 
     # -- host slabs -----------------------------------------------------------------------------------
 
@@ -333,7 +383,7 @@ class Ring:
             group.lock(target)
         group.note_places()
         for module in modules:
-            member = Member(self, number, *parts_of(module, group.block))
+            member = Member(self, module, number, *parts_of(module, group.block))
             module.__dict__[GROUPED] = member
             self._members.append((module, member))
         return group

@@ -1,7 +1,11 @@
 """Host slabs: the weights a ring carries, packed group by group into one block of host memory each.
 
-One block per group means one page-locking per group (not per tensor: small tensors share pages, and each
-registration is a driver call) and one copy per group to the device. Each weight becomes a view of its slab, so
+One block per group means one page-locking per group (not per tensor: each registration is a driver call) and one
+copy per group to the device. Host registration is page-granular: registering a range that touches a page already
+registered fails, and CUDA reports that failure at the next kernel ("already mapped"). So a slab starts on a page
+and is sized to whole pages (two slabs never share one), and each tensor in it starts on a page of its own: when
+the slab is unlocked (its model offloaded), ComfyUI may page-lock the weights one by one, and no two of them then
+share a page either. Each weight becomes a view of its slab, so
 host memory is not doubled; its place (offset, dtype, shape) is the same in the slab and in a ring slot, so a
 layer's views of every slot are made once (``core.placement.ring``). A slab stays its weights' home when their model
 leaves the device (unlocked, so no memory stays page-locked for an offloaded model) and is locked again when the
@@ -19,8 +23,12 @@ import torch
 from ..devices.backends import Target
 from ..devices.transfer import CASTS_ANYWHERE, pinned_memory
 
-#: Offsets inside a slab and a slot are aligned to this many bytes (vectorised kernels read aligned memory).
-ALIGN = 256
+#: The host's page size: what registering host memory with a device locks, whole.
+PAGE = 4096
+
+#: Offsets inside a slab and a slot are aligned to this many bytes: a page (see the module's docstring), which also
+#: keeps every tensor aligned for vectorised kernels.
+ALIGN = PAGE
 
 
 @dataclass(frozen=True)
@@ -114,11 +122,19 @@ def parts_of(module: torch.nn.Module, slab: torch.Tensor) -> tuple[Part | None, 
     return parts.get("weight"), parts.get("bias")
 
 
+def page_block(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of host memory (rounded up to whole pages) starting on a page: a block that can be page-locked
+    without touching a page anything else lies on."""
+    size = aligned(max(nbytes, 1))
+    raw = torch.empty(size + PAGE, dtype=torch.uint8)
+    return raw.narrow(0, -raw.data_ptr() % PAGE, size)
+
+
 def pack(modules: list[torch.nn.Module], target: Target) -> Slab:
     """A new slab holding ``modules``' weights and biases (page-locked where the backend and the cap allow); each
     tensor becomes a view of it, and its own memory is freed when nothing else holds it."""
     size = sum(layer_bytes(module) for module in modules)
-    slab = torch.empty(size, dtype=torch.uint8)
+    slab = page_block(size)
     pinned = pinned_memory().lock(slab, target)
     offset = 0
     for module in modules:

@@ -39,7 +39,7 @@ class SimulatedBackend(DeviceBackend):
 
     def __init__(self, devices: Sequence[SimulatedDevice] = ()) -> None:
         self.simulated = tuple(devices)
-        self._pinned: set[int] = set()
+        self._pinned: dict[int, int] = {}  # start of each registered range -> its bytes
 
     # -- identity --------------------------------------------------------------------------------
 
@@ -82,6 +82,12 @@ class SimulatedBackend(DeviceBackend):
         return tensor.sim_device.release(tensor) if isinstance(tensor, SimTensor) else tensor
 
     def adopt(self, tensor: torch.Tensor, target: Target) -> None:
+        # A real device allocates the tensor's own bytes, whatever host block it is a view of (a ring's slab):
+        # booked as such, sharing the memory as every move here does.
+        if not isinstance(tensor, SimTensor):
+            own = _own_storage(tensor.detach())
+            if own.untyped_storage().nbytes() < tensor.untyped_storage().nbytes():
+                tensor.data = own
         target.place_in_place(tensor)
 
     def place(self, tensor: torch.Tensor, target: Target) -> torch.Tensor:
@@ -141,14 +147,17 @@ class SimulatedBackend(DeviceBackend):
     # -- pinned host memory ----------------------------------------------------------------------
 
     def pin(self, pointer: int, size: int) -> bool:
-        self._pinned.add(pointer)
+        self._pinned[pointer] = size
         return True
 
     def unpin(self, pointer: int) -> None:
-        self._pinned.discard(pointer)
+        self._pinned.pop(pointer, None)
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
-        return tensor.untyped_storage().data_ptr() in self._pinned
+        # As CUDA answers it: whether the tensor's first byte lies in a registered range (a view of a block
+        # registered at its own start, inside a larger allocation, is pinned).
+        start = tensor.data_ptr()
+        return any(begin <= start < begin + size for begin, size in self._pinned.items())
 
 
 def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
