@@ -207,6 +207,7 @@ class PartialModel:
             allowed=allowed,
             multiples=self._multiples(hooks),
             unit=unit,
+            extras=hooks.patch_bytes(),
         )
         self._apply(plan, target, hooks, progress)
         return before - self.resident_bytes(target)
@@ -239,7 +240,8 @@ class PartialModel:
     def _plan(self, target: Target, budget: int, hooks: LayerHooks) -> Plan:
         if backend_of(target).is_host:
             budget = self.total_bytes()  # on the host, everything is resident: there is nothing to stream from
-        return plan_layers(self.layers(), budget, self.policy, multiples=self._multiples(hooks))
+        multiples, extras = self._multiples(hooks), hooks.patch_bytes()
+        return plan_layers(self.layers(), budget, self.policy, multiples=multiples, extras=extras)
 
     def _multiples(self, hooks: LayerHooks) -> dict[str, int | None]:
         """The row multiple each layer that could stream in slices may be sliced on, as its owner says."""

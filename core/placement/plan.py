@@ -127,7 +127,9 @@ class Plan:
     """Which layers are resident under a budget (the rest stream, some in row slices) and the bytes on each side.
 
     ``reserve_bytes`` is the streaming reserve (:data:`STREAM_COPIES` times the largest streamed piece), ``unit``
-    the streaming unit the plan was made with, ``slices`` the row slices of the layers that stream in slices.
+    the streaming unit the plan was made with, ``slices`` the row slices of the layers that stream in slices,
+    ``patch_bytes`` what the streamed layers keep on the device beside their weights (the factors of their
+    on-the-fly patches, ``core.weights.patch_factors``).
     """
 
     budget: int
@@ -140,11 +142,13 @@ class Plan:
     streamed_layers: int
     unit: int = 0
     slices: Mapping[str, RowSlices] = field(default_factory=dict)
+    patch_bytes: int = 0
 
     @property
     def needed_bytes(self) -> int:
-        """The least the model needs on its device with this plan: what it keeps resident plus the reserve."""
-        return self.resident_bytes + self.reserve_bytes
+        """The least the model needs on its device with this plan: what it keeps resident, the reserve, and what
+        its streamed layers keep there beside their weights (``patch_bytes``: their patches' factors)."""
+        return self.resident_bytes + self.reserve_bytes + self.patch_bytes
 
     @property
     def over_budget(self) -> bool:
@@ -197,8 +201,10 @@ def plan_layers(
     allowed: Iterable[str] | None = None,
     multiples: Mapping[str, int | None] | None = None,
     unit: int | None = None,
+    extras: Mapping[str, int] | None = None,
 ) -> Plan:
-    """Choose the resident layers for ``budget`` bytes (weights plus the streaming reserve).
+    """Choose the resident layers for ``budget`` bytes (weights, the streaming reserve, and the extras of the
+    layers that stream).
 
     ``largest-first`` tries each possible size of the largest streamed piece: layers whose piece is larger must
     be resident, the others are filled in from the largest down, and the choice that keeps the most bytes
@@ -215,13 +221,17 @@ def plan_layers(
         unit: the streaming unit (default :func:`streaming_unit` of the budget, or :data:`MIN_UNIT` when the
             budget's unit leaves no room for what cannot stream: the least reserve, so a plan over its budget
             says what the model needs at least; an unload keeps its model's unit).
+        extras: by layer name, the bytes a layer keeps on the device beside its weights while it streams (its
+            on-the-fly patches' factors). When not every layer fits, they are kept room for as if every layer
+            that may stream did: a bound, never short, at most the extras of the layers that stay resident over.
     """
+    extras = extras or {}
     if unit is not None:
-        return _plan_with(layers, budget, policy, allowed, multiples, unit)
-    plan = _plan_with(layers, budget, policy, allowed, multiples, streaming_unit(budget))
+        return _plan_with(layers, budget, policy, allowed, multiples, unit, extras)
+    plan = _plan_with(layers, budget, policy, allowed, multiples, streaming_unit(budget), extras)
     if not plan.over_budget or plan.unit == MIN_UNIT:
         return plan
-    return _plan_with(layers, budget, policy, allowed, multiples, MIN_UNIT)
+    return _plan_with(layers, budget, policy, allowed, multiples, MIN_UNIT, extras)
 
 
 def _plan_with(
@@ -231,6 +241,7 @@ def _plan_with(
     allowed: Iterable[str] | None,
     multiples: Mapping[str, int | None] | None,
     unit: int,
+    extras: Mapping[str, int],
 ) -> Plan:
     """:func:`plan_layers` with the streaming unit given."""
     fixed = [layer for layer in layers if not layer.streamable]
@@ -239,12 +250,14 @@ def _plan_with(
     candidates, forced = _candidates(streamable, allowed, options)
     room = budget - _total(fixed)
     if not forced and _total(candidates) == _total(streamable) <= room:
-        chosen = candidates  # everything fits
-    elif policy is Policy.EXECUTION_ORDER:
-        chosen = _longest_prefix(candidates, room, forced, options)
+        chosen = candidates  # everything fits: nothing streams, no extras
     else:
-        chosen = _largest_first(candidates, room, forced, options)
-    return _plan_of(layers, budget, policy, [*fixed, *chosen], options, unit)
+        room -= sum(extras.get(layer.name, 0) for layer in streamable)
+        if policy is Policy.EXECUTION_ORDER:
+            chosen = _longest_prefix(candidates, room, forced, options)
+        else:
+            chosen = _largest_first(candidates, room, forced, options)
+    return _plan_of(layers, budget, policy, [*fixed, *chosen], options, unit, extras)
 
 
 def _candidates(
@@ -265,6 +278,7 @@ def _plan_of(
     resident: Sequence[Layer],
     options: Mapping[int, _Option],
     unit: int,
+    extras: Mapping[str, int],
 ) -> Plan:
     """The plan that keeps ``resident`` on the device and streams every other layer."""
     kept = {id(layer) for layer in resident}
@@ -281,7 +295,13 @@ def _plan_of(
         streamed_layers=len(streamed),
         unit=unit,
         slices=_sliced(ways),
+        patch_bytes=_extras_of(ways, extras),
     )
+
+
+def _extras_of(ways: Sequence[tuple[str, _Option]], extras: Mapping[str, int]) -> int:
+    """What the streamed layers keep on the device beside their weights."""
+    return sum(extras.get(name, 0) for name, _way in ways)
 
 
 def _sliced(ways: Sequence[tuple[str, _Option]]) -> dict[str, RowSlices]:

@@ -38,6 +38,11 @@ class LayerHooks:
     def on_streamed(self, layer: Layer) -> None:
         """``layer`` now streams (its cast flag is set, its weight and bias functions are empty)."""
 
+    def patch_bytes(self) -> dict[str, int]:
+        """By layer name, the bytes a layer keeps on its device beside its weights while it streams (the factors
+        of its on-the-fly patches, ``core.weights.patch_factors``): the plan keeps room for them."""
+        return {}
+
     def slice_multiple(self, layer: Layer) -> int | None:
         """The multiple of rows a slice of ``layer``'s weight must hold for the owner's on-the-fly patches to
         apply to it alone; ``None`` when they need the whole weight (the layer then streams whole)."""

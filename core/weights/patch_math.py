@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..devices.backends import backend_of, same_target, target_of
 from ..errors import PatchError
 
 log = logging.getLogger("device_control")
@@ -29,11 +30,19 @@ ADAPTERS = ("lora", "loha", "lokr", "glora", "oft", "boft")
 RAW_TYPES = ("diff", "set", "model_as_lora")
 
 
-def _cast(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | None, copy: bool = False) -> torch.Tensor:
-    """``tensor`` on ``device`` in ``dtype`` (a copy only when something changes, or when asked)."""
-    if tensor.device == device and not copy and (dtype is None or tensor.dtype == dtype):
+def _cast(tensor: torch.Tensor, at: torch.Tensor, dtype: torch.dtype | None, copy: bool = False) -> torch.Tensor:
+    """``tensor`` where ``at`` is, in ``dtype`` (a copy only when something changes, or when asked).
+
+    A tensor elsewhere crosses through the backend of ``at``'s device, a blocking copy: the factors of an on-the-fly
+    patch are on the device already (``core.weights.patch_factors``), so only a resident weight's patch, once a load,
+    crosses here. Asked through the backend, the simulated GPU sees (and charges) that crossing as a real one costs.
+    """
+    target = target_of(at)
+    if not same_target(target_of(tensor), target):
+        tensor, copy = backend_of(target).copy_to(tensor, target, copy=copy), False
+    if not copy and (dtype is None or tensor.dtype == dtype):
         return tensor
-    out = torch.empty_like(tensor, dtype=dtype, device=device)
+    out = torch.empty_like(tensor, dtype=dtype)
     out.copy_(tensor)
     return out
 
@@ -116,7 +125,7 @@ class _Patch:
         kind, value = patch_kind(self.value), self.value
         if kind == "nested":
             base, convert = value[0]
-            start = convert(_cast(base, weight.device, self.intermediate_dtype, copy=True), inplace=True)
+            start = convert(_cast(base, weight, self.intermediate_dtype, copy=True), inplace=True)
             value, kind = (calculate_weight(value[1:], start, self.key, self.intermediate_dtype),), "diff"
         if kind in ADAPTERS:
             return self._adapter(kind, value, weight)
@@ -126,8 +135,8 @@ class _Patch:
             return weight.copy_(value[1][0])
         target, base = value[1][0], self.original_weights[self.key][0][0]
         dtype = self.intermediate_dtype
-        delta = _cast(target, weight.device, dtype) - _cast(base, weight.device, dtype)
-        weight += self.function(self.strength * _cast(delta, weight.device, weight.dtype))
+        delta = _cast(target, weight, dtype) - _cast(base, weight, dtype)
+        weight += self.function(self.strength * _cast(delta, weight, weight.dtype))
         return weight
 
     def _adapter(self, kind: str, value: Any, weight: torch.Tensor) -> torch.Tensor:
@@ -157,7 +166,7 @@ def _diff(value: tuple, weight: torch.Tensor, key: str, strength: float, functio
             list(weight.shape),
         )
         return weight
-    weight += function(strength * _cast(diff, weight.device, weight.dtype))
+    weight += function(strength * _cast(diff, weight, weight.dtype))
     return weight
 
 
@@ -187,7 +196,7 @@ def _dora(
     function: Callable,
 ) -> torch.Tensor:
     """Weight decomposition (DoRA): keep the direction of weight + diff, rescale its norm by ``dora_scale``."""
-    scale = _cast(dora_scale, weight.device, intermediate)
+    scale = _cast(dora_scale, weight, intermediate)
     diff *= alpha
     combined = weight + function(diff).type(weight.dtype)
     if scale.shape[0] == combined.shape[0]:
@@ -218,12 +227,12 @@ def _pad_to(tensor: torch.Tensor, shape: list[int]) -> torch.Tensor:
 
 def _lora(w: tuple, weight: torch.Tensor, strength: float, function: Callable, dt: torch.dtype) -> torch.Tensor:
     up, down, alpha, mid, dora_scale, reshape = w
-    up, down = _cast(up, weight.device, dt), _cast(down, weight.device, dt)
+    up, down = _cast(up, weight, dt), _cast(down, weight, dt)
     if reshape is not None:
         weight = _pad_to(weight, reshape)
     scale = alpha / down.shape[0] if alpha is not None else 1.0
     if mid is not None:  # LoCon with a mid (Tucker) factor: fold it into the down projection
-        mid = _cast(mid, weight.device, dt)
+        mid = _cast(mid, weight, dt)
         shape = [down.shape[1], down.shape[0], mid.shape[2], mid.shape[3]]
         down = torch.mm(down.transpose(0, 1).flatten(start_dim=1), mid.transpose(0, 1).flatten(start_dim=1))
         down = down.reshape(shape).transpose(0, 1)
@@ -231,41 +240,38 @@ def _lora(w: tuple, weight: torch.Tensor, strength: float, function: Callable, d
     return _add_scaled(weight, diff, strength, scale, function, dora_scale, dt)
 
 
-def _tucker(t: torch.Tensor, b: torch.Tensor, a: torch.Tensor, device: torch.device, dt: torch.dtype) -> torch.Tensor:
-    return torch.einsum(
-        "i j k l, j r, i p -> p r k l", _cast(t, device, dt), _cast(b, device, dt), _cast(a, device, dt)
-    )
+def _tucker(t: torch.Tensor, b: torch.Tensor, a: torch.Tensor, at: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    return torch.einsum("i j k l, j r, i p -> p r k l", _cast(t, at, dt), _cast(b, at, dt), _cast(a, at, dt))
 
 
 def _loha(w: tuple, weight: torch.Tensor, strength: float, function: Callable, dt: torch.dtype) -> torch.Tensor:
     w1a, w1b, alpha, w2a, w2b, t1, t2, dora_scale = w
     scale = alpha / w1b.shape[0] if alpha is not None else 1.0
-    device = weight.device
     if t1 is not None:  # CP decomposition
-        m1, m2 = _tucker(t1, w1b, w1a, device, dt), _tucker(t2, w2b, w2a, device, dt)
+        m1, m2 = _tucker(t1, w1b, w1a, weight, dt), _tucker(t2, w2b, w2a, weight, dt)
     else:
-        m1 = torch.mm(_cast(w1a, device, dt), _cast(w1b, device, dt))
-        m2 = torch.mm(_cast(w2a, device, dt), _cast(w2b, device, dt))
+        m1 = torch.mm(_cast(w1a, weight, dt), _cast(w1b, weight, dt))
+        m2 = torch.mm(_cast(w2a, weight, dt), _cast(w2b, weight, dt))
     return _add_scaled(weight, (m1 * m2).reshape(weight.shape), strength, scale, function, dora_scale, dt)
 
 
 def _lokr(w: tuple, weight: torch.Tensor, strength: float, function: Callable, dt: torch.dtype) -> torch.Tensor:
     w1, w2, alpha, w1a, w1b, w2a, w2b, t2, dora_scale = w
-    device, rank = weight.device, None
+    rank = None
     if w1 is None:
         rank = w1b.shape[0]
-        w1 = torch.mm(_cast(w1a, device, dt), _cast(w1b, device, dt))
+        w1 = torch.mm(_cast(w1a, weight, dt), _cast(w1b, weight, dt))
     else:
-        w1 = _cast(w1, device, dt)
+        w1 = _cast(w1, weight, dt)
     if w2 is None:
         rank = w2b.shape[0]
         w2 = (
-            torch.mm(_cast(w2a, device, dt), _cast(w2b, device, dt))
+            torch.mm(_cast(w2a, weight, dt), _cast(w2b, weight, dt))
             if t2 is None
-            else _tucker(t2, w2b, w2a, device, dt)
+            else _tucker(t2, w2b, w2a, weight, dt)
         )
     else:
-        w2 = _cast(w2, device, dt)
+        w2 = _cast(w2, weight, dt)
     if len(w2.shape) == 4:
         w1 = w1.unsqueeze(2).unsqueeze(2)
     scale = alpha / rank if alpha is not None and rank is not None else 1.0
@@ -280,9 +286,8 @@ def _glora(w: tuple, weight: torch.Tensor, strength: float, function: Callable, 
     square = a2.shape[0] == weight.shape[0] and weight.shape[0] == weight.shape[1]
     if new_layout and not (old_layout and square):  # both layouts fit a square weight: the old one wins there
         old_layout, rank = False, a2.shape[0]
-    device = weight.device
-    fa1, fa2 = _cast(a1.flatten(start_dim=1), device, dt), _cast(a2.flatten(start_dim=1), device, dt)
-    fb1, fb2 = _cast(b1.flatten(start_dim=1), device, dt), _cast(b2.flatten(start_dim=1), device, dt)
+    fa1, fa2 = _cast(a1.flatten(start_dim=1), weight, dt), _cast(a2.flatten(start_dim=1), weight, dt)
+    fb1, fb2 = _cast(b1.flatten(start_dim=1), weight, dt), _cast(b2.flatten(start_dim=1), weight, dt)
     scale = alpha / rank if alpha is not None else 1.0
     if old_layout:  # the older LyCORIS GLoRA layout
         diff = torch.mm(fb2, fb1) + torch.mm(torch.mm(weight.flatten(start_dim=1).to(dtype=dt), fa2), fa1)
@@ -312,7 +317,7 @@ def _cayley(blocks: torch.Tensor, alpha: float, size: int, dims: tuple[int, int]
 def _oft(w: tuple, weight: torch.Tensor, strength: float, function: Callable, dt: torch.dtype) -> torch.Tensor:
     blocks, _rescale, alpha, dora_scale = w
     alpha = alpha or 0
-    blocks = _cast(blocks, weight.device, dt)
+    blocks = _cast(blocks, weight, dt)
     count, size = blocks.shape[:2]
     rotation = _cayley(blocks, alpha, size, (1, 2)).to(weight)
     eye = torch.eye(size, device=blocks.device, dtype=blocks.dtype)
@@ -328,8 +333,8 @@ def _oft(w: tuple, weight: torch.Tensor, strength: float, function: Callable, dt
 
 def _boft(w: tuple, weight: torch.Tensor, strength: float, function: Callable, dt: torch.dtype) -> torch.Tensor:
     blocks, rescale, alpha, dora_scale = w
-    blocks = _cast(blocks, weight.device, dt)
-    rescale = _cast(rescale, weight.device, dt) if rescale is not None else None
+    blocks = _cast(blocks, weight, dt)
+    rescale = _cast(rescale, weight, dt) if rescale is not None else None
     stages, _, size = blocks.shape[:3]
     rotation = _cayley(blocks, alpha, size, (-1, -2)).to(weight)
     eye = torch.eye(size, device=blocks.device, dtype=blocks.dtype)
@@ -345,7 +350,7 @@ def _boft(w: tuple, weight: torch.Tensor, strength: float, function: Callable, d
         rotated = rotated.flatten(0, 1).unflatten(0, (-1, span, 2)).transpose(1, 2).flatten(0, 2)
     if rescale is not None:
         rotated = rotated * rescale
-    diff = _cast(rotated - original, weight.device, dt)
+    diff = _cast(rotated - original, weight, dt)
     if dora_scale is not None:
         return _dora(dora_scale, weight, diff, alpha, strength, dt, function)
     weight += function((strength * diff).type(weight.dtype))

@@ -34,8 +34,9 @@ from .patch_math import Patch, patch_kind
 
 
 @dataclass(frozen=True)
-class _Rows:
-    """A weight adapter restricted to some rows: what ``patch_math`` reads of an adapter (its name and factors)."""
+class AdapterView:
+    """What ``patch_math`` reads of a weight adapter (its name and factors): an adapter restricted to some rows, or
+    one whose factors were copied to the device (``core.weights.patch_factors``)."""
 
     name: str
     weights: tuple
@@ -103,7 +104,7 @@ def _rows_of(value: Any, start: int, stop: int) -> Any:
     if kind in ("diff", "set"):
         payload = _payload(value)
         return (value[0], (payload[0][start:stop], *payload[1:]))
-    return _Rows(kind, _ADAPTER_ROWS[kind](value.weights, start, stop))
+    return AdapterView(kind, _ADAPTER_ROWS[kind](value.weights, start, stop))
 
 
 def _payload(value: tuple) -> tuple:

@@ -22,7 +22,9 @@ from typing import Any
 
 import torch
 
+from ..devices.backends import backend_of, target_of
 from ..errors import PatchError
+from .patch_factors import PlacedPatches, place_patches
 from .patch_math import Patch, calculate_weight, patch_kind
 from .patch_rows import patches_for_rows, row_multiple
 
@@ -165,6 +167,9 @@ class OnTheFlyPatch:
     float32 (OFT, BOFT) apply when streamed too. Without it, the math runs in the incoming dtype (float32,
     fp16 or bf16; fp8 in float32 with stochastic rounding back), as ComfyUI's own low-VRAM patch does.
 
+    The patches' factors cross to the device the weight computes on once, the first time it computes there, and
+    stay there with this function (``core.weights.patch_factors``): not a blocking copy at every forward.
+
     Args:
         key: the weight's name.
         patches: the patch dictionary (shared: patches added later apply too).
@@ -188,6 +193,21 @@ class OnTheFlyPatch:
         self.convert_func = convert_func
         self.set_func = set_func
         self.fp8_noise = fp8_noise
+        self._placed: PlacedPatches | None = None
+
+    def _patches_for(self, weight: torch.Tensor) -> list[Patch]:
+        """This weight's patches with their factors where ``weight`` computes (copied there once, and again only
+        when the patches changed or the weight computes elsewhere)."""
+        patches = self.patches[self.key]
+        target = target_of(weight)
+        placed = self._placed
+        if placed is not None and placed.serves(patches, target):
+            return placed.patches
+        if backend_of(target).is_host:
+            return patches
+        self._placed = None  # the old copy goes before the new one is made
+        self._placed = place_patches(patches, target)
+        return self._placed.patches
 
     def slice_multiple(self, shape: tuple[int, ...]) -> int | None:
         """The multiple of rows on which slices of this weight (of ``shape``) must start for :meth:`rows` to give
@@ -201,23 +221,24 @@ class OnTheFlyPatch:
     def rows(self, weight: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` of the weight (``weight``: those rows, cast) patched: bit for bit the same rows of
         the whole weight patched, on slices :meth:`slice_multiple` allowed."""
-        patches = patches_for_rows(self.patches[self.key], start, stop)
+        patches = patches_for_rows(self._patches_for(weight), start, stop)
         patched = calculate_weight(patches, weight.to(torch.float32, copy=True), self.key)
         return round_to(patched, self.storage_dtype, key_seed(self.key), self.fp8_noise).to(weight.dtype)
 
     def __call__(self, weight: torch.Tensor) -> torch.Tensor:
         dtype = weight.dtype
+        patches = self._patches_for(weight)
         if self.storage_dtype is not None and self.convert_func is None and self.set_func is None:
-            patched = calculate_weight(self.patches[self.key], weight.to(torch.float32, copy=True), self.key)
+            patched = calculate_weight(patches, weight.to(torch.float32, copy=True), self.key)
             return round_to(patched, self.storage_dtype, key_seed(self.key), self.fp8_noise).to(dtype)
         if self.convert_func is not None:
             weight = self.convert_func(weight, inplace=False)
         if dtype not in COMPUTABLE:
-            out = calculate_weight(self.patches[self.key], weight.to(torch.float32), self.key, torch.float32)
+            out = calculate_weight(patches, weight.to(torch.float32), self.key, torch.float32)
             if self.set_func is None:
                 return round_to(out, weight.dtype, key_seed(self.key), self.fp8_noise)
             return self.set_func(out, seed=key_seed(self.key), return_weight=True)
-        out = calculate_weight(self.patches[self.key], weight, self.key, intermediate_dtype=dtype)
+        out = calculate_weight(patches, weight, self.key, intermediate_dtype=dtype)
         if self.set_func is not None:
             return self.set_func(out, seed=key_seed(self.key), return_weight=True).to(dtype=dtype)
         return out

@@ -12,6 +12,7 @@ import torch
 from ...core.devices.slices import ROW_QUANTUM
 from ...core.devices.tensors import Target, own_tensors
 from ...core.placement.streaming import LayerHooks
+from ...core.weights.patch_factors import factor_bytes
 from ...core.weights.patching import get_weight, set_weight
 from ...core.weights.quantized import weight_shape
 from .quantized_patches import detach
@@ -67,6 +68,18 @@ class PatcherHooks(LayerHooks):
             if name in ("weight", "bias"):
                 functions.append(patcher.on_the_fly(key, getattr(module, name)))
         _add_wrappers(patcher, layer)
+
+    def patch_bytes(self) -> dict[str, int]:
+        """The bytes the factors of each layer's on-the-fly patches take on the device while it streams (none when
+        patches are forced into the stored weights)."""
+        if self.force:
+            return {}
+        extras: dict[str, int] = {}
+        for key, patches in self.patcher.patches.items():
+            layer, _, name = key.rpartition(".")
+            if patches and name in ("weight", "bias"):
+                extras[layer] = extras.get(layer, 0) + factor_bytes(patches)
+        return extras
 
     def slice_multiple(self, layer: Any) -> int | None:
         """Row slices of a streamed weight keep to the 64-row multiples, and to what its LoRA or other patch
