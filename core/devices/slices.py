@@ -36,6 +36,10 @@ SLICES = "device_control_slices"
 #: A layer whose class (or instance) sets this true computes in row slices when it carries :data:`SLICES`.
 SLICEABLE = "device_control_sliceable"
 
+#: A layer whose tensors take more device bytes made ready to compute than stored (a quantised layer's, decoded
+#: by ``core.weights.quantized``) keeps here a function ``(layer, nbytes, rows) -> bytes`` (:func:`ready_bytes`).
+READY_BYTES = "device_control_ready_bytes"
+
 
 @dataclass(frozen=True)
 class RowSlices:
@@ -65,6 +69,14 @@ def row_geometry(module: torch.nn.Module) -> tuple[int, int] | None:
     if weight is None or weight.dim() < 2 or weight.size(0) % ROW_QUANTUM:
         return None
     return weight.size(0), weight[0].numel() * weight.element_size()
+
+
+def ready_bytes(module: torch.nn.Module, nbytes: int, rows: int | None = None) -> int:
+    """The device bytes a streamed piece of ``module`` (``nbytes`` of its stored bytes: all of them, or the first
+    ``rows`` of its weight and its other tensors) takes once made ready to compute: ``nbytes``, unless the layer
+    says otherwise under :data:`READY_BYTES`."""
+    measure = module.__dict__.get(READY_BYTES)
+    return nbytes if measure is None else measure(module, nbytes, rows)
 
 
 def row_slices(rows: int, row_bytes: int, unit: int, multiple: int, extra: int = 0) -> RowSlices | None:

@@ -14,8 +14,10 @@ most the unit. The unit is ``budget * STREAM_SHARE / STREAM_COPIES`` (at least :
 reserve is at most :data:`STREAM_SHARE` of the budget whatever the size of the model's layers, and the rest of
 the budget holds resident layers; a budget too tight for what cannot stream plus that reserve is planned with
 the smallest unit before it is declared short. Layers no larger than the unit stream whole, without slicing
-overhead. The reserve holds streamed weights only: activations are not part of a model's budget (ComfyUI keeps
-room for them on the devices it manages, the patcher on the others).
+overhead. A quantised piece (a GGUF model's, ``core.weights.quantized``) crosses in its blocks and is decoded on
+the device into several times their bytes: the reserve keeps room for that decode, temporaries included, so it
+is then more than :data:`STREAM_SHARE` of the budget. The reserve holds streamed weights only: activations are
+not part of a model's budget (ComfyUI keeps room for them on the devices it manages, the patcher on the others).
 
 **Policy.** Which streamable layers stay resident when not all fit: ``largest-first`` (as ComfyUI does) keeps
 the biggest layers, so the fewest bytes per layer stream and the reserve is smallest; ``execution-order`` keeps
@@ -32,12 +34,13 @@ from enum import Enum
 
 import torch
 
-from ..devices.slices import ROW_QUANTUM, RowSlices, row_geometry, row_slices
+from ..devices.slices import ROW_QUANTUM, RowSlices, ready_bytes, row_geometry, row_slices
 from ..devices.tensors import HOST, Target, is_on, own_tensors, tensor_bytes
 
 #: While a streamed piece computes, its weights are on the device once in their stored dtype and once in the
 #: compute dtype (twice the bytes when fp16 computes in fp32), and the next piece is copied ahead: room for that
-#: many of the largest streamed piece is kept inside the budget (the streaming reserve).
+#: many of the largest streamed piece is kept inside the budget (the streaming reserve). A quantised piece made
+#: ready to compute takes more than its stored bytes (:func:`stream_reserve`).
 STREAM_COPIES = 3
 
 #: The streaming reserve is at most this share of the budget: the streaming unit is the budget times this share
@@ -126,10 +129,11 @@ def streaming_unit(budget: int) -> int:
 class Plan:
     """Which layers are resident under a budget (the rest stream, some in row slices) and the bytes on each side.
 
-    ``reserve_bytes`` is the streaming reserve (:data:`STREAM_COPIES` times the largest streamed piece), ``unit``
+    ``reserve_bytes`` is the streaming reserve (:func:`stream_reserve` of the largest streamed piece), ``unit``
     the streaming unit the plan was made with, ``slices`` the row slices of the layers that stream in slices,
     ``patch_bytes`` what the streamed layers keep on the device beside their weights (the factors of their
-    on-the-fly patches, ``core.weights.patch_factors``).
+    on-the-fly patches, ``core.weights.patch_factors``), ``ready_bytes`` the part of the reserve for one streamed
+    piece made ready to compute (the rest is for the copies: ``reserve_bytes - ready_bytes``).
     """
 
     budget: int
@@ -143,6 +147,7 @@ class Plan:
     unit: int = 0
     slices: Mapping[str, RowSlices] = field(default_factory=dict)
     patch_bytes: int = 0
+    ready_bytes: int = 0
 
     @property
     def needed_bytes(self) -> int:
@@ -157,12 +162,22 @@ class Plan:
         return self.needed_bytes > self.budget
 
 
+def stream_reserve(piece: int, ready: int) -> int:
+    """The streaming reserve for streamed pieces of at most ``piece`` stored bytes that take at most ``ready``
+    bytes once made ready to compute (``core.devices.slices.ready_bytes``): the piece computing and the one
+    copied ahead as stored, and one made ready. For plain weights ``ready`` is the piece: :data:`STREAM_COPIES`
+    pieces; a quantised piece is decoded on the device into more bytes than it crosses in, with temporaries."""
+    return (STREAM_COPIES - 1) * piece + ready
+
+
 @dataclass(frozen=True)
 class _Option:
-    """How one layer streams under a unit: the bytes of its largest piece, and its slices if it is sliced."""
+    """How one layer streams under a unit: the bytes of its largest piece, its slices if it is sliced, and the
+    bytes that piece takes on the device once made ready to compute (``ready``)."""
 
     piece: int
     slices: RowSlices | None
+    ready: int
 
 
 def _options(streamable: Sequence[Layer], unit: int, multiples: Mapping[str, int | None] | None) -> dict[int, _Option]:
@@ -176,7 +191,8 @@ def _options(streamable: Sequence[Layer], unit: int, multiples: Mapping[str, int
         if layer.rows and multiple is not None and layer.nbytes > unit:
             slices = row_slices(layer.rows, layer.row_bytes, unit, multiple, extra)
         piece = layer.nbytes if slices is None else slices.largest * layer.row_bytes + extra
-        options[id(layer)] = _Option(piece, slices)
+        rows = None if slices is None else slices.largest
+        options[id(layer)] = _Option(piece, slices, ready_bytes(layer.module, piece, rows))
     return options
 
 
@@ -262,13 +278,26 @@ def _plan_with(
 
 def _candidates(
     streamable: Sequence[Layer], allowed: Iterable[str] | None, options: Mapping[int, _Option]
-) -> tuple[list[Layer], int]:
-    """The streamable layers that may be resident, and the largest piece of those that may not (they stream)."""
+) -> tuple[list[Layer], _Option | None]:
+    """The streamable layers that may be resident, and the largest piece and readied piece of those that may not
+    (they stream; ``None`` when there are none)."""
     if allowed is None:
-        return list(streamable), 0
+        return list(streamable), None
     names = set(allowed)
     candidates = [layer for layer in streamable if layer.name in names]
-    return candidates, max((options[id(la)].piece for la in streamable if la.name not in names), default=0)
+    return candidates, _largest([options[id(la)] for la in streamable if la.name not in names])
+
+
+def _largest(ways: Sequence[_Option | None]) -> _Option | None:
+    """The largest piece and the largest readied piece of ``ways`` (``None`` ones left out; ``None`` if no other)."""
+    ways = [way for way in ways if way is not None]
+    return _Option(max(w.piece for w in ways), None, max(w.ready for w in ways)) if ways else None
+
+
+def _room_for(ways: Sequence[_Option | None]) -> tuple[int, int]:
+    """The streaming reserve for streaming ``ways``, and its part for one piece made ready to compute."""
+    largest = _largest(ways)
+    return (0, 0) if largest is None else (stream_reserve(largest.piece, largest.ready), largest.ready)
 
 
 def _plan_of(
@@ -284,13 +313,15 @@ def _plan_of(
     kept = {id(layer) for layer in resident}
     streamed = [layer for layer in layers if id(layer) not in kept]
     ways = [(layer.name, options[id(layer)]) for layer in streamed if layer.streamable]
+    reserve, ready = _room_for([way for _name, way in ways])
     return Plan(
         budget=budget,
         policy=policy,
         resident=frozenset(layer.name for layer in resident),
         resident_bytes=_total(resident),
         streamed_bytes=_total(streamed),
-        reserve_bytes=STREAM_COPIES * max((way.piece for _name, way in ways), default=0),
+        reserve_bytes=reserve,
+        ready_bytes=ready,
         fixed_bytes=_total(layer for layer in layers if not layer.streamable),
         streamed_layers=len(streamed),
         unit=unit,
@@ -309,43 +340,51 @@ def _sliced(ways: Sequence[tuple[str, _Option]]) -> dict[str, RowSlices]:
     return {name: way.slices for name, way in ways if way.slices is not None}
 
 
-def _largest_first(candidates: Sequence[Layer], room: int, forced: int, options: Mapping[int, _Option]) -> list[Layer]:
+def _largest_first(
+    candidates: Sequence[Layer], room: int, forced: _Option | None, options: Mapping[int, _Option]
+) -> list[Layer]:
     """The resident layers that keep the most bytes, over every choice of the largest piece that streams."""
     ordered = sorted(candidates, key=lambda layer: -layer.nbytes)
     best, chosen = -1, []
-    for largest in sorted({options[id(layer)].piece for layer in ordered} | {forced}, reverse=True):
-        if largest < forced:
+    floor = forced.piece if forced is not None else 0
+    for largest in sorted({options[id(layer)].piece for layer in ordered} | {floor}, reverse=True):
+        if largest < floor:
             break
-        option = _keeping_all_above(ordered, largest, room, options)
+        option = _keeping_all_above(ordered, largest, room, options, forced)
         if option is not None and _total(option) > best:
             best, chosen = _total(option), option
     return chosen
 
 
 def _keeping_all_above(
-    ordered: Sequence[Layer], largest: int, room: int, options: Mapping[int, _Option]
+    ordered: Sequence[Layer], largest: int, room: int, options: Mapping[int, _Option], forced: _Option | None
 ) -> list[Layer] | None:
     """Every layer whose piece is bigger than ``largest`` (the biggest that may stream), then as many others as
-    fit with the reserve for ``largest``; ``None`` when the bigger ones alone do not fit."""
+    fit with the reserve for streaming any of them; ``None`` when the bigger ones alone do not fit."""
     must = [layer for layer in ordered if options[id(layer)].piece > largest]
-    left = room - STREAM_COPIES * largest - _total(must)
+    may = [layer for layer in ordered if options[id(layer)].piece <= largest]
+    left = room - _room_for([forced, *(options[id(layer)] for layer in may)])[0] - _total(must)
     if left < 0:
         return None
-    return must + _greedy([layer for layer in ordered if options[id(layer)].piece <= largest], left)
+    return must + _greedy(may, left)
 
 
-def _longest_prefix(candidates: Sequence[Layer], room: int, forced: int, options: Mapping[int, _Option]) -> list[Layer]:
+def _longest_prefix(
+    candidates: Sequence[Layer], room: int, forced: _Option | None, options: Mapping[int, _Option]
+) -> list[Layer]:
     """The longest run of layers from the start that fits with the reserve the rest needs."""
-    rest_max = [0] * (len(candidates) + 1)  # rest_max[i]: the largest piece from i on
+    rest = [_room_for([forced])[0]] * (len(candidates) + 1)  # rest[i]: the reserve of the layers from i on
+    tail = forced  # the largest piece and readied piece of those, with the forced ones
     for i in range(len(candidates) - 1, -1, -1):
-        rest_max[i] = max(rest_max[i + 1], options[id(candidates[i])].piece)
+        tail = _largest([tail, options[id(candidates[i])]])
+        rest[i] = _room_for([tail])[0]
     used, length = 0, 0
     for i, layer in enumerate(candidates):
-        if used + layer.nbytes + STREAM_COPIES * max(rest_max[i + 1], forced) > room:
+        if used + layer.nbytes + rest[i + 1] > room:
             break
         used += layer.nbytes
         length = i + 1
-    if STREAM_COPIES * max(rest_max[length], forced) > room:
+    if rest[length] > room:
         return []
     return list(candidates[:length])
 

@@ -9,16 +9,22 @@ its quantised bytes to the GPU (fewer bytes over the link than fp16) and dequant
 **Exactness.** Every value is computed in float32 in the same order of operations as the GGML project's own
 reference reader (``gguf.quants`` on PyPI): one rounding per multiply and per add, never a fused multiply-add,
 so our float32 result is bit for bit theirs; the oracle test in ``tests/core/test_ggml_blocks.py`` holds that
-for every type on random blocks. A caller that wants fp16 or bf16 gets that float32 result rounded once.
+for every type on random blocks. A caller that wants fp16 or bf16 gets that float32 result rounded once (bit for
+bit, however it is computed).
 
-**Memory.** A weight is dequantised each time its layer computes, so each decoder makes one float32 tensor and
-scales and offsets it in place (``mul_``, ``sub_``, ``add_``: the same roundings as a new tensor per step), instead
-of a new float32 tensor per operation.
+**Memory.** A weight is dequantised on the device each time its layer computes, inside the placement budget's
+streaming reserve, so a decode holds little besides its result: each decoder makes one tensor and scales and
+offsets it in place (``mul_``, ``sub_``, ``add_``: the same roundings as a new tensor per step); ``Q4_0``,
+``Q5_0`` and ``Q8_0`` decode straight into fp16 (exactly, see :data:`EXACT_IN_FP16`); any other decode into a
+dtype narrower than float32 goes a chunk of blocks at a time, so no float32 copy of a whole weight is made (four
+bytes a value: 144 MiB for a 3072x12288 weight whose Q4_0 blocks take 20 MiB). :func:`decode_bytes` is what a
+decode holds at most, the room the plan keeps for it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -28,18 +34,27 @@ from ..errors import ModelFileError
 #: Values in each block of the K types.
 QK_K = 256
 
+#: A weight of more values than this is decoded this many at a time (16 MiB of float32), into its result: the
+#: decoding's temporaries stay those of one chunk however large the weight.
+CHUNK_VALUES = 1 << 22
 
-def _f16(raw: torch.Tensor) -> torch.Tensor:
-    """Little-endian fp16 fields (``(n, 2)`` bytes) as float32, shaped ``(n, 1)``."""
-    return raw.contiguous().view(torch.float16).to(torch.float32)
+#: The types whose value is a small integer times one fp16 scale (``(q - offset) * d``): the integer and the scale
+#: are exact in fp16 and fp16's multiply rounds their exact product once, as float32's exact product rounded to
+#: fp16 does, so these decode straight into fp16, bit for bit. Not into bf16 (the fp16 scale does not fit its 8
+#: bits of precision), nor the types that add a second scale (two roundings in fp16, one in float32).
+EXACT_IN_FP16 = frozenset({"Q4_0", "Q5_0", "Q8_0"})
+
+
+def _f16(raw: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Little-endian fp16 fields (``(n, 2)`` bytes) as ``dtype``, shaped ``(n, 1)``."""
+    return raw.contiguous().view(torch.float16).to(dtype)
 
 
 def _bits(raw: torch.Tensor, count: int, width: int) -> torch.Tensor:
     """Each byte of ``raw`` (``(n, b)``) split into ``count`` fields of ``width`` bits, low bits first:
     ``(n, count, b)``, the field at shift ``k * width`` in row ``k``."""
     shifts = torch.arange(0, count * width, width, dtype=torch.uint8, device=raw.device).view(1, count, 1)
-    mask = (1 << width) - 1
-    return torch.bitwise_right_shift(raw.unsqueeze(1), shifts) & mask
+    return torch.bitwise_right_shift(raw.unsqueeze(1), shifts).bitwise_and_((1 << width) - 1)
 
 
 def _nibbles(raw: torch.Tensor) -> torch.Tensor:
@@ -52,17 +67,17 @@ def _high_bits(raw: torch.Tensor) -> torch.Tensor:
     return _bits(raw, 8, 1).transpose(1, 2).reshape(raw.shape[0], -1)
 
 
-def _q4_0(b: torch.Tensor) -> torch.Tensor:
-    return _nibbles(b[:, 2:]).to(torch.float32).sub_(8).mul_(_f16(b[:, :2]))
+def _q4_0(b: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return _nibbles(b[:, 2:]).to(dtype).sub_(8).mul_(_f16(b[:, :2], dtype))
 
 
 def _q4_1(b: torch.Tensor) -> torch.Tensor:
     return _nibbles(b[:, 4:]).to(torch.float32).mul_(_f16(b[:, :2])).add_(_f16(b[:, 2:4]))
 
 
-def _q5_0(b: torch.Tensor) -> torch.Tensor:
-    q = (_nibbles(b[:, 6:]) | (_high_bits(b[:, 2:6]) << 4)).to(torch.float32)
-    return q.sub_(16).mul_(_f16(b[:, :2]))
+def _q5_0(b: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    q = _nibbles(b[:, 6:]).bitwise_or_(_high_bits(b[:, 2:6]).bitwise_left_shift_(4)).to(dtype)
+    return q.sub_(16).mul_(_f16(b[:, :2], dtype))
 
 
 def _q5_1(b: torch.Tensor) -> torch.Tensor:
@@ -70,8 +85,8 @@ def _q5_1(b: torch.Tensor) -> torch.Tensor:
     return q.mul_(_f16(b[:, :2])).add_(_f16(b[:, 2:4]))
 
 
-def _q8_0(b: torch.Tensor) -> torch.Tensor:
-    return b[:, 2:].view(torch.int8).to(torch.float32).mul_(_f16(b[:, :2]))
+def _q8_0(b: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return b[:, 2:].view(torch.int8).to(dtype).mul_(_f16(b[:, :2], dtype))
 
 
 def _q2_k(b: torch.Tensor) -> torch.Tensor:
@@ -174,6 +189,25 @@ DECODERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+#: Bytes a block of each type takes in its decoder's temporaries besides its result, at their most (its integer
+#: fields and its scales), as the simulated GPU's books measure them (``tests/core/test_ggml_blocks.py``).
+SCRATCH: dict[str, int] = {
+    "F32": 0,
+    "F16": 0,
+    "BF16": 0,
+    "Q4_0": 32,
+    "Q4_1": 32,
+    "Q5_0": 32,
+    "Q5_1": 32,
+    "Q8_0": 6,
+    "Q2_K": 392,
+    "Q3_K": 932,
+    "Q4_K": 384,
+    "Q5_K": 896,
+    "Q6_K": 836,
+}
+
+
 def check_bytes(raw: torch.Tensor, kind: BlockLayout, shape: Sequence[int]) -> int:
     """The number of values ``shape`` holds, once ``raw`` is known to be the ``uint8`` bytes of that many in
     ``kind``'s blocks.
@@ -198,15 +232,54 @@ def check_bytes(raw: torch.Tensor, kind: BlockLayout, shape: Sequence[int]) -> i
     return count
 
 
+def _decoder(name: str, dtype: torch.dtype) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.dtype]:
+    """The decoder of type ``name`` for a result in ``dtype``, and the dtype it computes in: ``dtype`` itself for
+    float32 and for the :data:`EXACT_IN_FP16` types into fp16, float32 otherwise."""
+    if dtype == torch.float16 and name in EXACT_IN_FP16:
+        return partial(DECODERS[name], dtype=dtype), dtype
+    return DECODERS[name], torch.float32
+
+
 def dequantize(
     raw: torch.Tensor, kind: BlockLayout, shape: Sequence[int], dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """The float tensor of ``shape`` that the bytes ``raw`` (a ``uint8`` tensor, on any device) hold in ``kind``'s
-    blocks, computed in float32 on ``raw``'s device and returned as ``dtype``.
+    blocks, in ``dtype``, computed on ``raw``'s device: bit for bit the float32 result rounded once to ``dtype``.
+
+    Decoded straight into ``dtype`` where that is exact (float32; fp16 for :data:`EXACT_IN_FP16`); otherwise in
+    float32 a chunk of at most :data:`CHUNK_VALUES` values at a time, each chunk rounded into the result, so no
+    float32 copy of a whole large weight is ever made (:func:`decode_bytes` says what is held at most).
 
     Raises:
         ModelFileError: as :func:`check_bytes`.
     """
     count = check_bytes(raw, kind, shape)
-    values = DECODERS[kind.name](raw.reshape(-1, kind.size)) if count else raw.new_empty(0, dtype=torch.float32)
-    return values.reshape(tuple(shape)).to(dtype)
+    decode, work = _decoder(kind.name, dtype)
+    blocks = raw.reshape(-1, kind.size)
+    step = blocks.shape[0] if work == dtype else _chunk_blocks(kind)
+    if blocks.shape[0] <= step:
+        values = decode(blocks) if count else raw.new_empty(0, dtype=work)
+        return values.reshape(tuple(shape)).to(dtype)
+    out = raw.new_empty((blocks.shape[0], kind.values), dtype=dtype)
+    for start in range(0, blocks.shape[0], step):
+        out[start : start + step].copy_(decode(blocks[start : start + step]))
+    return out.reshape(tuple(shape))
+
+
+def decode_bytes(kind: BlockLayout, count: int, dtype: torch.dtype) -> int:
+    """The most device bytes :func:`dequantize` holds at once, besides its input, for ``count`` values of ``kind``
+    into ``dtype``: its result and its temporaries (an upper bound, held against the simulated GPU's books in
+    ``tests/core/test_ggml_blocks.py``). The placement plan keeps this room for a streamed quantised weight."""
+    if count <= 0:
+        return 0
+    _decode, work = _decoder(kind.name, dtype)
+    blocks = -(-count // kind.values)
+    if work == dtype:  # decoded whole, in place in its result
+        return blocks * (kind.values * dtype.itemsize + SCRATCH[kind.name])
+    chunk = min(blocks, _chunk_blocks(kind))
+    return blocks * kind.values * dtype.itemsize + chunk * (kind.values * work.itemsize + SCRATCH[kind.name])
+
+
+def _chunk_blocks(kind: BlockLayout) -> int:
+    """Blocks of ``kind`` in one chunk of :func:`dequantize`."""
+    return max(1, CHUNK_VALUES // kind.values)

@@ -19,10 +19,15 @@ from dataclasses import dataclass
 import torch
 
 from ..devices.reported import shaped_parameter
-from .ggml_blocks import BlockLayout, check_bytes, dequantize
+from ..devices.slices import READY_BYTES
+from .ggml_blocks import BlockLayout, check_bytes, decode_bytes, dequantize
 
 #: A layer's ``__dict__`` key: parameter name -> :class:`QuantizedLayout` of its quantised parameters.
 QUANTIZED = "device_control_quantized"
+
+#: The dtypes a quantised weight may be decoded into: its layer computes in its input's dtype, which is not known
+#: when the placement plan keeps room for the decode, so the plan keeps room for the largest of these.
+COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,14 @@ class QuantizedLayout:
         shape = self.shape if rows is None else (rows[1] - rows[0], *self.shape[1:])
         values = dequantize(raw.reshape(-1), self.kind, self.blocks_shape(rows), dtype or torch.float32)
         return values.reshape(shape)
+
+    def decode_bytes(self, dtype: torch.dtype, rows: tuple[int, int] | None = None) -> int:
+        """The most device bytes :meth:`decode` holds at once into ``dtype`` (its result and its temporaries),
+        for the whole weight or its ``rows``."""
+        count = 1
+        for dim in self.blocks_shape(rows):
+            count *= dim
+        return decode_bytes(self.kind, count, dtype)
 
     def row_shape(self) -> tuple[int, ...]:
         """The stored bytes' shape: one row of blocks per output row where each row is whole blocks; flat
@@ -83,12 +96,29 @@ def set_quantized(layer: torch.nn.Module, name: str, parameter: torch.nn.Paramet
     says. A loader that checked the bytes' size itself calls this directly."""
     layer._parameters[name] = parameter
     layer.__dict__.setdefault(QUANTIZED, {})[name] = layout
+    layer.__dict__[READY_BYTES] = decoded_bytes
 
 
 def layout_of(layer: torch.nn.Module, name: str) -> QuantizedLayout | None:
     """The layout of ``layer``'s quantised parameter ``name``; ``None`` when it holds plain values."""
     layouts = layer.__dict__.get(QUANTIZED)
     return layouts.get(name) if layouts else None
+
+
+def decoded_bytes(layer: torch.nn.Module, nbytes: int, rows: int | None = None) -> int:
+    """The device bytes a streamed piece of ``layer`` (``nbytes`` of its stored bytes: the whole layer, or the first
+    ``rows`` of its weight and its other tensors) takes once made ready to compute: each quantised tensor of it
+    decoded (:meth:`QuantizedLayout.decode_bytes`: its result and temporaries, in the largest of
+    :data:`COMPUTE_DTYPES`), its other tensors counted at their stored size. A quantised layer keeps this function
+    under ``core.devices.slices.READY_BYTES``, where the placement plan reads it."""
+    ready = nbytes
+    for name, layout in (layer.__dict__.get(QUANTIZED) or {}).items():
+        part = (0, rows) if rows is not None and name == "weight" else None
+        count = 1
+        for dim in layout.blocks_shape(part):
+            count *= dim
+        ready += max(layout.decode_bytes(dtype, part) for dtype in COMPUTE_DTYPES) - layout.kind.nbytes(count)
+    return ready
 
 
 def is_quantized(layer: torch.nn.Module) -> bool:

@@ -1,8 +1,12 @@
 """Our GGML block reader (``core.weights.ggml_blocks``) against the GGML project's own (``gguf.quants``, numpy), the
 oracle: every type, bit for bit in float32, on blocks ``gguf`` quantised from real values and on random blocks
-(every bit pattern a block can hold, its fp16 scales finite), plus the errors a damaged tensor gets."""
+(every bit pattern a block can hold, its fp16 scales finite), plus the errors a damaged tensor gets; the decode
+into fp16 and bf16 against that float32 result rounded once, over every finite fp16 scale; and the device bytes a
+decode holds (its result and temporaries) against :func:`decode_bytes`, on the simulated GPU's books."""
 
 from __future__ import annotations
+
+import gc
 
 import gguf
 import numpy as np
@@ -10,8 +14,11 @@ import pytest
 import torch
 
 from core.detection.ggml_types import GGML_TYPES, ggml_type
+from core.devices.simulated import SimulatedDevice
 from core.errors import ModelFileError
-from core.weights.ggml_blocks import DECODERS, dequantize
+from core.weights import ggml_blocks
+from core.weights.ggml_blocks import DECODERS, EXACT_IN_FP16, SCRATCH, decode_bytes, dequantize
+from core.weights.quantized import QuantizedLayout
 
 #: Where each type keeps its fp16 scales (byte ranges in a block): random bytes there could be NaN or infinite.
 SCALES = {
@@ -108,3 +115,73 @@ def test_every_type_we_read_has_the_size_ggml_gives_it_and_a_decoder():
     for kind in GGML_TYPES.values():
         assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind.ggml_id)] == (kind.values, kind.size), kind.name
         assert gguf.GGMLQuantizationType(kind.ggml_id).name == kind.name
+
+
+def _every_fp16_scale(name: str, seed: int) -> torch.Tensor:
+    """Blocks of type ``name`` (``Q4_0``, ``Q5_0``, ``Q8_0``: the scale in their first two bytes) whose scales are
+    every finite fp16 value, each once, with both signs, subnormals and the largest (65504, where the product
+    overflows fp16), beside random integers; the first block's integers are all the extreme one."""
+    kind = _kind(name)
+    bits = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16)
+    scales = bits[torch.isfinite(bits.view(torch.float16))]
+    data = torch.from_numpy(_random_blocks(name, 1, scales.numel(), seed).copy()).reshape(-1, kind.size)
+    data[:, :2] = scales.view(torch.uint8).reshape(-1, 2)
+    data[0, 2:] = 0x80 if name == "Q8_0" else 0  # -128, or the low nibbles 0 (q - 8 = -8, q - 16 = -16)
+    return data.reshape(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", sorted(EXACT_IN_FP16))
+def test_decoding_straight_into_a_narrow_dtype_is_the_float32_result_rounded_once(name, dtype, monkeypatch):
+    """Bit for bit, over every finite fp16 scale, whole, in chunks and in row slices, the result equals the
+    GGML reader's float32 values rounded once to the dtype (fp16: computed in fp16; bf16: in float32 chunks)."""
+    kind = _kind(name)
+    raw = _every_fp16_scale(name, seed=len(name) + dtype.itemsize)
+    rows = raw.numel() // kind.size // 4  # four blocks a row
+    oracle = gguf.quants.dequantize(raw.numpy().reshape(rows, -1), gguf.GGMLQuantizationType[name])
+    expected = torch.from_numpy(np.ascontiguousarray(oracle, dtype=np.float32)).to(dtype)
+    layout = QuantizedLayout(kind, (rows, 4 * kind.values))
+    blocks = raw.reshape(layout.row_shape())
+
+    def same(ours: torch.Tensor, wanted: torch.Tensor) -> bool:
+        return ours.dtype == dtype and torch.equal(ours.view(torch.int16), wanted.view(torch.int16))
+
+    assert same(layout.decode(blocks, dtype), expected)
+    monkeypatch.setattr(ggml_blocks, "CHUNK_VALUES", 1000 * kind.values)  # 64 chunks, the last one short
+    assert same(layout.decode(blocks, dtype), expected)
+    for start, stop in [(0, 7), (7, 8), (1000, rows)]:
+        assert same(layout.decode(blocks[start:stop], dtype, (start, stop)), expected[start:stop])
+    exact = torch.from_numpy(np.ascontiguousarray(oracle, dtype=np.float32))
+    assert (expected.float() != exact).any()  # the rounding is exercised
+    if dtype == torch.float16:  # so are fp16's overflow and its subnormals
+        assert torch.isinf(expected).any() and (expected != 0).logical_and(expected.abs() < 2**-14).any()
+    else:  # and why bf16 is not computed in bf16: the fp16 scale does not fit its precision
+        q = DECODERS[name](raw.reshape(-1, kind.size)) / _scales(raw, kind)
+        narrow = q.to(dtype) * _scales(raw, kind).to(dtype)
+        assert not torch.equal(narrow.reshape(expected.shape).view(torch.int16), expected.view(torch.int16))
+
+
+def _scales(raw: torch.Tensor, kind) -> torch.Tensor:
+    return raw.reshape(-1, kind.size)[:, :2].contiguous().view(torch.float16).to(torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("name", sorted(SCRATCH))
+def test_a_decode_holds_on_the_device_at_most_what_decode_bytes_says(name, dtype, monkeypatch):
+    """The room the plan keeps for a streamed quantised weight (its result and temporaries), against the
+    simulated GPU's books: whole, and in chunks (here of 64 blocks, as a weight of more than CHUNK_VALUES)."""
+    kind = _kind(name)
+    raw = torch.from_numpy(_random_blocks(name, 1, 300, seed=7).copy()).reshape(-1)
+    count = 300 * kind.values
+    for chunk in (ggml_blocks.CHUNK_VALUES, 64 * kind.values):
+        monkeypatch.setattr(ggml_blocks, "CHUNK_VALUES", chunk)
+        device = SimulatedDevice(64 * 1024**2)
+        on = device.place(raw)
+        gc.collect()
+        base = device.allocated()
+        device.reset_peak()
+        values = dequantize(on, kind, (count,), dtype)
+        held = device.peak_allocated() - base
+        assert values.numel() * dtype.itemsize <= held or name in ("F32", "F16", "BF16")  # a view of its input
+        assert held <= decode_bytes(kind, count, dtype), chunk
+        del values, on

@@ -3,7 +3,8 @@ what the same layer holding the dequantised weight computes, bit for bit, reside
 row slices and through its model's ring on a simulated GPU; the device holds the quantised bytes (budgets and
 books count them, not the floats); a LoRA applies to the dequantised weight. The weights are quantised by the
 GGML project's own ``gguf.quants`` (the plain 32-value types) or are random blocks (the K types, which ``gguf``
-does not quantise), and the expected weight is ``gguf.quants.dequantize``'s."""
+does not quantise), and the expected weight is ``gguf.quants.dequantize``'s. A streamed quantised layer's decode
+stays inside the plan's streaming reserve."""
 
 from __future__ import annotations
 
@@ -19,10 +20,10 @@ from core.detection.ggml_types import GGML_TYPES
 from core.devices.reported import ShapedParameter
 from core.devices.simtensor import SimTensor
 from core.devices.simulated import SimulatedDevice
-from core.devices.slices import RowSlices
+from core.devices.slices import RowSlices, ready_bytes
 from core.errors import ModelFileError
 from core.placement.engine import partial_model_of
-from core.placement.plan import Layer
+from core.placement.plan import Layer, layers_of, plan_layers, stream_reserve
 from core.placement.prefetch import settle
 from core.placement.streaming import NO_HOOKS, reset_flags, stream
 from core.weights import ops
@@ -103,12 +104,13 @@ def test_streamed_whole_or_in_slices_it_computes_as_resident_and_only_its_blocks
 
 
 class _Quantised(torch.nn.Module):
-    """Eight quantised Linears of one type and a plain norm: a model the engine loads under a budget."""
+    """Thirty-two quantised Linears of one type and a plain norm: a model the engine loads under a budget (with
+    room to stream one block decoded: several times its quantised bytes)."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
         torch.manual_seed(3)
-        self.blocks = torch.nn.Sequential(*(ops.Linear(256, 256) for _ in range(8)))
+        self.blocks = torch.nn.Sequential(*(ops.Linear(256, 256) for _ in range(32)))
         self.norm = ops.LayerNorm(256)
         self.expected = [_quantise(block, kind, seed) for seed, block in enumerate(self.blocks)]
 
@@ -128,13 +130,15 @@ def test_under_a_budget_the_device_holds_quantised_bytes_and_the_model_computes_
     assert block_bytes < 256 * 256 * 2  # smaller than the fp16 weight alone
     device = SimulatedDevice(64 * MiB)
     engine = partial_model_of(net)
-    assert engine.total_bytes() == 8 * block_bytes + 2 * 256 * 4  # budgets count the quantised bytes
-    report = engine.load(device, 4 * block_bytes + 2 * 256 * 4)
+    assert engine.total_bytes() == 32 * block_bytes + 2 * 256 * 4  # budgets count the quantised bytes
+    reserve = stream_reserve(block_bytes, ready_bytes(net.blocks[0], block_bytes))  # one block decoded there too
+    budget = 4 * block_bytes + 2 * 256 * 4 + reserve
+    report = engine.load(device, budget)
     resident = [block for block in net.blocks if isinstance(block.weight, SimTensor)]
-    assert 0 < len(resident) < 8 and report.streamed_bytes > 0
+    assert 0 < len(resident) < 32 and report.streamed_bytes > 0
     assert all(block.weight.dtype == torch.uint8 for block in resident)  # moved as blocks, not dequantised
     assert all(block.weight.shape == (256, 256) for block in net.blocks)  # on the device too, as ComfyUI reads it
-    assert report.resident_bytes == engine.resident_bytes(device) <= 4 * block_bytes + 2 * 256 * 4
+    assert report.resident_bytes == engine.resident_bytes(device) <= budget - reserve
     with torch.no_grad():
         out = net(device.place(x))
     assert torch.equal(device.release(out), reference)
@@ -184,3 +188,81 @@ def test_a_quantised_embedding_looks_up_dequantised_rows():
     with torch.no_grad():
         assert torch.equal(table(tokens), expected[tokens])
         assert torch.equal(table(tokens, out_dtype=torch.float16), expected[tokens].half())
+
+
+def _random_q4_0_linear(rows: int, columns: int) -> ops.Linear:
+    """A Linear holding random ``Q4_0`` blocks (finite scales): only the sizes matter here."""
+    layer = ops.Linear(columns, rows)
+    data = _random_blocks("Q4_0", rows, columns // 32, seed=rows)
+    quantize_parameter(layer, "weight", torch.from_numpy(data.copy()), GGML_TYPES["Q4_0"], (rows, columns))
+    return layer
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("sliced", [False, True], ids=["whole", "sliced"])
+def test_a_streamed_q4_0_layer_is_dequantised_within_the_plans_streaming_reserve(dtype, sliced):
+    """What a streamed quantised layer holds on the device while it computes (its blocks, decoded: result and
+    temporaries) is what the plan's reserve keeps room for, in whichever dtype the model computes, whole or one
+    row slice at a time. A float32 decode then rounded (four bytes a value, then two) is not."""
+    layer = _random_q4_0_linear(2048, 4096)  # 8M values: more than one chunk of the decode (CHUNK_VALUES)
+    (entry,) = layers_of(layer)
+    plan = plan_layers([entry], 0, unit=entry.nbytes // 4 if sliced else entry.nbytes)  # it streams, nothing fits
+    assert plan.streamed_layers == 1 and ("" in plan.slices) == sliced
+    device = SimulatedDevice(256 * MiB)
+    stream(entry, device, NO_HOOKS, plan.slices.get(""))
+    x = device.place(torch.randn(2, 4096, dtype=dtype))
+    gc.collect()
+    base = device.allocated()
+    device.reset_peak()
+    with torch.no_grad():
+        out = layer(x)
+    activations = 2 * out.numel() * out.element_size()  # the output, and one slice's output beside it
+    assert device.peak_allocated() - base - activations <= plan.reserve_bytes
+    reset_flags(entry)
+
+
+class _Q4Stack(torch.nn.Module):
+    """Forty-eight Q4_0 Linears run one after another: a model half of which streams through its ring."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.Sequential(*(_random_q4_0_linear(512, 512) for _ in range(48)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+#: Today the ring's slots take two thirds of the reserve whatever is streamed (``core.placement.ring``), where a
+#: quantised model's copies have ``reserve_bytes - ready_bytes``: fp16 decodes fit beside them, wider ones not yet.
+_RING_SIZED_BY_THIRDS = pytest.mark.xfail(strict=True, reason="ring slots not sized by reserve_bytes - ready_bytes")
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float16,
+        pytest.param(torch.bfloat16, marks=_RING_SIZED_BY_THIRDS),
+        pytest.param(torch.float32, marks=_RING_SIZED_BY_THIRDS),
+    ],
+)
+def test_quantised_layers_streamed_through_the_ring_stay_within_the_plans_reserve(dtype):
+    """The ring's slots and one layer decoded: what the device holds beyond the resident layers while the model
+    computes, activations aside (a few KiB here), is within the plan's reserve."""
+    net = _Q4Stack()
+    engine = partial_model_of(net)
+    device = SimulatedDevice(256 * MiB)
+    report = engine.load(device, engine.total_bytes() // 2)
+    assert report.plan.streamed_layers > 0 and 0 < report.plan.ready_bytes < report.plan.reserve_bytes
+    x = device.place(torch.randn(2, 512, dtype=dtype))
+    gc.collect()
+    base = device.allocated()
+    device.reset_peak()
+    with torch.no_grad():
+        out = net(x)
+    activations = 2 * out.numel() * out.element_size()
+    assert device.peak_allocated() - base - activations <= report.plan.reserve_bytes
+    del out, x
+    settle(net)
+    engine.unload_all()
