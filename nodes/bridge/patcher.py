@@ -342,11 +342,7 @@ class DeviceControlPatcher(surface.model_patcher_class()):
         model = self.model
         streamed = engine.streamed_layers() if engine.target is not None else []
         model.model_lowvram = bool(streamed)
-        model.lowvram_patch_counter = sum(
-            isinstance(f, OnTheFlyPatch)
-            for layer in streamed
-            for f in (*getattr(layer.module, "weight_function", ()), *getattr(layer.module, "bias_function", ()))
-        )
+        model.lowvram_patch_counter = _on_the_fly_count(streamed)
         model.model_loaded_weight_memory = min(engine.resident_bytes(), self.model_size())
         if hasattr(model, "model_offload_buffer_memory"):
             report = getattr(model, "device_control_last_load", None)
@@ -354,6 +350,17 @@ class DeviceControlPatcher(surface.model_patcher_class()):
         if device is not None:
             model.device = device
         model.current_weight_patches_uuid = self.patches_uuid if engine.target is not None else None
+
+
+def _on_the_fly_count(streamed: list[Any]) -> int:
+    """The on-the-fly patches of the streamed layers (a plain loop: the books are written at every sampling call)."""
+    count = 0
+    for layer in streamed:
+        module = layer.module
+        for functions in (getattr(module, "weight_function", ()), getattr(module, "bias_function", ())):
+            for function in functions:
+                count += isinstance(function, OnTheFlyPatch)
+    return count
 
 
 def _put_weight(model: torch.nn.Module, key: str, value: torch.Tensor, inplace: bool) -> None:
