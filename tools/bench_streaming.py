@@ -96,11 +96,11 @@ def measure(checkpoint: Path, link_text: str, latent: int, steps: int) -> dict:
                     "streamed_per_step": statistics.median(moved[1:]),
                     "transfer_s": link.seconds(nbytes) + max(0, copies - 1) * link.seconds(0),
                     "step_s": statistics.median(times[1:]),
-                    "ahead": engine.lookahead.stats.ahead,
-                    "on_demand": engine.lookahead.stats.on_demand,
+                    "ahead": engine.ring.stats.ahead,
+                    "on_demand": engine.ring.stats.copies - engine.ring.stats.ahead,
                 }
                 engine.unload_all()
-                engine.lookahead.stats = prefetch.PrefetchStats()
+                engine.ring.stats = type(engine.ring.stats)()
     results["compute_s"] = results["rows"]["1.0|on"]["step_s"]
     return results
 

@@ -1,11 +1,13 @@
-"""Moving weights to the compute device for one use: side streams, events and pinned host memory.
+"""Moving weights to the compute device for one use, and pinned host memory.
 
-A streamed weight is copied on its device's side stream, without the host waiting when its host memory is
-pinned, and the compute stream waits for that copy (an event) only where it needs the result: earlier layers
-still compute while the copy runs. Host memory is pinned in place, up to a cap (a fraction of RAM, default
-45 %, ``DEVICE_CONTROL_MAX_PINNED_FRACTION`` to change it); when pinning fails or the cap is reached the copy
-is simply blocking. The same code runs on every backend (``core.devices.backends``): where a backend has no
-streams or cannot pin, its answers make the copy a plain blocking one.
+Streamed weights cross in groups through their model's ring (``core.placement.ring``): one copy per group on the
+device's side stream, ordered by events, from page-locked slabs. What is left here is the copy a layer makes of its
+own tensors when no ring serves it (a layer with a cast of its own, a ring with no room, another device): made on
+the current stream, so it is in order with the computation that uses it and its memory lives exactly as long as
+the tensor (no cross-stream bookkeeping), without the host waiting where the source is pinned or on a device.
+Host memory is pinned in place, up to a cap (a fraction of RAM, default 45 %,
+``DEVICE_CONTROL_MAX_PINNED_FRACTION`` to change it); when pinning fails or the cap is reached the copy is simply
+blocking. The same code runs on every backend (``core.devices.backends``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import math
 import os
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Protocol
 
 import psutil
@@ -38,84 +39,10 @@ def side_stream(target: Target) -> object | None:
     return backend_of(target).side_stream(target)
 
 
-@dataclass(eq=False)
-class QueuedCopy:
-    """A copy queued on a device's side stream: the tensor it makes, and the event that marks its end.
-
-    ``source``, ``rows`` and ``version`` say what was copied (the source's rows ``start:stop`` only, when
-    ``rows`` is given), so a copy made ahead of use can be checked before it is used (the weight was not changed
-    or replaced since). ``nbytes`` is what the copy takes on its device, counted from the source when it was
-    queued (the copy may not be done; the prefetch sums it at every layer).
-    """
-
-    source: torch.Tensor
-    version: int | None
-    target: Target
-    moved: torch.Tensor
-    event: object | None
-    private: bool
-    nbytes: int
-    rows: tuple[int, int] | None = None
-
-    def matches(self, tensor: torch.Tensor, *, copy: bool, rows: tuple[int, int] | None = None) -> bool:
-        """Whether this is a copy of ``tensor``'s ``rows`` as it is now, usable where a private copy is needed if
-        ``copy``."""
-        same = self.source is tensor and self.rows == rows and _version(tensor) == self.version
-        return same and (self.private or not copy)
-
-
-def _rows_of(tensor: torch.Tensor, rows: tuple[int, int] | None) -> torch.Tensor:
-    """``tensor``'s rows ``start:stop`` (a view), or the whole tensor."""
-    return tensor if rows is None else tensor.narrow(0, rows[0], rows[1] - rows[0])
-
-
-def _version(tensor: torch.Tensor) -> int | None:
-    """``tensor``'s in-place change counter; ``None`` for a tensor made in inference mode, which has none."""
-    return None if tensor.is_inference() else tensor._version
-
-
-def queue_copy(
-    tensor: torch.Tensor, target: Target, *, copy: bool = False, rows: tuple[int, int] | None = None
-) -> QueuedCopy:
-    """Queue a copy of ``tensor`` (elsewhere; its ``rows`` only, when given) to ``target`` on its side stream; the
-    host waits only when the backend has no streams or the tensor is in host memory that is not pinned. ``copy``:
-    the result must not share memory with ``tensor`` (it will be changed, by a patch)."""
-    backend = backend_of(target)
-    source = _rows_of(tensor, rows)
-    nbytes = tensor_bytes(source)
-    count_copy(target_of(tensor), target, nbytes)
-    stream = backend.side_stream(target)
-    if stream is None:
-        moved = backend.copy_to(source, target, copy=copy)
-        return QueuedCopy(tensor, _version(tensor), target, moved, None, copy, nbytes, rows)
-    # From pinned host memory or from another device's memory (a split model's donor GPU) the copy needs no
-    # host work: only a copy from pageable host memory makes the host wait.
-    from_device = not same_target(target_of(source), HOST)
-    with backend.on_stream(stream):
-        moved = backend.copy_to(source, target, non_blocking=from_device or backend.is_pinned(source), copy=copy)
-    return QueuedCopy(tensor, _version(tensor), target, moved, backend.record(stream), copy, nbytes, rows)
-
-
-def use_copy(queued: QueuedCopy, target: Target) -> torch.Tensor:
-    """The copied tensor, for a computation on ``target``'s current stream, which waits for the copy first
-    (an event: the host does not wait on a real device)."""
-    if queued.event is None:
-        return queued.moved
-    backend = backend_of(target)
-    current = backend.current_stream(target)
-    backend.wait(current, queued.event)
-    backend.keep_for(queued.moved, current)  # keep the memory until the compute stream is done with it
-    return queued.moved
-
-
 #: True on a layer class whose cast copies its weights through the device's backend (:func:`to_target`), so they
-#: may live on any device: a split model's donor streams only such layers (``core.placement.donors``).
+#: may live on any device: a ring carries its weights, and a split model's donor streams only such layers
+#: (``core.placement.donors``).
 CASTS_ANYWHERE = "device_control_casts_anywhere"
-
-#: The attribute a streamed layer carries while its model prefetches: a :class:`Prefetcher`
-#: (``core.placement.prefetch``); the cast layers (``core.weights.ops``) use it when it is there.
-LOOKAHEAD = "device_control_lookahead"
-
 
 #: The attribute a layer streamed through its model's ring carries (``core.placement.ring``): a
 #: :class:`GroupedLayer`; the cast layers ask it for their weight and bias on the device.
@@ -127,33 +54,26 @@ class GroupedLayer(Protocol):
 
     def fetch(self, target: Target) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
         """The layer's weight and bias on ``target`` (views of a ring slot, their copy waited for by the compute
-        stream); ``None`` when the ring serves another device."""
+        stream); ``None`` when the ring cannot serve it."""
 
-
-class Prefetcher(Protocol):
-    """What a cast layer asks of its model's prefetch."""
-
-    def before_use(
-        self, module: torch.nn.Module, target: Target, dtype: torch.dtype | None = None, piece: int = 0
-    ) -> None:
-        """``module`` is about to compute on ``target`` in ``dtype`` (with row slice ``piece`` of its weight, when it
-        streams in slices): its copies and the next ones are queued."""
-
-    def take(
-        self, tensor: torch.Tensor, target: Target, *, copy: bool, rows: tuple[int, int] | None = None
-    ) -> torch.Tensor | None:
-        """The queued copy of ``tensor`` (its ``rows``), waited for; ``None`` when there is none."""
+    def fetch_slice(self, target: Target, index: int) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+        """Row slice ``index`` of the layer's weight on ``target`` (with its bias for the first), as :meth:`fetch`."""
 
 
 def to_target(tensor: torch.Tensor, target: Target, *, copy: bool = False) -> torch.Tensor:
-    """``tensor`` on ``target`` for one computation (copied only when it is elsewhere, or when ``copy``).
+    """``tensor`` on ``target`` for one computation (copied only when it is elsewhere, or when ``copy``: the result
+    will be changed in place, by a patch).
 
-    The copy runs on the side stream; the current stream waits for it through an event, so work queued before
-    it (the previous layers) overlaps the copy.
+    The copy runs on the current stream, in order with the computation; the host does not wait for it where the
+    source is pinned host memory or another device's memory (a split model's donor GPU).
     """
-    if backend_of(target).holds(tensor, target):
+    backend = backend_of(target)
+    if backend.holds(tensor, target):
         return tensor.clone() if copy else tensor
-    return use_copy(queue_copy(tensor, target, copy=copy), target)
+    source = target_of(tensor)
+    count_copy(source, target, tensor_bytes(tensor))
+    non_blocking = not same_target(source, HOST) or backend.is_pinned(tensor)
+    return backend.copy_to(tensor, target, non_blocking=non_blocking, copy=copy)
 
 
 PINNED_FRACTION_ENV = "DEVICE_CONTROL_MAX_PINNED_FRACTION"

@@ -5,7 +5,8 @@ the current one computes.
 It is the streaming a budget already does (``core.placement.streaming``: a layer casts its weights to the input's
 device on each use), with the weights kept on the donor instead of in RAM: a second GPU's memory holds what does
 not fit on the first, and its copies cross the link between them. :func:`place_streamed` puts every part on its
-device and marks the donors' layers to stream to the computing one, with a prefetch (a ``Lookahead``) over them.
+device and marks the donors' layers to stream to the computing one through a ring per donor (``core.placement.ring``:
+their weights packed in slabs on the donor, a group copied ahead while the previous one computes).
 Only the pack's own cast layers (``core.weights.ops``, marked ``CASTS_ANYWHERE``) stream from a donor: their copy
 goes through the device's backend, which knows where the weight is on every kind of device. A host application's
 layers cast with their own code (ComfyUI's ``cast_to`` compares torch devices, and a simulated GPU's tensors all
@@ -18,12 +19,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import torch
+
 from ..devices.memory import free_bytes
 from ..devices.tensors import Target, move_own, own_tensors
 from ..devices.transfer import CASTS_ANYWHERE
 from .pipeline import place_split
 from .plan import STREAM_COPIES, Layer
-from .prefetch import Lookahead
+from .ring import Ring
 from .split import ACTIVATIONS, Split
 from .streaming import NO_HOOKS, LayerHooks, stream
 
@@ -42,20 +45,18 @@ DONOR_COPIES = 6
 @dataclass
 class Streamed:
     """What :func:`place_streamed` did: the layers streamed from donors, the layers that cannot stream and came
-    to the computing device from a donor's part, and the prefetch over the streamed ones."""
+    to the computing device from a donor's part, the rings the streamed ones cross through (one per donor), and the
+    room they were given on the computing device."""
 
     layers: list[Layer]
     moved_in: list[Layer]
-    lookahead: Lookahead
-
-    @property
-    def reserve_bytes(self) -> int:
-        """Room the computing device needs for the copies in flight (the prefetch's room)."""
-        return self.lookahead.room
+    rings: list[Ring]
+    reserve_bytes: int
 
     def release(self) -> None:
-        """Stop prefetching and drop the copies queued ahead (before the layers move again)."""
-        self.lookahead.detach()
+        """Stop streaming through the rings, waiting for their copies (before the layers move again)."""
+        for ring in self.rings:
+            ring.detach()
 
 
 def stream_room(split: Split) -> int:
@@ -72,17 +73,21 @@ def place_streamed(
     compute: str,
     hooks: LayerHooks = NO_HOOKS,
     keep_free: int = ACTIVATIONS,
+    *,
+    root: torch.nn.Module | None = None,
+    wraps: bool = True,
 ) -> Streamed:
     """Put each part of ``split`` on its device (``targets`` by device name) and stream the donors' layers to
-    ``compute`` (the name of the computing device), copying ahead within ``DONOR_COPIES`` of the largest where
-    the device has them free beside ``keep_free`` bytes for the computation (``STREAM_COPIES`` at least).
+    ``compute`` (the name of the computing device), through rings within ``DONOR_COPIES`` of the largest where
+    the device has them free beside ``keep_free`` bytes for the computation (``STREAM_COPIES`` at least). ``root``:
+    the model, watched for the end of a use when it does not ``wraps`` (see :class:`Ring`).
 
     Raises:
         torch.OutOfMemoryError: a device had no room (the layers moved so far stay where they went).
     """
     place_split(split, targets)
     target = targets[compute]
-    streamed, moved_in = [], []
+    streamed, moved_in, by_donor = [], [], {}
     for part in split.parts:
         if str(part.device) == compute:
             continue
@@ -91,12 +96,17 @@ def place_streamed(
                 if layer.streamable and getattr(layer.module, CASTS_ANYWHERE, False):
                     stream(layer, target, hooks)
                     streamed.append(layer)
+                    by_donor.setdefault(str(part.device), []).append(layer.module)
                 else:
                     for name, _tensor, _is_param in list(own_tensors(layer.module)):
                         move_own(layer.module, name, target)
                     moved_in.append(layer)
     largest = max((layer.nbytes for layer in streamed), default=0)
     room = max(STREAM_COPIES * largest, min(DONOR_COPIES * largest, free_bytes(target) - keep_free))
-    lookahead = Lookahead()
-    lookahead.attach([layer.module for layer in streamed], room)
-    return Streamed(streamed, moved_in, lookahead)
+    rings = []
+    for modules in by_donor.values():  # the room less the layer computing (its cast), shared by the donors' rings
+        ring = Ring(root)
+        ring.wraps = wraps
+        ring.attach(modules, target, (room - largest) // len(by_donor))
+        rings.append(ring)
+    return Streamed(streamed, moved_in, rings, room)

@@ -24,7 +24,6 @@ import torch
 
 from ..devices.backends import backend_of
 from ..devices.memory import empty_cache, is_out_of_memory
-from ..devices.slices import SLICES
 from ..devices.tensors import HOST, Target, label_of, same_target
 from ..devices.transfer import pinned_memory
 from ..errors import DeviceControlError, first_line
@@ -32,7 +31,6 @@ from ..progress import ProgressCallback
 from ..units import format_bytes
 from .left import same_state, tree_state
 from .plan import DEFAULT_POLICY, Layer, Plan, Policy, layers_of, plan_layers
-from .prefetch import Lookahead
 from .ring import Ring
 from .slabs import groupable
 from .streaming import NO_HOOKS, LayerHooks, apply_plan, is_streaming, leave, reset_flags, to_host
@@ -96,7 +94,6 @@ class PartialModel:
         self.plan: Plan | None = None
         self.policy = DEFAULT_POLICY
         self.limits: dict[str, int] = {}
-        self.lookahead = Lookahead()
         self.ring = Ring(root)
         self._layers: list[Layer] | None = None
         #: All the tensors' bytes; how the last load or unload left the tree (:mod:`.left`); what its plan came from.
@@ -247,7 +244,6 @@ class PartialModel:
         target = self.target
         freed = 0
         self._left = self._planned_for = None
-        self.lookahead.detach()
         self.ring.detach()  # copies in flight waited for; slabs unlocked, kept as the weights' home
         for layer in self.layers():
             if target is not None and layer.is_resident(target):
@@ -260,9 +256,8 @@ class PartialModel:
         return freed
 
     def release_streaming(self) -> None:
-        """Another loader moved the tree since (ComfyUI's own, through a clone): stop streaming through the ring
-        and the prefetch, giving their device memory back; every weight stays where that loader put it."""
-        self.lookahead.detach()
+        """Another loader moved the tree since (ComfyUI's own, through a clone): stop streaming through the ring,
+        giving its device memory back; every weight stays where that loader put it."""
         self._left = None
         self.ring.detach()
 
@@ -289,7 +284,6 @@ class PartialModel:
 
     def _apply(self, plan: Plan, target: Target, hooks: LayerHooks, progress: ProgressCallback | None) -> None:
         self.plan = self._left = self._planned_for = None  # until the plan is in place, the tree is in between
-        self.lookahead.detach()
         self.ring.detach(unlock=False)  # slabs kept, locked, for groups that stay the same
         leave(self.layers(), self.target, target, hooks)
         self.target = target
@@ -300,14 +294,13 @@ class PartialModel:
         self.plan, self._left = plan, tree_state(self.layers())
 
     def _attach_streaming(self, plan: Plan, target: Target) -> None:
-        """Layers streamed whole go through the ring in groups; the others (in row slices, or with a cast of
-        their own) through the per-tensor prefetch."""
-        grouped, other = [], []
-        for layer in self.streamed_layers():
-            whole = SLICES not in layer.module.__dict__ and groupable(layer.module)
-            (grouped if whole and not backend_of(target).is_host else other).append(layer.module)
-        self.ring.attach(grouped, target, plan.reserve_bytes)
-        self.lookahead.attach(other, plan.reserve_bytes)
+        """The layers that stream, whole or in row slices, go through the ring within the plan's reserve; a layer
+        with a cast of its own copies its tensors itself."""
+        if backend_of(target).is_host:
+            self.ring.detach(unlock=False)
+            return
+        grouped = [layer.module for layer in self.streamed_layers() if groupable(layer.module)]
+        self.ring.attach(grouped, target, plan.reserve_bytes - plan.ready_bytes)
 
     def _apply_guarded(
         self, plan: Plan, target: Target, hooks: LayerHooks, progress: ProgressCallback | None

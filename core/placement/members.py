@@ -8,35 +8,72 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..devices.backends import Target
-from .slabs import Part
+from .slabs import Part, Slab
 
 if TYPE_CHECKING:
     from .ring import Ring
 
 
-@dataclass(eq=False)
-class Member:
-    """A streamed layer of a ring: its module, its group, where its weight and bias lie, and their views in each
-    slot."""
+@dataclass(frozen=True)
+class Piece:
+    """What crosses for one computation of a layer: its group, and where its weight (the whole weight, or one row
+    slice of it) and its bias (with the first piece only) lie in that group."""
 
-    ring: Ring
-    module: torch.nn.Module
     group: int
     weight: Part | None
     bias: Part | None
-    views: list[tuple[torch.Tensor | None, torch.Tensor | None]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, eq=False)
+class Group:
+    """A range of a slab that crosses in one copy: layers streamed whole, or one row slice of a layer (its bias
+    with the first)."""
+
+    slab: Slab
+    start: int
+    nbytes: int
+    block: torch.Tensor  # the range, as a view of the slab's block
+    modules: list[torch.nn.Module]  # the layers it carries, in order
+
+
+@dataclass(eq=False)
+class Member:
+    """A streamed layer of a ring: its module, where its weight and bias lie in their slab, its pieces (one for a
+    layer streamed whole, one per row slice for a layer streamed in slices), and their views in each slot."""
+
+    ring: Ring
+    module: torch.nn.Module
+    weight: Part | None
+    bias: Part | None
+    pieces: list[Piece]
+    views: list[list[tuple[torch.Tensor | None, torch.Tensor | None]]] = field(default_factory=list)
+    #: The layer left the ring (its weight changed dtype or shape, or another loader moved it).
+    left: bool = False
+
+    @property
+    def group(self) -> int:
+        """The group of its first piece."""
+        return self.pieces[0].group
 
     def fetch(self, target: Target) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
         """This layer's weight and bias on ``target``, their copy waited for by the compute stream; ``None`` when
-        the ring serves another device (the caller copies the layer's tensors as usual)."""
-        return self.ring.fetch(self, target)
+        the ring cannot serve it (the caller copies the layer's tensors itself)."""
+        return self.ring.fetch(self, target, 0)
 
-    def views_in(self, buffer: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """This layer's weight and bias as views of ``buffer`` (a ring slot), where they lie in its group."""
-        return (
-            self.weight.view(buffer) if self.weight is not None else None,
-            self.bias.view(buffer) if self.bias is not None else None,
-        )
+    def fetch_slice(self, target: Target, index: int) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+        """Row slice ``index`` of this layer's weight on ``target`` (with its bias for the first), as :meth:`fetch`."""
+        return self.ring.fetch(self, target, index)
+
+    def views_in(self, buffer: torch.Tensor) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+        """Each piece's weight and bias as views of ``buffer`` (a ring slot), where they lie in their group: right
+        whenever the slot holds that group."""
+        return [
+            (
+                piece.weight.view(buffer) if piece.weight is not None else None,
+                piece.bias.view(buffer) if piece.bias is not None else None,
+            )
+            for piece in self.pieces
+        ]
 
 
 @dataclass

@@ -45,19 +45,16 @@ import torch
 
 from ..devices.backends import Target, backend_of, label_of, same_target, target_of
 from ..devices.memory import is_out_of_memory
-from ..devices.tensors import HOST, count_copy
+from ..devices.tensors import count_copy
 from ..devices.transfer import GROUPED
-from .members import Member, RingStats
+from .layout import Kept, lay_out
+from .members import Group, Member, RingStats
 from .prefetch import prefetching
 from .run_order import RunOrder
 from .slabs import (
     Slab,
-    in_slab,
     in_slab_tensor,
-    key_of,
-    layer_bytes,
-    pack,
-    parts_of,
+    piece_bytes,
     tensors_of,
 )
 from .staging import Staging
@@ -86,10 +83,11 @@ class Ring:
         self.group_bytes = 0
         self.slots = self._planned_slots = 0
         self._reserve = 0
-        self._groups: list[Slab] = []
+        self._groups: list[Group] = []
+        self._slabs: list[Slab] = []
         self._members: list[tuple[torch.nn.Module, Member]] = []
         self._next: list[int | None] = []
-        self._kept: dict[tuple[int, ...], Slab] = {}
+        self._kept: Kept = {}
         self._order = RunOrder()
         self._staging = Staging()
         self._uses = UseWatch(self._end_of_use)
@@ -109,32 +107,29 @@ class Ring:
     # -- set up by the engine ---------------------------------------------------------------------
 
     def attach(self, modules: Sequence[torch.nn.Module], target: Target, reserve: int) -> None:
-        """Stream ``modules`` (whole streamed layers in host memory, in the model's order) to ``target`` through a
-        ring that fits in ``reserve`` bytes (the plan's streaming reserve), grouped in the order the model runs
-        in where it is known."""
+        """Stream ``modules`` (streamed layers, whole or in row slices, in host memory or on a donor device, in the
+        model's order) to ``target`` through a ring whose slots fit in ``reserve`` bytes (the part of the plan's
+        streaming reserve for copies: the rest is for the piece computing once made ready), grouped in the order
+        the model runs in where it is known."""
         self.detach(unlock=False)
-        if not modules:
+        if not modules:  # nothing streams: no slab is kept, or kept page-locked, for a plan that may not come
+            for slab in {id(slab): slab for slab in self._kept.values()}.values():
+                slab.unlock()
+            self._kept = {}
             return
         self._build(self._order.sort(modules), target, reserve)
         if self.root is not None:
             self._uses.watch(self.root)
 
     def _build(self, modules: Sequence[torch.nn.Module], target: Target, reserve: int) -> None:
-        sizes = [layer_bytes(module) for module in modules]
+        """Groups of whole layers of at most :attr:`group_bytes` each, in ``modules``' order, and a group per row
+        slice of a layer streamed in slices."""
         self.slots = self._planned_slots = PREFETCH_SLOTS if prefetching() else 1
-        self.group_bytes = max(max(sizes), reserve // (PREFETCH_SLOTS + 1))
+        self.group_bytes = max(max(piece_bytes(module) for module in modules), reserve // PREFETCH_SLOTS)
         self.target, self._reserve = target, reserve
-        groups, start, size = [], 0, 0
-        for index, nbytes in enumerate(sizes):
-            if size and size + nbytes > self.group_bytes:
-                groups.append(modules[start:index])
-                start, size = index, 0
-            size += nbytes
-        groups.append(modules[start:])
         kept, self._kept = self._kept, {}
-        for number, group in enumerate(groups):
-            self._groups.append(self._slab_for(group, number, kept, target))
-        self._next = [*range(1, len(groups)), None]
+        self._groups, self._slabs, self._members = lay_out(self, modules, self.group_bytes, kept, target)
+        self._next = [*range(1, len(self._groups)), None]
 
     def detach(self, *, unlock: bool = True) -> None:
         """Stop streaming through the ring (layers move, the model is unloaded, or another loader took it): the
@@ -145,13 +140,14 @@ class Ring:
         self._uses.unwatch()
         for module, _member in self._members:
             module.__dict__.pop(GROUPED, None)
-        for group in self._groups:
+        for slab in self._slabs:
             if unlock:
-                group.unlock()
-            self._kept[key_of(group.modules)] = group  # added to: attach detaches first too
+                slab.unlock()
+            if backend_of(target_of(slab.block)).is_host:  # a donor's slab is its device memory: never kept
+                self._kept.update((id(module), slab) for module in slab.modules)
         if unlock:
             self._staging.release()
-        self._members, self._groups, self._next = [], [], []
+        self._members, self._groups, self._slabs, self._next = [], [], [], []
         self._order.stop()
         self.target = None
 
@@ -175,23 +171,27 @@ class Ring:
     @property
     def host_bytes(self) -> tuple[int, int]:
         """Bytes of the slabs, (pinned, pageable)."""
-        pinned = sum(group.nbytes for group in self._groups if group.pinned)
-        return pinned, sum(group.nbytes for group in self._groups) - pinned
+        pinned = sum(slab.nbytes for slab in self._slabs if slab.pinned)
+        return pinned, sum(slab.nbytes for slab in self._slabs) - pinned
 
     # -- the hot path -------------------------------------------------------------------------------
 
-    def fetch(self, member: Member, target: Target) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
-        """``member``'s weight and bias on ``target`` (views of its group's slot), ready for the compute stream."""
-        if self._order.learning and self._order.note(member.module) and self._relearn():  # packed again
-            member = member.module.__dict__.get(GROUPED)
+    def fetch(
+        self, member: Member, target: Target, index: int = 0
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+        """``member``'s piece ``index`` (its weight, or one row slice of it, and its bias with the first) on
+        ``target``, as views of its group's slot, ready for the compute stream; ``None`` when the ring cannot serve
+        it (the caller copies the layer's tensors itself)."""
+        if not index and self._order.learning and self._order.note(member.module) and self._relearn():
+            member = member.module.__dict__.get(GROUPED)  # packed again: the layer's new place
             if member is None:
                 return None
-        group = member.group
-        if group != self._current and not self._start(group, target):
+        group = member.pieces[index].group
+        if member.left or (group != self._current and not self._start(group, target)):
             return None
-        if member.group < 0:  # its weight changed shape or dtype: it left the ring as its group was copied
+        if member.left:  # its weight changed shape or dtype: it left the ring as its group was copied
             return None
-        return member.views[self._slot_of[group]]
+        return member.views[self._slot_of[group]][index]
 
     def _start(self, group: int, target: Target) -> bool:
         """A layer of ``group`` computes first in its group: the group entered; ``False`` where the ring cannot
@@ -237,7 +237,8 @@ class Ring:
 
     def _relearn(self) -> bool:
         """The first pass ended: pack the groups again in the order it ran in, if it is not theirs (``True``)."""
-        order = self._order.learn([module for group in self._groups for module in group.modules])
+        packed = {id(module): module for group in self._groups for module in group.modules}  # a sliced one once
+        order = self._order.learn(list(packed.values()))
         if order is not None:
             self._repack(order)
         return order is not None
@@ -246,11 +247,12 @@ class Ring:
         """Pack the groups again in ``order``: the copies in flight waited for, the old slabs unlocked and let go
         (each is freed as its last weight moves to a new one, so host memory grows by a group at most)."""
         self.settle()
-        for module, _member in self._members:
+        for module, member in self._members:
             module.__dict__.pop(GROUPED, None)
-        for group in self._groups:
-            group.unlock()
-        self._members, self._groups, self._kept = [], [], {}
+            member.left = True  # a layer computing in slices now holds it: its next slices copy themselves
+        for slab in self._slabs:
+            slab.unlock()
+        self._members, self._groups, self._slabs, self._kept = [], [], [], {}
         self._build(order, self.target, self._reserve)
         self.stats.reordered += 1
 
@@ -287,23 +289,23 @@ class Ring:
             event = self._copy(slot, source, side)
         self._holding[slot], self._filled[slot], self._waited[slot] = group, event, event is None
         self._slot_of[group] = slot
-        count_copy(HOST, self.target, source.nbytes)  # the device's traffic books (memory profile, benchmarks)
+        count_copy(target_of(source.block), self.target, source.nbytes)  # the traffic books (profile, benchmarks)
         self.stats.copies += 1
         self.stats.ahead += ahead
         self.stats.nbytes += source.nbytes
 
-    def _copy(self, slot: int, source: Slab, side: object) -> object:
+    def _copy(self, slot: int, source: Group, side: object) -> object:
         """``source`` copied into ``slot`` on the side stream once the compute stream's earlier reads are done
         (even taking a view of the slot is work on a stream), through the slot's staging buffer where the slab is
         pageable; the event that ends the copy."""
         backend = backend_of(self.target)
-        staged = not source.pinned and self._staging.ready
+        staged = not source.slab.pinned and self._staging.ready
         data = self._staging.stage(slot, source.block) if staged else source.block
         with backend.on_stream(side):
             if self._released is not None:
                 backend.wait(side, self._released)
             destination = self._buffers[slot].narrow(0, 0, source.nbytes)
-            backend.copy_into(destination, data, non_blocking=source.pinned or staged)
+            backend.copy_into(destination, data, non_blocking=source.slab.pinned or staged)
             event = backend.record(side)
         if staged:
             self._staging.used(slot, event)
@@ -315,17 +317,18 @@ class Ring:
         in place) is copied into the slab where it fits the same place, or leaves the ring (its layer then copies
         its tensors itself), as does one another loader moved to a device. A pointer compared per tensor and copy,
         not per use."""
-        source = self._groups[group]
+        source = self._groups[group].slab
         if all(params[name].data_ptr() == pointer for params, name, pointer in source.places):
             return
+        home = target_of(source.block)
         for module in source.modules:
             member = module.__dict__.get(GROUPED)
             for name, tensor in tensors_of(module):
                 part = member.weight if name == "weight" else member.bias
-                moved = not backend_of(target_of(tensor)).is_host  # another loader placed it: never pulled back
+                moved = not same_target(target_of(tensor), home)  # another loader moved it: never pulled back
                 if moved or part is None or (tensor.dtype, tensor.size()) != (part.dtype, part.shape):
                     module.__dict__.pop(GROUPED, None)
-                    member.group = -1
+                    member.left = True
                     break
                 if not in_slab_tensor(tensor, source.block):
                     view = part.view(source.block)
@@ -341,7 +344,7 @@ class Ring:
         self._buffers = self._slots(size)
         if not self._buffers:
             return False
-        if not all(group.pinned for group in self._groups):
+        if not all(slab.pinned for slab in self._slabs):
             self._staging.prepare(self.target, len(self._buffers), size)
         self.slots = len(self._buffers)
         self._holding = [None] * self.slots
@@ -370,20 +373,3 @@ class Ring:
         return buffers
 
     # -- host slabs -----------------------------------------------------------------------------------
-
-    def _slab_for(
-        self, modules: list[torch.nn.Module], number: int, kept: dict[tuple[int, ...], Slab], target: Target
-    ) -> Slab:
-        """``modules``' slab: the one kept from the last plan when it holds them as they are, else a new one they
-        are packed into (each weight then a view of it)."""
-        group = kept.get(key_of(modules))
-        if group is None or not all(in_slab(module, group.block) for module in modules):
-            group = pack(modules, target)
-        else:
-            group.lock(target)
-        group.note_places()
-        for module in modules:
-            member = Member(self, module, number, *parts_of(module, group.block))
-            module.__dict__[GROUPED] = member
-            self._members.append((module, member))
-        return group

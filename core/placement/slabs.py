@@ -15,12 +15,14 @@ of loads and offloads would otherwise pay in RAM the allocator keeps.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from ..devices.backends import Target
+from ..devices.backends import Target, backend_of, target_of
+from ..devices.slices import SLICES
 from ..devices.transfer import CASTS_ANYWHERE, pinned_memory
 
 #: The host's page size: what registering host memory with a device locks, whole.
@@ -29,6 +31,9 @@ PAGE = 4096
 #: Offsets inside a slab and a slot are aligned to this many bytes: a page (see the module's docstring), which also
 #: keeps every tensor aligned for vectorised kernels.
 ALIGN = PAGE
+
+#: In a slab on a donor device (no page to lock), offsets are aligned for vectorised loads only.
+DEVICE_ALIGN = 16
 
 
 @dataclass(frozen=True)
@@ -52,9 +57,11 @@ class Slab:
     modules: list[torch.nn.Module]
     block: torch.Tensor
     nbytes: int
-    pinned: bool
+    pinned: bool  # copies from it need no host work: page-locked host memory, or a donor device's memory
     #: Each tensor's parameter table, name and data pointer when packed: what a replaced weight changes.
     places: list[tuple[dict, str, int]] = field(default_factory=list)
+    #: Tensors start at multiples of this many bytes (a page in host memory).
+    align: int = ALIGN
 
     def lock(self, target: Target) -> None:
         """Page-lock the block again (it was unlocked when its model left the device), where the cap allows."""
@@ -63,7 +70,7 @@ class Slab:
 
     def unlock(self) -> None:
         """Unlock the block; its weights keep living in it, as pageable memory (no copy, nothing freed)."""
-        if self.pinned:
+        if self.pinned and backend_of(target_of(self.block)).is_host:
             pinned_memory().unlock(self.block)
             self.pinned = False
 
@@ -96,8 +103,25 @@ def layer_bytes(module: torch.nn.Module) -> int:
     return sum(aligned(tensor.numel() * tensor.element_size()) for _name, tensor in tensors_of(module))
 
 
-def aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
+def piece_bytes(module: torch.nn.Module) -> int:
+    """The most bytes one computation of a streamed layer copies: the whole layer, or, streamed in row slices, its
+    largest slice with its bias."""
+    slices = module.__dict__.get(SLICES)
+    if slices is None:
+        return layer_bytes(module)
+    weight, bias = module._parameters["weight"], module._parameters.get("bias")
+    row = weight.numel() // weight.size(0) * weight.element_size()
+    return aligned(slices.largest * row) + (0 if bias is None else aligned(bias.numel() * bias.element_size()))
+
+
+def bias_first(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s bias lies before its weight (how a layer streamed in row slices is packed)."""
+    weight, bias = module._parameters["weight"], module._parameters.get("bias")
+    return bias is None or bias.data_ptr() < weight.data_ptr()
+
+
+def aligned(nbytes: int, align: int = ALIGN) -> int:
+    return -(-nbytes // align) * align
 
 
 def key_of(modules: Sequence[torch.nn.Module]) -> tuple[int, ...]:
@@ -123,26 +147,31 @@ def parts_of(module: torch.nn.Module, slab: torch.Tensor) -> tuple[Part | None, 
 
 
 def page_block(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of host memory (rounded up to whole pages) starting on a page: a block that can be page-locked
-    without touching a page anything else lies on."""
-    size = aligned(max(nbytes, 1))
-    raw = torch.empty(size + PAGE, dtype=torch.uint8)
-    return raw.narrow(0, -raw.data_ptr() % PAGE, size)
+    """``nbytes`` of host memory (rounded up to whole pages) of its own mapping: it starts on a page, so it can be
+    page-locked without touching a page anything else lies on, and freeing it gives the memory back to the system
+    (the C allocator keeps large freed blocks for itself: replaced slabs piled up in the process)."""
+    size = aligned(max(nbytes, 1), PAGE)
+    return torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)
 
 
-def pack(modules: list[torch.nn.Module], target: Target) -> Slab:
-    """A new slab holding ``modules``' weights and biases (page-locked where the backend and the cap allow); each
-    tensor becomes a view of it, and its own memory is freed when nothing else holds it."""
-    size = sum(layer_bytes(module) for module in modules)
-    slab = page_block(size)
-    pinned = pinned_memory().lock(slab, target)
+def pack(modules: list[torch.nn.Module], target: Target, *, bias_first: bool = False) -> Slab:
+    """A new slab holding ``modules``' weights and biases where they are now (host memory, page-locked where the
+    backend and the cap allow; a donor device's memory for a split model's donor), each tensor becoming a view of it
+    (its own memory is freed when nothing else holds it). ``bias_first``: a layer streamed in row slices, whose bias
+    crosses with its first slice, so bias and first rows are one range."""
+    home = target_of(tensors_of(modules[0])[0][1])
+    backend = backend_of(home)
+    align = ALIGN if backend.is_host else DEVICE_ALIGN
+    size = sum(aligned(tensor.numel() * tensor.element_size(), align) for m in modules for _n, tensor in tensors_of(m))
+    slab = page_block(size) if backend.is_host else backend.empty(home, torch.Size([size]), torch.uint8)
+    pinned = pinned_memory().lock(slab, target) if backend.is_host else True  # device memory needs no host
     offset = 0
     for module in modules:
-        for _name, tensor in tensors_of(module):
+        for _name, tensor in sorted(tensors_of(module), key=lambda item: bias_first and item[0] == "weight"):
             nbytes = tensor.numel() * tensor.element_size()
             part = Part(offset, nbytes, tensor.dtype, tensor.size())
             view = part.view(slab)
             view.copy_(tensor.data)
             tensor.data = view
-            offset += aligned(nbytes)
-    return Slab(list(modules), slab, size, pinned)
+            offset += aligned(nbytes, align)
+    return Slab(list(modules), slab, size, pinned, align=align)

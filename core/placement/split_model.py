@@ -204,8 +204,14 @@ def _place(held: SplitModel, request: SplitRequest) -> None:
         place_split(held.split, held.targets)
         held.hops.handles += attach_hops(held.root, held.split, held.targets).handles
     else:
-        held.streamed = place_streamed(held.split, held.targets, held.compute, keep_free=request.keep_free)
-        held.streamed.lookahead.wraps = not request.once_per_use
+        held.streamed = place_streamed(
+            held.split,
+            held.targets,
+            held.compute,
+            keep_free=request.keep_free,
+            root=held.root,
+            wraps=not request.once_per_use,
+        )
 
 
 def _guard(held: SplitModel) -> Callable[..., tuple[tuple, dict] | None]:

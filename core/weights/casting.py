@@ -2,12 +2,14 @@
 
 The cast follows ComfyUI's order, so results are bit-identical to ``comfy.ops.manual_cast``: the weight moves
 to the compute device in its stored dtype (fewer bytes over the bus), then converts; the bias moves and
-converts in one step; the owner's functions (on-the-fly patches) run last, on a private copy. A layer of a model
-that prefetches takes the copy ``core.placement.prefetch`` queued ahead for it.
+converts in one step; the owner's functions (on-the-fly patches) run last, on a private copy. A layer its model
+streams takes its weight and bias from the model's ring (``core.placement.ring``): views of a slot its group was
+copied into, ahead of use; a layer the ring cannot serve copies its own tensors.
 
 **Row slices.** A layer the placement engine streams in slices (``core.devices.slices``) computes its output
-rows slice by slice (:func:`forward_in_slices`): its bias crosses whole, then each slice of its weight is copied,
-cast and patched just before the rows it computes, and is released before the next one is used. A patch function
+rows slice by slice (:func:`forward_in_slices`): its bias crosses with the first slice (and is kept, a private copy,
+while the others compute), then each slice of its weight, a group of the ring of its own, is cast and patched just
+before the rows it computes, and released before the next one is used. A patch function
 takes part in a slice through two methods, ``slice_multiple(shape)`` (the row multiple its slices must start on,
 or ``None`` when it needs the whole weight) and ``rows(weight, start, stop)`` (the patched slice, equal to
 the same rows of the whole patched weight). A layer with a function that cannot computes whole, as before.
@@ -25,7 +27,7 @@ import torch
 from ..devices.backends import backend_of
 from ..devices.slices import SLICES, RowSlices
 from ..devices.tensors import Target
-from ..devices.transfer import GROUPED, LOOKAHEAD, Prefetcher, compute_target, to_target
+from ..devices.transfer import GROUPED, compute_target, to_target
 from .quantized import QuantizedLayout, layout_of, weight_shape
 
 #: ``compute(input, weight, bias)`` of one layer (``F.linear``, a convolution) on a weight and bias ready to use.
@@ -54,20 +56,13 @@ def cast_weight_bias(
 def _copied(
     layer: torch.nn.Module, target: Target | None, dtype: torch.dtype | None, bias_dtype: torch.dtype | None
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``layer``'s weight and bias copied to ``target`` one by one (or taken from its prefetch's queue)."""
-    ahead = layer.__dict__.get(LOOKAHEAD) if target is not None else None
-    if ahead is not None:  # a streamed layer of a model that prefetches: its copies were (or are now) queued
-        ahead.before_use(layer, target, dtype)
+    """``layer``'s weight and bias copied to ``target`` one by one (where they are not there already)."""
     bias = None
     if getattr(layer, "bias", None) is not None:
         bias_functions = getattr(layer, "bias_function", ())
-        bias = cast_one(
-            layer.bias, target, bias_dtype, bias_functions, ahead, always=True, layout=layout_of(layer, "bias")
-        )
+        bias = cast_one(layer.bias, target, bias_dtype, bias_functions, always=True, layout=layout_of(layer, "bias"))
     weight_functions = getattr(layer, "weight_function", ())
-    weight = cast_one(
-        layer.weight, target, dtype, weight_functions, ahead, always=False, layout=layout_of(layer, "weight")
-    )
+    weight = cast_one(layer.weight, target, dtype, weight_functions, always=False, layout=layout_of(layer, "weight"))
     return weight, bias
 
 
@@ -98,9 +93,10 @@ def _finish(
     *,
     always: bool,
     layout: QuantizedLayout | None = None,
+    rows: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     if layout is not None:  # decoding makes a private tensor: the slot stays as it is
-        return _patched(layout.decode(view, dtype), functions)
+        return _patched(layout.decode(view, dtype, rows), functions)
     if functions:
         result = view.to(dtype=dtype or view.dtype, copy=True)
         for function in functions:
@@ -116,7 +112,6 @@ def cast_one(
     target: Target | None,
     dtype: torch.dtype | None,
     functions: Sequence,
-    ahead: Prefetcher | None,
     *,
     always: bool,
     rows: tuple[int, int] | None = None,
@@ -125,9 +120,10 @@ def cast_one(
     """``tensor`` (its ``rows`` only, when given) on ``target`` in ``dtype`` with the owner's patch ``functions``
     applied (a copy when there are any, so the stored tensor is never changed). The weight is cast only when its
     dtype differs or functions apply; the bias is always brought to its dtype (ComfyUI's order of operations, for
-    identical results). A copy queued ahead by ``ahead`` is used when there is one. Quantised bytes (``layout``)
-    are dequantised on ``target`` (already a new tensor: no private copy is made first)."""
-    result = _fetch(tensor, target, ahead, copy=bool(functions) and layout is None, rows=rows)
+    identical results). Quantised bytes (``layout``) are dequantised on ``target`` (already a new tensor: no private
+    copy is made first)."""
+    source = tensor if rows is None else tensor.narrow(0, rows[0], rows[1] - rows[0])
+    result = to_target(source, target, copy=bool(functions) and layout is None)
     if layout is not None:
         return _patched(layout.decode(result, dtype, rows), functions)
     if always:
@@ -135,17 +131,6 @@ def cast_one(
     elif functions or (dtype is not None and result.dtype != dtype):
         result = result.to(dtype=dtype)
     return _patched(result, functions)
-
-
-def _fetch(
-    tensor: torch.Tensor, target: Target | None, ahead: Prefetcher | None, *, copy: bool, rows: tuple[int, int] | None
-) -> torch.Tensor:
-    """``tensor`` (its ``rows``) on ``target`` as stored: the copy ``ahead`` queued for it, or one made now."""
-    result = ahead.take(tensor, target, copy=copy, rows=rows) if ahead is not None else None
-    if result is None:
-        source = tensor if rows is None else tensor.narrow(0, rows[0], rows[1] - rows[0])
-        result = to_target(source, target, copy=copy)
-    return result
 
 
 def _patched(weight: torch.Tensor, functions: Sequence) -> torch.Tensor:
@@ -177,33 +162,59 @@ def forward_in_slices(layer: torch.nn.Module, input: torch.Tensor, compute: Comp
     shape, layout = weight_shape(layer), layout_of(layer, "weight")
     if backend_of(target).holds(weight, target) or not _take_slices(functions, shape, slices):
         return None  # computing where the weight is (the host, for a host input): nothing crosses
-    ahead, bias = _start(layer, target, dtype)
-    out = None
+    grouped = layer.__dict__.get(GROUPED)
+    out, bias = None, None
     for index, (start, stop) in enumerate(slices.ranges()):
-        if index and ahead is not None:
-            ahead.before_use(layer, target, dtype, index)
+        views = grouped.fetch_slice(target, index) if grouped is not None else None
+        if not index:
+            bias = _slice_bias(layer, views, target, dtype)
         on_rows = [_on_rows(function, start, stop) for function in functions]
-        part_weight = cast_one(weight, target, dtype, on_rows, ahead, always=False, rows=(start, stop), layout=layout)
+        part_weight = _slice_weight(weight, views, target, dtype, on_rows, layout, (start, stop))
         part = compute(input, part_weight, None if bias is None else bias[start:stop])
         del part_weight  # released before the next slice is used
-        if out is None:
-            size = list(part.shape)
-            size[dim] = shape[0]
-            out = part.new_empty(size)
+        out = _output_for(part, dim, shape[0]) if out is None else out
         out.narrow(dim, start, stop - start).copy_(part)
     return out
 
 
-def _start(layer: torch.nn.Module, target: Target, dtype: torch.dtype) -> tuple[Prefetcher | None, torch.Tensor | None]:
-    """A sliced layer starts computing: its prefetch told (its first piece queued), its bias made ready whole."""
-    ahead = layer.__dict__.get(LOOKAHEAD)
-    if ahead is not None:
-        ahead.before_use(layer, target, dtype)
-    bias = None
-    if getattr(layer, "bias", None) is not None:
-        functions = getattr(layer, "bias_function", ())
-        bias = cast_one(layer.bias, target, dtype, functions, ahead, always=True, layout=layout_of(layer, "bias"))
-    return ahead, bias
+def _slice_weight(
+    weight: torch.Tensor,
+    views: tuple[torch.Tensor | None, torch.Tensor | None] | None,
+    target: Target,
+    dtype: torch.dtype,
+    functions: Sequence,
+    layout: QuantizedLayout | None,
+    rows: tuple[int, int],
+) -> torch.Tensor:
+    """Rows ``rows`` of ``weight`` ready to compute: the ring's view of them made ready, or (where the ring cannot
+    serve the layer) copied here."""
+    if views is None:
+        return cast_one(weight, target, dtype, functions, always=False, rows=rows, layout=layout)
+    return _finish(views[0], dtype, functions, always=False, layout=layout, rows=rows)
+
+
+def _output_for(part: torch.Tensor, dim: int, rows: int) -> torch.Tensor:
+    """The whole output of a layer computing in slices, shaped from its first slice's part."""
+    size = list(part.shape)
+    size[dim] = rows
+    return part.new_empty(size)
+
+
+def _slice_bias(
+    layer: torch.nn.Module,
+    views: tuple[torch.Tensor | None, torch.Tensor | None] | None,
+    target: Target,
+    dtype: torch.dtype,
+) -> torch.Tensor | None:
+    """The bias of a layer computing in slices, ready for every slice: from the ring's first slice (a private copy:
+    the slot is refilled while the later slices compute), or copied here."""
+    if getattr(layer, "bias", None) is None:
+        return None
+    functions, layout = getattr(layer, "bias_function", ()), layout_of(layer, "bias")
+    if views is None:
+        return cast_one(layer.bias, target, dtype, functions, always=True, layout=layout)
+    bias = _finish(views[1], dtype, functions, always=True, layout=layout)
+    return bias.clone() if bias.data_ptr() == views[1].data_ptr() else bias
 
 
 def _on_rows(function: Callable, start: int, stop: int) -> Callable:

@@ -185,7 +185,7 @@ class DeviceControlPatcher(surface.model_patcher_class()):
         take_layers(self.model, engine)  # ComfyUI's standard layers stream in row slices too
         budget = self._budget(target, free_for_it)
         base = surface.base_model_class()  # a diffusion model runs step after step; a text encoder or VAE once a use
-        engine.lookahead.wraps = engine.ring.wraps = base is None or isinstance(self.model, base)
+        engine.ring.wraps = base is None or isinstance(self.model, base)
         compute = device_to if isinstance(device_to, torch.device) and device_to.type != "cpu" else None
         try:
             report = engine.load(

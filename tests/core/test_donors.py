@@ -1,6 +1,7 @@
 """A split model in stream mode on two simulated GPUs and the CPU: the first GPU computes everything, the second
-GPU and the CPU keep their parts and stream them to it, the next layers copied ahead; the output is the
-one-device output bit for bit and every device's books hold its part."""
+GPU and the CPU keep their parts and stream them to it through a ring each (the one streaming engine: their weights
+packed in slabs on the donor, the next group copied ahead); the output is the one-device output bit for bit and
+every device's books hold its part."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from core.devices.simulated import SimulatedDevice
 from core.devices.tensors import HOST, traffic
 from core.placement.donors import DONOR_COPIES, place_streamed, stream_room
 from core.placement.plan import STREAM_COPIES
+from core.placement.prefetch import settle
 from core.placement.split import ACTIVATIONS
 from tests.core.split_net import FluxShaped, inputs, split_of
 
@@ -45,15 +47,16 @@ def test_the_first_gpu_computes_and_the_donors_stream_their_parts_to_it_ahead_of
         assert torch.equal(out.cpu(), expected)
         del out
     gc.collect()
-    lookahead = streamed.lookahead
-    assert lookahead.stats.ahead > 0 and lookahead.stats.dropped == 0  # every copy made ahead was used
-    next_step = lookahead.in_flight_bytes  # the second pass's last layers queued the next pass's first ones
-    assert 0 < next_step <= streamed.reserve_bytes
-    assert traffic(compute).to_device - before == 2 * (lent + rest) + next_step  # every streamed byte, each pass
-    assert 2 * lent <= traffic(donor).to_peer - lent_before <= 2 * lent + next_step  # the second GPU's part left it
-    assert lookahead.settle() == next_step  # sampling ended (the patcher's cleanup): they are dropped
+    rings = streamed.rings
+    assert len(rings) == 2 and sum(ring.stats.ahead for ring in rings) > 0  # one per donor, copying ahead
+    held = sum(ring.ring_bytes for ring in rings)  # the next pass's first groups, copied by this one's last
+    assert 0 < held <= streamed.reserve_bytes
+    copied = sum(ring.stats.nbytes for ring in rings)
+    assert traffic(compute).to_device - before == copied >= 2 * (lent + rest)  # every streamed byte, each pass
+    assert traffic(donor).to_peer - lent_before >= 2 * lent  # the second GPU's part left it
+    assert settle(net) == held  # sampling ended (the patcher's cleanup): the rings are given back
     gc.collect()
-    assert lookahead.in_flight_bytes == 0 and compute.allocated() == own and donor.allocated() == lent
+    assert compute.allocated() == own and donor.allocated() == lent
     streamed.release()
 
 
@@ -80,5 +83,5 @@ def test_a_computing_gpu_short_of_room_copies_ahead_within_what_it_has_and_never
     for _ in range(3):
         with torch.no_grad():
             assert torch.equal(net(compute.place(img), compute.place(t)).cpu(), expected)
-    assert streamed.lookahead.stats.ahead > 0
+    assert sum(ring.stats.ahead for ring in streamed.rings) > 0
     streamed.release()

@@ -140,7 +140,7 @@ def test_the_ring_on_a_real_gpu_gives_the_same_result_and_leaves_nothing_behind_
     x = x.to(CUDA)
     base = torch.cuda.memory_allocated(CUDA)
     engine.load(CUDA, (2 + 3) * layer)  # two layers resident, six streaming through the ring
-    assert engine.ring.host_bytes[0] > 0 and all(group.block.is_pinned() for group in engine.ring._groups)
+    assert engine.ring.host_bytes[0] > 0 and all(group.block.is_pinned() for group in engine.ring._slabs)
     with torch.no_grad():
         first = net(x)
         second = net(x)  # the next pass's first group was copied ahead at the end of the first

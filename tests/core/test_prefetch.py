@@ -1,6 +1,6 @@
-"""Prefetch per tensor: the copies of layers streamed in row slices (and of a split model's donors) are queued
-while the current one computes, in the order the model really runs, within the room the plan keeps, and never at
-the cost of a wrong result. Layers streamed whole cross in groups through the ring (``test_ring.py``).
+"""Prefetch through the one streaming engine, the ring: layers streamed in row slices cross slice by slice as
+groups of the ring, the next copied while the current one computes, within the room the plan keeps, and never at
+the cost of a wrong result (layers streamed whole: ``test_ring.py``); the setting that turns prefetch off.
 
 These run the product's engine and cast layers on a simulated GPU, whose streams check that every copy is
 waited for before it is used (a missing wait raises), so a prefetched weight used too early fails here.
@@ -8,13 +8,15 @@ waited for before it is used (a missing wait raises), so a prefetched weight use
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
 from core.devices.backends import backend_of
 from core.devices.simlink import MissingWaitError
 from core.devices.simulated import SimulatedDevice
-from core.devices.transfer import LOOKAHEAD
+from core.devices.transfer import GROUPED
 from core.errors import InvalidSizeError
 from core.placement import prefetch
 from core.placement.engine import partial_model_of
@@ -46,24 +48,23 @@ def test_a_prefetched_copy_used_without_waiting_is_caught(monkeypatch):
         net(device.place(x))
 
 
-def test_moving_the_model_drops_every_queued_copy_and_its_marks():
+def test_moving_the_model_waits_for_the_copies_in_flight_and_drops_its_marks():
     net, device, x = streamed_net()
     engine = partial_model_of(net)
-    net(device.place(x))
-    engine.lookahead.before_use(engine.streamed_layers()[0].module, device)  # copies queued, then the model moves
-    assert engine.lookahead.in_flight_bytes > 0
+    net(device.place(x))  # its last group copied the next pass's first ahead: in flight when the model moves
+    assert engine.ring.ring_bytes > 0
     engine.unload_all()
-    assert engine.lookahead.in_flight_bytes == 0 and device.allocated() == 0
-    assert not any(LOOKAHEAD in layer.__dict__ for layer in net.layers)
+    assert engine.ring.ring_bytes == 0 and device.allocated() == 0
+    assert not any(GROUPED in layer.__dict__ for layer in net.layers)
 
 
-def test_prefetch_turned_off_copies_each_weight_when_used(monkeypatch):
+def test_prefetch_turned_off_copies_each_group_when_reached(monkeypatch):
     monkeypatch.setattr(prefetch, "_enabled", False)
     net, device, x = streamed_net()
-    assert not any(LOOKAHEAD in layer.__dict__ for layer in net.layers)
     net(device.place(x))
     out = net(device.place(x))
-    assert partial_model_of(net).lookahead.stats.ahead == 0
+    ring = partial_model_of(net).ring
+    assert ring.slots == 1 and ring.stats.ahead == 0
     assert torch.equal(out.cpu(), on_host(net, x))
 
 
@@ -104,27 +105,30 @@ def _sliced_net() -> tuple[WideNet, SimulatedDevice, torch.Tensor, torch.Tensor]
     return net, device, x, reference
 
 
-def test_slices_are_copied_ahead_slice_after_slice_and_layer_after_layer_within_the_reserve():
+def test_slices_are_groups_of_the_ring_copied_ahead_one_after_another_within_the_reserve():
     net, device, x, reference = _sliced_net()
     engine = partial_model_of(net)
+    ring = engine.ring
+    assert all(GROUPED in net.layers[i].__dict__ for i in range(6) if f"layers.{i}" in engine.plan.slices)
+    assert len(ring._groups) == sum(len(s.ranges()) for s in engine.plan.slices.values())  # a group per slice
     with torch.no_grad():
         first = net(device.place(x))
-        ahead_in_first_pass = engine.lookahead.stats.ahead
-        device.reset_peak()
         second = net(device.place(x))
-    pieces = sum(len(s.ranges()) + 1 for s in engine.plan.slices.values())  # the slices, and each bias
-    assert ahead_in_first_pass > 0  # a layer's next slices are known before the order of layers is
-    assert engine.lookahead.stats.ahead - ahead_in_first_pass == pieces - 2  # all but the first layer's first
-    assert torch.equal(device.release(first).clone(), reference) and torch.equal(
-        device.release(second).clone(), reference
-    )
+        copies, ahead = ring.stats.copies, ring.stats.ahead
+        device.reset_peak()
+        third = net(device.place(x))
+    assert ring.stats.copies - copies == len(ring._groups)  # each slice once a pass
+    assert ring.stats.ahead - ahead == len(ring._groups)  # every one ahead, the next pass's first included
+    for out in (first, second, third):
+        assert torch.equal(device.release(out).clone(), reference)
     activations = 4 * 4 * 1024 * 4  # input, output and the slice's part, with room
     assert engine.plan.reserve_bytes <= 3 * MiB + 3 * 4096
     assert device.peak_allocated() <= engine.resident_bytes() + engine.plan.reserve_bytes + activations
-    queued = engine.lookahead.in_flight_bytes  # the next pass's first slices, queued by this one's last
-    assert 0 < queued <= engine.plan.reserve_bytes
-    del first, second
-    assert prefetch.settle(net) == queued and device.allocated() == engine.resident_bytes()
+    del first, second, third, out
+    gc.collect()
+    held = ring.ring_bytes
+    assert held > 0 and prefetch.settle(net) == held
+    assert ring.ring_bytes == 0 and device.allocated() == engine.resident_bytes()
 
 
 def test_a_sliced_copy_used_without_waiting_is_caught(monkeypatch):

@@ -234,18 +234,9 @@ class _Q4Stack(torch.nn.Module):
         return x
 
 
-#: Today the ring's slots take two thirds of the reserve whatever is streamed (``core.placement.ring``), where a
-#: quantised model's copies have ``reserve_bytes - ready_bytes``: fp16 decodes fit beside them, wider ones not yet.
-_RING_SIZED_BY_THIRDS = pytest.mark.xfail(strict=True, reason="ring slots not sized by reserve_bytes - ready_bytes")
-
-
 @pytest.mark.parametrize(
     "dtype",
-    [
-        torch.float16,
-        pytest.param(torch.bfloat16, marks=_RING_SIZED_BY_THIRDS),
-        pytest.param(torch.float32, marks=_RING_SIZED_BY_THIRDS),
-    ],
+    [torch.float16, torch.bfloat16, torch.float32],
 )
 def test_quantised_layers_streamed_through_the_ring_stay_within_the_plans_reserve(dtype):
     """The ring's slots and one layer decoded: what the device holds beyond the resident layers while the model

@@ -15,7 +15,7 @@ import torch
 
 from core.devices.simlink import LinkCost
 from core.devices.tensors import traffic
-from core.devices.transfer import GROUPED, LOOKAHEAD, pinned_memory, to_target
+from core.devices.transfer import GROUPED, pinned_memory, to_target
 from core.placement import prefetch
 from core.placement.engine import partial_model_of
 from tests.core.order_net import LAYERS, on_host, streamed_net
@@ -25,7 +25,7 @@ def test_whole_streamed_layers_go_through_the_ring_one_copy_per_group():
     net, device, x = streamed_net()
     ring = partial_model_of(net).ring
     grouped = [layer for layer in net.layers if GROUPED in layer.__dict__]
-    assert len(grouped) == LAYERS - 2 and not any(LOOKAHEAD in layer.__dict__ for layer in net.layers)
+    assert len(grouped) == LAYERS - 2
     assert ring.slots == 2 and ring.host_bytes[0] > 0  # page-locked slabs on a backend that can pin
     first = net(device.place(x))
     assert ring.stats.copies == len(ring._groups) and ring.stats.ahead == ring.stats.copies - 1
@@ -148,15 +148,15 @@ def test_unloading_frees_the_ring_and_unlocks_the_slabs_which_stay_the_weights_h
     engine = partial_model_of(net)
     budget = engine.plan.budget
     net(device.place(x))
-    blocks = [group.block for group in engine.ring._groups]
+    blocks = [group.block for group in engine.ring._slabs]
     assert pinned_memory().pinned_bytes >= sum(block.numel() for block in blocks) > 0
     engine.unload_all()
     assert device.allocated() == 0 and not any(GROUPED in layer.__dict__ for layer in net.layers)
     assert not any(pinned_memory().blocks.get(block.data_ptr()) for block in blocks)  # unlocked
     assert torch.equal(net(x), on_host(net, x))
     engine.load(device, budget)
-    assert all(a is b for a, b in zip((group.block for group in engine.ring._groups), blocks, strict=True))
-    assert all(group.pinned for group in engine.ring._groups)
+    assert all(a is b for a, b in zip((group.block for group in engine.ring._slabs), blocks, strict=True))
+    assert all(group.pinned for group in engine.ring._slabs)
     assert torch.equal(net(device.place(x)).cpu(), on_host(net, x))
 
 
@@ -205,9 +205,9 @@ def test_loading_again_with_the_same_groups_keeps_their_slabs():
     packed once, not at every load."""
     net, device, x = streamed_net()
     engine = partial_model_of(net)
-    blocks = [group.block for group in engine.ring._groups]
+    blocks = [group.block for group in engine.ring._slabs]
     engine.load(device, engine.plan.budget)
-    assert all(a is b for a, b in zip((group.block for group in engine.ring._groups), blocks, strict=True))
+    assert all(a is b for a, b in zip((group.block for group in engine.ring._slabs), blocks, strict=True))
     assert torch.equal(net(device.place(x)).cpu(), on_host(net, x))
 
 

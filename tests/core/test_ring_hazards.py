@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from pathlib import Path
 
 import torch
 
@@ -30,7 +31,7 @@ def test_slabs_start_on_a_page_hold_whole_pages_and_give_each_tensor_pages_of_it
     a slab its model left unlocked (a second registration of a page fails, and CUDA reports it at the next
     kernel)."""
     net, _device, _x = streamed_net(resident_layers=0)
-    groups = partial_model_of(net).ring._groups
+    groups = partial_model_of(net).ring._slabs
     assert groups
     for group in groups:
         start = group.block.data_ptr()
@@ -136,7 +137,7 @@ def test_groups_are_packed_in_the_order_the_model_runs_in_so_each_crosses_once_a
         last = net(device.place(x)).cpu()
     ran = [id(layer) for block in net for layer in run_order(block)]
     assert ring.stats.reordered == 1
-    assert [id(module) for group in ring._groups for module in group.modules] == ran
+    assert [id(module) for group in ring._slabs for module in group.modules] == ran
     assert ring.stats.copies - copies == len(ring._groups) < len(ran)  # each group once a pass
     assert torch.equal(first, expected) and torch.equal(last, expected)
 
@@ -159,3 +160,12 @@ def test_slabs_the_pinned_cap_left_pageable_cross_through_staging_without_the_ho
     staging = [block.data_ptr() for block in ring._staging._blocks]
     ring.detach()
     assert staging and not any(pointer in pinned_memory().blocks for pointer in staging)  # unlocked with the ring
+
+
+def test_one_streaming_engine_no_per_tensor_lookahead_and_no_record_stream():
+    """Row slices and a split model's donors stream through rings too: nothing in the pack queues a copy per
+    tensor ahead of use, or keeps a tensor alive for another stream with ``record_stream``."""
+    root = Path(__file__).resolve().parents[2]
+    sources = [path for folder in ("core", "nodes") for path in (root / folder).rglob("*.py")]
+    for word in (".record_stream(", "def queue_copy", "class Lookahead"):
+        assert not [path.name for path in sources if word in path.read_text(encoding="utf-8")], word

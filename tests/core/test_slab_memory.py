@@ -10,7 +10,6 @@ nothing through the ring also kept every old slab, page-locked. These tests say 
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from core.devices.simulated import SimulatedDevice
@@ -21,14 +20,7 @@ from core.placement.slabs import layer_bytes
 from core.weights import ops
 from tests.core.order_net import MiB, streamed_net
 
-HAZARD = "issue 50, hazard 10: a smaller budget after a larger one"
 
-
-@pytest.mark.xfail(
-    strict=True,
-    reason=f"{HAZARD}: Ring.attach with no layer to carry returns after detach(unlock=False), which put every slab in "
-    "_kept, page-locked, for a model none of whose layers streams through the ring any more",
-)
 def test_a_plan_with_nothing_to_stream_keeps_no_slab_locked():
     net, device, _x = streamed_net(resident_layers=2)
     engine = partial_model_of(net)
@@ -40,12 +32,6 @@ def test_a_plan_with_nothing_to_stream_keeps_no_slab_locked():
     assert pinned_memory().pinned_bytes == locked - slabs
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=f"{HAZARD}: Ring.attach sizes its groups from the reserve (max(largest layer, reserve // 3)), so a smaller "
-    "reserve packs every streamed layer into new slabs while the old ones are still alive (the host then holds both, "
-    "and the allocator keeps the old ones' memory), instead of cutting the slabs it has into ranges",
-)
 def test_a_smaller_reserve_streams_from_the_slabs_it_has():
     torch.manual_seed(0)
     layers = [ops.Linear(64, 64) for _ in range(8)]

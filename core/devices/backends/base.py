@@ -202,9 +202,6 @@ class DeviceBackend:
     def wait(self, stream: Any, event: Any) -> None:
         """Order the work queued on ``stream`` from now after ``event`` (the host does not wait)."""
 
-    def keep_for(self, tensor: torch.Tensor, stream: Any) -> None:
-        """Keep ``tensor``'s memory until ``stream`` is done with it (it was made on another stream)."""
-
     def synchronize(self, target: Target) -> None:
         """Wait on the host until everything queued on ``target`` is done."""
 

@@ -145,9 +145,6 @@ class TorchModuleBackend(DeviceBackend):
     def wait(self, stream: Any, event: Any) -> None:
         stream.wait_event(event)
 
-    def keep_for(self, tensor: torch.Tensor, stream: Any) -> None:
-        tensor.record_stream(stream)
-
     def synchronize(self, target: Target) -> None:
         self._torch_module().synchronize(target)
 
