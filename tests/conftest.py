@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.passes import keep_to_their_passes
+from tests.server_pool import ServerPool
 from tools.comfy_server import ComfyServer
 from tools.runtime import DEFAULT_VERSION, comfyui_dir, missing_source
 
@@ -268,6 +269,18 @@ def start_server(base: Path, env: dict[str, str] | None = None, extra_args: tupl
 def comfy_factory() -> Callable[..., ComfyServer]:
     """Starts more servers (e.g. with simulated devices); the caller stops them."""
     return start_server
+
+
+@pytest.fixture(scope="session")
+def server_pool(synthetic_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPool]:
+    """The servers the integration and browser modules share by their settings (:mod:`tests.server_pool`)."""
+
+    def start(name: str, env: dict[str, str], extra_args: tuple[str, ...]) -> ComfyServer:
+        return start_server(tmp_path_factory.mktemp(name), env=env, extra_args=extra_args)
+
+    pool = ServerPool(start)
+    yield pool
+    pool.close()
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,7 @@ import pytest
 from PIL import Image
 
 from core.units import format_bytes
+from tests.server_pool import ServerPool
 from tools.comfy_server import ComfyServer
 from tools.workflow_api import load_workflow, ui_to_api
 
@@ -146,30 +147,28 @@ def stock_equivalent(prompt: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def servers(
-    synthetic_models: dict[str, Path],
-    comfy_factory: Callable[..., ComfyServer],
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[Callable[..., ComfyServer]]:
-    """Start a ComfyUI server for this module: ``servers("name", SIMULATE_GPU="8GiB")`` sets
-    ``DEVICE_CONTROL_SIMULATE_GPU``. One runs at a time (starting one stops the one before, so a module's tests
-    must use its servers in order): each holds whole models in RAM. ``extra_args`` are ComfyUI flags, ``env`` more
-    environment variables as they are named."""
-    running: list[ComfyServer] = []
+def servers(server_pool: ServerPool) -> Iterator[Callable[..., ComfyServer]]:
+    """A ComfyUI server for this module: ``servers("name", SIMULATE_GPU="8GiB")`` sets
+    ``DEVICE_CONTROL_SIMULATE_GPU``. ``extra_args`` are ComfyUI flags, ``env`` more environment variables as they are
+    named. Servers come from the session's pool (:mod:`tests.server_pool`): one another module used with the same
+    settings, with nothing loaded, cached or set, or a new one (``name`` names its folder). A module uses one at a
+    time (taking one gives the one before back, so a module's tests must use its servers in order): each holds whole
+    models in RAM while it works."""
+    taken: list[ComfyServer] = []
 
-    def start(
+    def take(
         name: str, extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None, **settings: str
     ) -> ComfyServer:
-        while running:
-            running.pop().stop()
+        while taken:
+            server_pool.give_back(taken.pop())
         env = {**(env or {}), **{f"DEVICE_CONTROL_{key}": value for key, value in settings.items()}}
-        server = comfy_factory(tmp_path_factory.mktemp(name), env=env, extra_args=extra_args)
-        running.append(server)
+        server = server_pool.take(name, env, extra_args)
+        taken.append(server)
         return server
 
-    yield start
-    while running:
-        running.pop().stop()
+    yield take
+    while taken:
+        server_pool.give_back(taken.pop())
 
 
 @pytest.fixture(scope="session")

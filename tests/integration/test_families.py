@@ -108,7 +108,7 @@ ONCE_FOR_SDXL = [
     pytest.param(
         f,
         id=f.stem,
-        marks=[ONCE] if f.stem.startswith("sdxl") else [],
+        marks=[ONCE] if FIXTURE_OF[f.stem] == "sdxl_unet" else [],  # by its model: the file names are numbered
     )
     for f in FAMILIES
 ]
