@@ -78,9 +78,11 @@ def test_a_budget_streams_the_rest_and_the_sampler_keeps_the_placement(server, a
     after_move, after_sampling = unet(entry, api, "4"), unet(entry, api, "10")
     resident = after_move["resident"]["gpu:0"]
     assert after_move["partial"] and resident <= 1.5 * GiB < after_move["total_bytes"]
-    # VRAM Report reads ComfyUI's own loaded_size(): the KSampler's load changed nothing.
+    # VRAM Report reads ComfyUI's own loaded_size(): the KSampler's load changed nothing. The streamed layers' LoRA
+    # factors crossed when they first computed and stay for the next steps, inside the budget.
     assert after_sampling["resident"] == after_move["resident"]
-    assert gpu(entry, api, "10")["torch_allocated"] == gpu(entry, api, "4")["torch_allocated"]
+    moved, sampled = gpu(entry, api, "4")["torch_allocated"], gpu(entry, api, "10")["torch_allocated"]
+    assert moved <= sampled <= 1.5 * GiB
     assert "streamed" in text(entry, "3") and "budget 1.50 GiB" in text(entry, "3")
 
 
