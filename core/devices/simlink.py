@@ -19,7 +19,8 @@ Streams keep CUDA's ordering rules, checked rather than assumed: work queued on 
 number; an event records a stream's position; a stream that waits on an event may use everything queued on
 the other stream up to that position. A computation on the main stream that reads a tensor a side stream
 made, without having waited for it, raises :class:`MissingWaitError`: a missing wait is a test failure on a
-machine with no GPU, where on a real one it would be a rare wrong image.
+machine with no GPU, where on a real one it would be a rare wrong image (streams and events:
+``core.devices.simstreams``).
 """
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..errors import InvalidSizeError
 from ..units import parse_size
+from .simhost import HostReads, MissingWaitError
+from .simstreams import Pending, SimEvent, SimStream
 
 LINK_ENV = "DEVICE_CONTROL_SIMULATE_LINK"
 
@@ -55,10 +57,6 @@ _EXAMPLE = (
     "copy and, in any order, compute=10x (how much faster than this machine the GPU computes), pageable=7.5GB/s "
     "(from memory not pinned), issue=10us (host time per copy) and queue=1024 (copies queued ahead at most)"
 )
-
-
-class MissingWaitError(RuntimeError):
-    """A computation read a tensor whose copy on another stream it had not waited for."""
 
 
 @dataclass(frozen=True)
@@ -221,40 +219,6 @@ _NAMED: dict[str, Callable[[str | None, str], float | int]] = {
 }
 
 
-@dataclass(eq=False)
-class SimStream:
-    """A stream of the simulated GPU: a name, its link, the number of the last work queued on it, and how far
-    it has waited for each other stream (``synced[other]`` is the last number of ``other`` it may use).
-
-    ``in_flight`` holds the end times of the copies queued on it that may not have ended yet, oldest first (the
-    ends on one stream only grow), so the host can be made to wait when more are queued than the link allows.
-    """
-
-    name: str
-    link: Link = field(repr=False)
-    queued: int = 0
-    busy_until: float = 0.0
-    synced: dict[SimStream, int] = field(default_factory=dict)
-    in_flight: deque[float] = field(default_factory=deque, repr=False)
-
-
-@dataclass(frozen=True)
-class SimEvent:
-    """A stream's position at one moment: its last queued work and when that work ends."""
-
-    stream: SimStream
-    position: int
-    ready_at: float
-
-
-@dataclass(frozen=True)
-class Pending:
-    """What a tensor made on a side stream carries until it is used: the work that made it."""
-
-    stream: SimStream
-    position: int
-
-
 class Link:
     """The link of one simulated device: its cost, its two copy engines' clocks, its streams, and the host time it
     charged.
@@ -278,6 +242,13 @@ class Link:
         self.host_wait_seconds = 0.0
         #: Copies booked over the link's life.
         self.copies = 0
+        #: Times the host waited for the whole device: :meth:`synchronize`, and every blocking copy (on CUDA a
+        #: stream synchronisation, which costs a host that runs ahead of the device all it had queued).
+        self.synchronizations = 0
+        #: Copies from memory that is not page-locked: the host waits for each, whatever the caller asked.
+        self.pageable_copies = 0
+        #: Host memory that copies queued without the host waiting still read (``core.devices.simhost``).
+        self.reads = HostReads()
 
     @property
     def host_seconds(self) -> float:
@@ -304,16 +275,21 @@ class Link:
         end when ``host_waits`` (a blocking copy) or when the memory is not ``pinned``: such a copy goes at the
         pageable bandwidth and the host stages it, so it cannot run ahead of it.
 
-        Returns what a tensor made by a copy on a side stream must carry (``None`` on the main one).
+        A blocking copy is a synchronisation of the whole device: the host waits for every copy queued so far, and
+        what queued copies read of host memory is then free (:attr:`reads`). Returns what a tensor made by a copy
+        on a side stream must carry (``None`` on the main one).
         """
         stream = self.current
         cost = self.cost
+        self.synchronizations += host_waits
+        self.pageable_copies += not pinned
         if cost.free:
             with self._lock:
                 stream.queued += 1
                 stream.busy_until = max(stream.busy_until, self._engines[direction])
                 self.copies += 1
                 position = stream.queued
+            self._retire(stream, position, host_waits=host_waits, pinned=pinned)
             return None if stream is self.main else Pending(stream, position)
         now = time.monotonic()
         # The host has done what it owes (or is ahead by a sleep's overshoot), then issues this copy.
@@ -329,17 +305,34 @@ class Link:
             stream.busy_until = max(stream.busy_until, end)
             in_flight.append(end)
             position = stream.queued
-            free_at = end if host_waits or not pinned else queued_at
+            free_at = max(end, *self._engines.values()) if host_waits else end if not pinned else queued_at
             self.host_issue_seconds += cost.issue_time
             self.host_wait_seconds += free_at - issued
             self.copies += 1
         self._pay(free_at, _MIN_SLEEP)
+        self._retire(stream, position, host_waits=host_waits, pinned=pinned)
         return None if stream is self.main else Pending(stream, position)
+
+    def _retire(self, stream: SimStream, position: int, *, host_waits: bool, pinned: bool) -> None:
+        """What the host knows ended after a copy it waited for: everything (a blocking copy), or its stream's
+        earlier work (a pageable one, which CUDA starts only once its stream is idle)."""
+        if host_waits:
+            self.reads.retire_all()
+        elif not pinned:
+            self.reads.retire(lambda other, at: other is stream and at < position)
 
     def record(self, stream: SimStream) -> SimEvent:
         """An event at ``stream``'s current position."""
         with self._lock:
-            return SimEvent(stream, stream.queued, stream.busy_until)
+            return SimEvent(stream, stream.queued, stream.busy_until, tuple(stream.synced.items()))
+
+    def wait_host(self, event: SimEvent | None) -> None:
+        """The host waits until the work ``event`` marks has ended (after paying what it owes); the host memory
+        copies up to it read is then free (:attr:`reads`: raises if the host wrote to it before)."""
+        if event is None:
+            return
+        self._wait_until(event.ready_at)
+        self.reads.retire(event.done)
 
     def wait(self, stream: SimStream, event: SimEvent) -> None:
         """Order ``stream`` after ``event``. The main stream is the host's computation, so the host waits (after
@@ -364,7 +357,9 @@ class Link:
         """Wait on the host until every copy queued so far has ended, and pay all the host time owed."""
         with self._lock:
             end = max(self._engines.values())
+            self.synchronizations += 1
         self._wait_until(end)
+        self.reads.retire_all()
 
     @property
     def _debt(self) -> float:

@@ -15,7 +15,11 @@ the source after the copy was made would reach the copy here and never on a real
 sample of its values (:func:`take_snapshot`), and its first computation raises if they changed since: the
 product used a copy of a weight that was rewritten in place after the copy was queued.
 
-The device is any object with ``label``, ``link`` and ``_register(tensor)`` (``core.devices.simulated``).
+Before its own work, every operation on the device raises what the device left pending for it (a failed host
+registration's error, a queued copy's source freed: ``core.devices.simhost``), as CUDA's launch check does.
+
+The device is any object with ``label``, ``link``, ``raise_pending()`` and ``_register(tensor)``
+(``core.devices.simulated``).
 """
 
 from __future__ import annotations
@@ -114,6 +118,17 @@ def _set_data(tensor: SimTensor, data: torch.Tensor) -> None:
             del tensor._sim_device
 
 
+def own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` on a storage of its own bytes, sharing the memory (no copy): the device books storages, and a
+    contiguous view of part of a larger block (a weight in a slab, a row slice) must count as what it is."""
+    storage = tensor.untyped_storage()
+    size = tensor.numel() * tensor.element_size()
+    if storage.nbytes() == size or not tensor.is_contiguous():
+        return tensor
+    start = tensor.storage_offset() * tensor.element_size()
+    return torch.empty(0, dtype=tensor.dtype).set_(storage[start : start + size], 0, tensor.size(), tensor.stride())
+
+
 def original_class(tensor: torch.Tensor) -> type:
     """The class ``tensor`` had before a simulated device took it (a parameter's own subclass included), or the
     one a tensor made on the device takes on the host."""
@@ -135,6 +150,8 @@ def _common_device(func: Any, args: tuple, kwargs: dict) -> SimulatedDevice | No
             stranded = tensor
     if device is not None and stranded is not None and func not in _TRANSFERS:
         _raise_mismatch(device.label, str(stranded.device))
+    if device is not None:
+        device.raise_pending()  # a failed call's error, or a fault, left for the next operation to report
     return device
 
 
@@ -159,7 +176,7 @@ def _check_copy(tensor: SimTensor) -> None:
     pending = getattr(tensor, "_sim_pending", None)
     if pending is not None:
         tensor._sim_device.link.check_ready(pending, tensor._sim_device.label)
-    if tensor._sim_device._landing:  # buffers a streaming ring fills: checked by storage, views included
+    if tensor._sim_device.slots.filled:  # buffers a streaming ring fills: checked by storage, views included
         tensor._sim_device.check_landing(tensor)
     snapshot = getattr(tensor, "_sim_snapshot", None)
     if snapshot is not None:

@@ -1,29 +1,28 @@
 """A simulated GPU for machines that have none.
 
-``SimulatedDevice`` keeps tensors in host memory but behaves, where it matters for memory management,
-like a real accelerator:
+``SimulatedDevice`` keeps tensors in host memory but behaves, where it matters for memory management, like a real
+accelerator:
 
-* it has a capacity and exact residency books: every live tensor placed on it (and every tensor an
-  operation on it produces) counts until the last Python reference to it is gone;
+* it has a capacity and exact residency books: every live tensor placed on it (and every tensor an operation on it
+  produces) counts until the last Python reference to it is gone;
 * going over capacity raises ``torch.OutOfMemoryError``, the same exception a CUDA allocator raises;
-* computing with a tensor on it and a *weight* that was never moved to it raises the same
-  ``RuntimeError`` ("Expected all tensors to be on the same device ...") a real device mismatch raises,
-  so a forgotten move fails in tests instead of passing silently. A weight is an ``nn.Parameter``; one that
-  is deliberately left in host memory and cast to the device for each use (a streamed layer) is marked
-  with :func:`mark_streamed` and allowed.
+* computing with a tensor on it and a *weight* that was never moved to it raises the same ``RuntimeError``
+  ("Expected all tensors to be on the same device ...") a real device mismatch raises, so a forgotten move fails in
+  tests instead of passing silently. A weight is an ``nn.Parameter``; one that is deliberately left in host memory
+  and cast to the device for each use (a streamed layer) is marked with :func:`mark_streamed` and allowed.
 
-Other host tensors met by an operation on the device (sampler noise, timesteps, a cast copy of a streamed
-weight) count as uploaded inputs: on a real GPU the host application creates them on the device, which it
-cannot do for a device torch does not know. Results of such operations are on the device.
+Other host tensors met by an operation on the device (sampler noise, timesteps, a cast copy of a streamed weight)
+count as uploaded inputs: on a real GPU the host application creates them on the device, which it cannot do for a
+device torch does not know. Results of such operations are on the device.
 
-Tensors on the device are instances of :class:`SimTensor`, a ``torch.Tensor`` subclass that shares
-storage with the host tensor it was made from (a move costs no host memory). Moving back with
-:meth:`SimulatedDevice.to_host`, ``.cpu()`` or ``.to("cpu")`` returns a plain tensor.
+Tensors on the device are instances of :class:`SimTensor`, a ``torch.Tensor`` subclass that shares storage with the
+host tensor it was made from (a move costs no host memory). Moving back with :meth:`SimulatedDevice.to_host`,
+``.cpu()`` or ``.to("cpu")`` returns a plain tensor.
 
-Every move crosses the device's :class:`~core.devices.simlink.Link`: it is counted there, takes the time the
-link's cost says (none by default), and a copy queued on the side stream carries its stream position until a
-wait makes it usable on the main stream. The device is driven through its backend
-(``core.devices.backends.simulated``), like any other.
+Every move crosses the device's :class:`~core.devices.simlink.Link`: it is counted there, takes the time the link's
+cost says (none by default), and a copy queued on the side stream carries its stream position until a wait makes it
+usable on the main stream. The device fails where CUDA fails (``core.devices.simhost``). It is driven through its
+backend (``core.devices.backends.simulated``), like any other.
 """
 
 from __future__ import annotations
@@ -39,8 +38,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..units import format_bytes, parse_size
-from .simlink import LINK_ENV, Link, LinkCost, MissingWaitError, Pending
-from .simtensor import SimTensor
+from .simhost import REGISTRY
+from .simlink import LINK_ENV, Link, LinkCost
+from .simslots import Slots
+from .simtensor import SimTensor, own_storage
 
 #: Faults a simulated device can be told to inject (see ``SimulatedDevice(faults=...)``):
 #: ``stats``: memory statistics queries fail, as a broken driver query would;
@@ -126,11 +127,9 @@ class SimulatedDevice:
         self._lock = threading.Lock()
         self._fail_after: int | None = None
         self.link = Link(link or LinkCost())
-        #: Device buffers filled by :meth:`copy_into` (a streaming ring's slots), by storage: the copy that filled
-        #: each last, and the main stream's position when a computation last read it. Checked like a real device
-        #: orders them: a read waits for the fill, a new fill waits for the reads of the old contents.
-        self._landing: dict[int, Pending | None] = {}
-        self._reads: dict[int, int] = {}
+        self.link.reads.label = self.label
+        #: Device buffers filled by :meth:`copy_into` (a streaming ring's slots), checked as a real device orders them.
+        self.slots = Slots(self.link, self.label)
 
     @property
     def label(self) -> str:
@@ -243,8 +242,7 @@ class SimulatedDevice:
                 if entry.refs <= 0:
                     del self._books[key]
                     self._allocated -= entry.nbytes
-                    self._landing.pop(key, None)
-                    self._reads.pop(key, None)
+                    self.slots.forget(key)
 
     def _oom_message(self, nbytes: int) -> str:
         return (
@@ -255,83 +253,83 @@ class SimulatedDevice:
 
     # -- moves -------------------------------------------------------------------------------------
 
-    def place(self, tensor: torch.Tensor, *, host_waits: bool = True) -> SimTensor:
-        """Move ``tensor`` onto this device (the books count it; the host data is shared, not copied).
+    def raise_pending(self) -> None:
+        """Raise what a computation or a copy on this device reports before its own work, as CUDA's launch check
+        does: a failed host registration's error nobody read back (``PendingDeviceError``, cleared by raising), or
+        host memory freed while a queued copy still read it (``MissingWaitError``): ``core.devices.simhost``."""
+        if REGISTRY.pending:
+            REGISTRY.raise_pending(self.label)
+        self.link.reads.raise_faults()
 
-        The copy is queued on the link's current stream; the host waits for it to end when ``host_waits``.
+    def _here(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is on this device already (after raising what is pending); raise if on another."""
+        self.raise_pending()
+        if isinstance(tensor, SimTensor) and tensor.sim_device is not self:
+            raise RuntimeError(
+                f"tensor is on {tensor.sim_device.label}; move it to the host before placing it on {self.label}."
+            )
+        return isinstance(tensor, SimTensor)
+
+    def place(self, tensor: torch.Tensor, *, host_waits: bool = True, pinned: bool = True) -> SimTensor:
+        """Move ``tensor`` onto this device (the books count it; the host data is shared, not copied): a copy queued
+        on the link's current stream, which the host waits for when ``host_waits`` or when it is not ``pinned``.
 
         Raises:
             torch.OutOfMemoryError: the tensor does not fit in what is free.
             RuntimeError: the tensor is already on another simulated device.
         """
-        if isinstance(tensor, SimTensor):
-            if tensor.sim_device is self:
-                return tensor
-            raise RuntimeError(
-                f"tensor is on {tensor.sim_device.label}; move it to the host before placing it on {self.label}."
-            )
+        if self._here(tensor):
+            return tensor
         if "slow_moves" in self.faults:
             time.sleep(SLOW_MOVE_SECONDS)
         with torch._C.DisableTorchFunctionSubclass():
             placed = tensor.detach().as_subclass(SimTensor)
             placed._sim_device = self
             self._register(placed)
-        pending = self.link.copy(_nbytes(tensor), "to_device", host_waits=host_waits)
+        pending = self.link.copy(_nbytes(tensor), "to_device", host_waits=host_waits, pinned=pinned)
         if pending is not None:
             placed._sim_pending = pending
         return placed
 
     def copy_into(self, destination: SimTensor, source: torch.Tensor, *, pinned: bool, host_waits: bool) -> None:
-        """Copy ``source`` (host memory) into ``destination``, a buffer on this device, on the link's current
-        stream: the bytes really move (the buffer is reused for other weights), and the link charges the copy.
+        """Copy ``source`` (host memory) into ``destination``, a buffer on this device (a ring's slot, checked:
+        ``core.devices.simslots``), on the link's current stream: the bytes really move, and the link charges the
+        copy. One the host does not wait for (from ``pinned`` memory) reads ``source`` until the host waits for it
+        (:attr:`Link.reads`).
 
         Raises:
-            MissingWaitError: a copy on a side stream would overwrite what a computation on the main stream read
-                and the side stream did not wait for that computation first (on a real device: a wrong image).
+            MissingWaitError: the copy would overwrite what a computation on the main stream read, unwaited.
         """
+        self.raise_pending()
         key = destination.untyped_storage().data_ptr()
-        stream, main = self.link.current, self.link.main
-        if stream is not main and stream.synced.get(main, 0) < self._reads.get(key, 0):
-            raise MissingWaitError(
-                f"{self.label}: a copy on the {stream.name} stream overwrote a buffer a computation on the main "
-                "stream had read, without waiting for that computation (record an event after the last use and "
-                "make the copy wait on it)."
-            )
+        self.slots.before_fill(key)
         with torch._C.DisableTorchFunctionSubclass():
             destination.as_subclass(torch.Tensor).copy_(source)
-        self._landing[key] = self.link.copy(_nbytes(source), "to_device", host_waits=host_waits, pinned=pinned)
+        stream = self.link.current
+        self.slots.filled[key] = self.link.copy(_nbytes(source), "to_device", host_waits=host_waits, pinned=pinned)
+        if pinned and not host_waits and source.is_contiguous():
+            self.link.reads.add(source, stream, stream.queued)
 
     def check_landing(self, tensor: SimTensor) -> None:
-        """A computation reads ``tensor``: if it lies in a buffer :meth:`copy_into` fills, the fill must be done on
-        the current stream (raises :class:`MissingWaitError` otherwise), and the read is recorded."""
-        key = tensor.untyped_storage().data_ptr()
-        if key not in self._landing:
-            return
-        pending = self._landing[key]
-        if pending is not None:
-            self.link.check_ready(pending, self.label)
-        main = self.link.main
-        if self.link.current is main:
-            main.queued += 1  # a position for the read, which an event recorded after it covers
-            self._reads[key] = main.queued
+        """A computation reads ``tensor``: checked if it lies in a buffer :meth:`copy_into` fills (``Slots.read``)."""
+        self.slots.read(tensor.untyped_storage().data_ptr())
 
     def place_in_place(self, tensor: torch.Tensor) -> None:
         """Move a host tensor (a parameter, typically) onto this device keeping its identity, as
-        ``Module.to`` keeps a parameter's: the object becomes a :class:`SimTensor` and the books count it.
+        ``Module.to`` keeps a parameter's: the object becomes a :class:`SimTensor` and the books count it. A view
+        of a larger host block (a weight packed in a slab) is booked for its own bytes, as a real device allocates
+        them, not for the block's.
 
         Raises:
             torch.OutOfMemoryError: it does not fit (the tensor is left as it was).
             RuntimeError: it is on another simulated device.
         """
-        if isinstance(tensor, SimTensor):
-            if tensor.sim_device is self:
-                return
-            raise RuntimeError(
-                f"tensor is on {tensor.sim_device.label}; move it to the host before placing it on {self.label}."
-            )
+        if self._here(tensor):
+            return
         if "slow_moves" in self.faults:
             time.sleep(SLOW_MOVE_SECONDS)
-        original = tensor.__class__
+        original, data = tensor.__class__, tensor.data
+        tensor.data = own_storage(data)
         with torch._C.DisableTorchFunctionSubclass():
             tensor.__class__ = SimTensor
             tensor._sim_device = self
@@ -343,6 +341,7 @@ class SimulatedDevice:
             except BaseException:
                 tensor.__class__ = original
                 del tensor._sim_device
+                tensor.data = data
                 raise
         self.link.copy(_nbytes(tensor), "to_device", host_waits=True)
 
@@ -352,6 +351,7 @@ class SimulatedDevice:
         """
         if not isinstance(tensor, SimTensor):
             return tensor
+        self.raise_pending()
         if "slow_moves" in self.faults:
             time.sleep(SLOW_MOVE_SECONDS)
         self.link.copy(_nbytes(tensor), "to_host", host_waits=True)
@@ -362,6 +362,7 @@ class SimulatedDevice:
         """Return a plain host tensor with the data of ``tensor`` (a copy, as a device-to-host move is)."""
         if not isinstance(tensor, SimTensor):
             return tensor
+        self.raise_pending()
         self.link.copy(_nbytes(tensor), "to_host", host_waits=True)
         with torch._C.DisableTorchFunctionSubclass():
             return tensor.as_subclass(torch.Tensor).clone()

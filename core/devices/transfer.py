@@ -144,7 +144,11 @@ class PinnedMemory:
             return False
         if not backend.pin(pointer, nbytes):
             self.failed.add(label)
-            log.info("[Device Control] host memory could not be page-locked; copies to %s will block", label)
+            log.info(
+                "[Device Control] host memory could not be page-locked (%s); copies to %s will block",
+                backend.take_error(),  # read back now: left pending, the next kernel would raise it as its own
+                label,
+            )
             return False
         # Unlocked when the tensor goes; a view that outlives it then copies as pageable memory: slower, correct.
         self.blocks[pointer] = (nbytes, target, weakref.finalize(block, self._release, pointer))
@@ -182,7 +186,11 @@ class PinnedMemory:
             return False  # again fails, and the runtime would report that failure at the next kernel launch
         if not backend.pin(pointer, size):  # e.g. a locked-memory limit: stop trying; copies stay correct
             self.failed.add(label)
-            log.info("[Device Control] pinning host memory failed; weight copies to %s will be blocking", label)
+            log.info(
+                "[Device Control] pinning host memory failed (%s); weight copies to %s will be blocking",
+                backend.take_error(),  # read back now: left pending, the next kernel would raise it as its own
+                label,
+            )
             return False
         self.pinned[pointer] = (size, target)
         return True

@@ -218,11 +218,20 @@ class DeviceBackend:
 
     def pin(self, pointer: int, size: int) -> bool:
         """Page-lock ``size`` bytes of host memory at ``pointer`` for fast copies to this backend's devices;
-        ``False`` where it cannot (then copies are blocking, and still correct)."""
+        ``False`` where it cannot (then copies are blocking, and still correct).
+
+        Locking works in whole pages: a range that touches a page already locked (by anyone) fails. A failure
+        leaves the runtime's error pending, to be raised by the next computation or copy on a device, until
+        :meth:`take_error` reads it: call it right after a failed pin."""
         return False
 
     def unpin(self, pointer: int) -> None:
-        """Undo :meth:`pin`."""
+        """Undo :meth:`pin` (``pointer`` is where a locked range starts; any other leaves an error pending)."""
+
+    def take_error(self) -> str | None:
+        """Read and clear the error a failed runtime call (a failed :meth:`pin`) left pending for this host thread,
+        so that no later computation reports it as its own; its text, or ``None`` when there was none."""
+        return None
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         """Whether copies of ``tensor`` to this backend's devices can run without the host waiting."""

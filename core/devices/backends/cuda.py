@@ -33,27 +33,38 @@ class CudaBackend(TorchModuleBackend):
         super().__init__("cuda", "rocm" if torch.version.hip else "cuda", cuda_capabilities)
 
     def pin(self, pointer: int, size: int) -> bool:
-        cudart = torch.cuda.cudart()
-        if cudart.cudaHostRegister(pointer, size, _REGISTER_PORTABLE) == 0:
-            return True
-        # The failed call left its error as the runtime's last one, which the next kernel launch's check reports
-        # as its own (seen on an H100: "part or all of the requested memory range is already mapped" raised by a
-        # forward after a failed registration). Read it back, which clears it.
-        _clear_last_error(cudart)
-        return False
+        # A failure leaves its error as the runtime's last one, which the next kernel launch's check reports as its
+        # own (seen on an H100: "part or all of the requested memory range is already mapped" raised by a forward
+        # after a failed registration): the caller reads it back with take_error.
+        return _code(torch.cuda.cudart().cudaHostRegister(pointer, size, _REGISTER_PORTABLE)) == 0
 
     def unpin(self, pointer: int) -> None:
         torch.cuda.cudart().cudaHostUnregister(pointer)
 
+    def take_error(self) -> str | None:
+        return _take_last_error(torch.cuda.cudart())
 
-def _clear_last_error(cudart: Any) -> None:
-    """Clear the CUDA runtime's last error: through torch's binding where it has the call, else through the runtime
-    library this process loaded (found in its memory map, so it is the same instance torch uses)."""
-    clear = getattr(cudart, "cudaGetLastError", None)
-    if clear is None:
-        clear = _runtime_call("cudaGetLastError")
-    if clear is not None:
-        clear()
+
+def _code(result: Any) -> int:
+    """A CUDA runtime call's result as a number (torch's binding returns its ``cudaError`` enum)."""
+    return int(getattr(result, "value", result))
+
+
+def _take_last_error(cudart: Any) -> str | None:
+    """Read and clear the CUDA runtime's last error (``cudaGetLastError``): through torch's binding where it has the
+    call (torch 2.14 has not), else through the runtime library this process loaded (found in its memory map, so it
+    is the instance torch uses); its text, or ``None`` when there was none or it cannot be read."""
+    last = getattr(cudart, "cudaGetLastError", None) or _runtime_call("cudaGetLastError")
+    if last is None:
+        return None
+    code = _code(last())
+    if code == 0:
+        return None
+    describe = _runtime_call("cudaGetErrorString")
+    if describe is None:
+        return f"CUDA error {code}"
+    describe.restype = ctypes.c_char_p
+    return describe(code).decode(errors="replace")
 
 
 def _runtime_call(name: str) -> Any | None:

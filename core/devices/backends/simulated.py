@@ -2,22 +2,25 @@
 
 Its devices are :class:`~core.devices.simulated.SimulatedDevice` objects, which torch does not know: ComfyUI
 computes on the host for them (``comfy_device``) and does not make room on them (``comfy_makes_room``).
-Everything else is what a CUDA device does: a loader fills weights straight onto it (``empty``; the bytes cross
-the link once), a copy stream and events with CUDA's ordering rules (checked: a missing wait raises), pinned
-host memory (booked; copies from it overlap the host's work), copies that take the link's time.
+Everything else is what a CUDA device does, and fails where CUDA fails: a loader fills weights straight onto it
+(``empty``; the bytes cross the link once), a copy stream and events with CUDA's ordering rules (checked: a missing
+wait raises), host memory page-locked in whole pages (a range touching a registered page fails, and the error stays
+pending for the next operation until :meth:`SimulatedBackend.take_error` reads it: ``core.devices.simhost``),
+copies from it that overlap the host's work while copies from pageable memory hold the host, blocking copies that
+wait for the whole device, and a host that must wait for a queued copy before it writes to or frees its source.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
+from ..simhost import REGISTRY
 from ..simlink import SimEvent, SimStream
-from ..simtensor import SimTensor, take_snapshot
+from ..simtensor import SimTensor, own_storage, take_snapshot
 from ..simulated import SimulatedDevice
 from .base import DeviceBackend, DeviceInfo, Target, describe
 
@@ -39,7 +42,6 @@ class SimulatedBackend(DeviceBackend):
 
     def __init__(self, devices: Sequence[SimulatedDevice] = ()) -> None:
         self.simulated = tuple(devices)
-        self._pinned: dict[int, int] = {}  # start of each registered range -> its bytes
 
     # -- identity --------------------------------------------------------------------------------
 
@@ -82,13 +84,7 @@ class SimulatedBackend(DeviceBackend):
         return tensor.sim_device.release(tensor) if isinstance(tensor, SimTensor) else tensor
 
     def adopt(self, tensor: torch.Tensor, target: Target) -> None:
-        # A real device allocates the tensor's own bytes, whatever host block it is a view of (a ring's slab):
-        # booked as such, sharing the memory as every move here does.
-        if not isinstance(tensor, SimTensor):
-            own = _own_storage(tensor.detach())
-            if own.untyped_storage().nbytes() < tensor.untyped_storage().nbytes():
-                tensor.data = own
-        target.place_in_place(tensor)
+        target.place_in_place(tensor)  # a view of a slab is booked for its own bytes, as CUDA allocates them
 
     def place(self, tensor: torch.Tensor, target: Target) -> torch.Tensor:
         return target.place(tensor)
@@ -102,14 +98,16 @@ class SimulatedBackend(DeviceBackend):
         # parts of a split model, which the next block may change in place) gets memory of its own; a queued one
         # (a donor GPU's weight streamed ahead, only read) shares the host memory, as a copy between two GPUs
         # costs the host nothing: its cost is the link's time.
-        if isinstance(tensor, SimTensor) and tensor.sim_device is not target:
+        from_device = isinstance(tensor, SimTensor) and tensor.sim_device is not target
+        if from_device:
             if non_blocking and not copy:
                 with torch._C.DisableTorchFunctionSubclass():
                     tensor = tensor.detach().as_subclass(torch.Tensor)
             else:
                 tensor = tensor.cpu()
-        source = tensor.detach().clone() if copy else _own_storage(tensor.detach())
-        placed = target.place(source, host_waits=not non_blocking)
+        pinned = from_device or self.is_pinned(tensor)  # from another device: no staging
+        source = tensor.detach().clone() if copy else own_storage(tensor.detach())
+        placed = target.place(source, host_waits=not non_blocking, pinned=pinned)
         if not copy and placed is not tensor:  # shares the source's memory: a write to it must not be missed
             take_snapshot(placed)
         return placed
@@ -135,9 +133,8 @@ class SimulatedBackend(DeviceBackend):
         target.link.synchronize()
 
     def wait_host(self, event: Any) -> None:
-        left = event.ready_at - time.monotonic() if event is not None else 0.0
-        if left > 0:
-            time.sleep(left)
+        if event is not None:
+            event.stream.link.wait_host(event)
 
     def copy_into(self, destination: torch.Tensor, source: torch.Tensor, *, non_blocking: bool) -> None:
         destination.sim_device.copy_into(
@@ -147,28 +144,19 @@ class SimulatedBackend(DeviceBackend):
     # -- pinned host memory ----------------------------------------------------------------------
 
     def pin(self, pointer: int, size: int) -> bool:
-        self._pinned[pointer] = size
-        return True
+        return REGISTRY.register(pointer, size)
 
     def unpin(self, pointer: int) -> None:
-        self._pinned.pop(pointer, None)
+        REGISTRY.unregister(pointer)
+
+    def take_error(self) -> str | None:
+        return REGISTRY.take_error()
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
-        # As CUDA answers it: whether the tensor's first byte lies in a registered range (a view of a block
-        # registered at its own start, inside a larger allocation, is pinned).
-        start = tensor.data_ptr()
-        return any(begin <= start < begin + size for begin, size in self._pinned.items())
-
-
-def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` on a storage of its own bytes, sharing the memory (no copy): the device books storages, and a
-    contiguous view of part of a weight (a row slice) must count as what it is."""
-    storage = tensor.untyped_storage()
-    size = tensor.numel() * tensor.element_size()
-    if storage.nbytes() == size or not tensor.is_contiguous():
-        return tensor
-    start = tensor.storage_offset() * tensor.element_size()
-    return torch.empty(0, dtype=tensor.dtype).set_(storage[start : start + size], 0, tensor.size(), tensor.stride())
+        # As CUDA answers it: whether the tensor lies in a registered range (a view of a locked slab is pinned).
+        return not isinstance(tensor, SimTensor) and REGISTRY.holds(
+            tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        )
 
 
 @contextlib.contextmanager
