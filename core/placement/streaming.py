@@ -73,10 +73,10 @@ def stream(layer: Layer, target: Target | None, hooks: LayerHooks, slices: RowSl
         module.__dict__.pop(SLICES, None)
     else:
         module.__dict__[SLICES] = slices
-    # Copies from pinned memory run on the side stream without stopping the host. A layer its model's ring will
-    # carry is packed into a page-locked slab instead (``core.placement.ring``): pinning it in place first
-    # would only be undone.
-    pin = target is not None and not (slices is None and groupable(module))
+    # A copy from pinned memory does not stop the host. A layer its model's ring will carry (whole or in row
+    # slices) is packed into a page-locked slab instead (``core.placement.ring``): pinning it in place first would
+    # leave a registration on memory the packing frees, and every later registration on those pages would fail.
+    pin = target is not None and not groupable(module)
     for _name, tensor, is_param in own_tensors(module):
         if is_param:
             mark_streamed(tensor)

@@ -1,10 +1,15 @@
-"""Fixtures of the core tests: the small model and its input."""
+"""Fixtures of the core tests: the small model and its input, and a check after every test that it left no failed
+host registration pending (a page registered, then freed without being unregistered, makes a later registration on
+it fail: on CUDA, at the next kernel of whatever runs next)."""
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 import torch
 
+from core.devices.simhost import REGISTRY
 from tests.core.small_net import Net
 
 
@@ -16,3 +21,11 @@ def net() -> Net:
 @pytest.fixture
 def x() -> torch.Tensor:
     return torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(autouse=True)
+def no_registration_left_failing():
+    yield
+    gc.collect()
+    error = REGISTRY.take_error()
+    assert error is None, f"a host registration failed in this test and its error was left pending: {error}"

@@ -128,10 +128,5 @@ def test_between_nodes_the_model_holds_no_more_than_its_budget(walk):
     assert not walk.over("between"), "over budget:\n" + walk.over("between")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 50, hazard 11: the ring and the per-tensor lookahead of row slices each size themselves from the "
-    "plan's whole streaming reserve (core.placement.engine._attach_streaming), so together they take up to twice it",
-)
 def test_while_it_samples_the_model_holds_no_more_than_its_budget(walk):
     assert not walk.over("sampling"), "over budget:\n" + walk.over("sampling")
