@@ -28,7 +28,7 @@ from torch.nn import functional as F  # noqa: N812 - the name every torch user k
 from ..devices.transfer import CASTS_ANYWHERE, compute_target
 from ..progress import ProgressCallback
 from .casting import cast_weight_bias, forward_in_slices
-from .quantized import is_quantized
+from .quantized import QUANTIZED
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float | None) -> torch.Tensor:
@@ -39,7 +39,9 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float | None) -
 def _casting(layer: torch.nn.Module) -> bool:
     """Whether ``layer`` computes through the cast: told to, patched on the fly, or quantised (its bytes must be
     dequantised wherever they are)."""
-    return bool(layer.comfy_cast_weights or layer.weight_function or layer.bias_function or is_quantized(layer))
+    # Asked at every forward of every layer: plain lookups, no call (``is_quantized`` is this last one).
+    flags = layer.comfy_cast_weights or layer.weight_function or layer.bias_function
+    return bool(flags or layer.__dict__.get(QUANTIZED))
 
 
 class CastLayer:
