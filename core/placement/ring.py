@@ -126,7 +126,7 @@ class Ring:
         slice of a layer streamed in slices."""
         self.slots = self._planned_slots = PREFETCH_SLOTS if prefetching() else 1
         self.group_bytes = max(max(piece_bytes(module) for module in modules), reserve // PREFETCH_SLOTS)
-        self.target, self._reserve = target, reserve
+        self.target, self._reserve, self._backend = target, reserve, backend_of(target)
         kept, self._kept = self._kept, {}
         self._groups, self._slabs, self._members = lay_out(self, modules, self.group_bytes, kept, target)
         self._next = [*range(1, len(self._groups)), None]
@@ -196,7 +196,7 @@ class Ring:
     def _start(self, group: int, target: Target) -> bool:
         """A layer of ``group`` computes first in its group: the group entered; ``False`` where the ring cannot
         serve it (another device, a layer that left the ring, no room for a slot)."""
-        if group < 0 or self._failed or not same_target(target, self.target):
+        if group < 0 or self._failed or (target is not self.target and not same_target(target, self.target)):
             return False
         if not self._buffers and not self._allocate():
             self._failed = True
@@ -207,7 +207,7 @@ class Ring:
     def _enter(self, group: int) -> None:
         """The first layer of ``group`` computes: its copy (and the next ones') queued, the compute stream made to
         wait for it. Once per group per pass: everything else a layer does is a lookup."""
-        backend = backend_of(self.target)
+        backend = self._backend
         compute = backend.current_stream(self.target)
         if self._current is not None:
             self._learn(self._current, group)
@@ -274,11 +274,13 @@ class Ring:
     def _fill(self, group: int, window: list[int], *, ahead: bool) -> None:
         """Copy ``group``'s slab into a slot no group of ``window`` holds, on the side stream, after the compute
         stream's reads of that slot's old contents."""
-        slot = next(i for i, held in enumerate(self._holding) if held is None or held not in window)
+        slot = 0
+        while self._holding[slot] is not None and self._holding[slot] in window:  # a slot the window does not need
+            slot += 1
         previous = self._holding[slot]
         if previous is not None:
             del self._slot_of[previous]
-        backend = backend_of(self.target)
+        backend = self._backend
         side = backend.side_stream(self.target)
         source = self._groups[group]
         self._refresh(group)
@@ -298,7 +300,7 @@ class Ring:
         """``source`` copied into ``slot`` on the side stream once the compute stream's earlier reads are done
         (even taking a view of the slot is work on a stream), through the slot's staging buffer where the slab is
         pageable; the event that ends the copy."""
-        backend = backend_of(self.target)
+        backend = self._backend
         staged = not source.slab.pinned and self._staging.ready
         data = self._staging.stage(slot, source.block) if staged else source.block
         with backend.on_stream(side):
@@ -318,7 +320,8 @@ class Ring:
         its tensors itself), as does one another loader moved to a device. A pointer compared per tensor and copy,
         not per use."""
         source = self._groups[group].slab
-        if all(params[name].data_ptr() == pointer for params, name, pointer in source.places):
+        shifts = [params[name].data_ptr() - pointer for params, name, pointer in source.places]  # one call a copy
+        if not any(shifts):
             return
         home = target_of(source.block)
         for module in source.modules:

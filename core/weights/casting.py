@@ -24,11 +24,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..devices.backends import backend_of
+from ..devices.backends import backend_of, target_of
 from ..devices.slices import SLICES, RowSlices
 from ..devices.tensors import Target
 from ..devices.transfer import GROUPED, compute_target, to_target
-from .quantized import QuantizedLayout, layout_of, weight_shape
+from .quantized import QUANTIZED, QuantizedLayout, layout_of, weight_shape
 
 #: ``compute(input, weight, bias)`` of one layer (``F.linear``, a convolution) on a weight and bias ready to use.
 Compute = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -45,7 +45,7 @@ def cast_weight_bias(
     if input is not None:
         dtype = dtype or input.dtype
         bias_dtype = bias_dtype or dtype
-        target = target if target is not None else compute_target(input)
+        target = target if target is not None else target_of(input)
     grouped = layer.__dict__.get(GROUPED) if target is not None else None
     views = grouped.fetch(target) if grouped is not None else None  # streamed through its model's ring
     if views is not None:
@@ -76,13 +76,12 @@ def _ready(
     in its dtype, the weight cast only when needed; a private copy where patch functions apply (the slot is
     shared with the next groups)."""
     weight, bias = views
+    layouts = layer.__dict__.get(QUANTIZED) or {}  # looked up here: this runs for every streamed layer call
     if bias is not None:
-        bias = _finish(
-            bias, bias_dtype, getattr(layer, "bias_function", ()), always=True, layout=layout_of(layer, "bias")
-        )
+        bias = _finish(bias, bias_dtype, getattr(layer, "bias_function", ()), always=True, layout=layouts.get("bias"))
     if weight is not None:
         functions = getattr(layer, "weight_function", ())
-        weight = _finish(weight, dtype, functions, always=False, layout=layout_of(layer, "weight"))
+        weight = _finish(weight, dtype, functions, always=False, layout=layouts.get("weight"))
     return weight, bias
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn import functional as F  # noqa: N812 - the name every torch user knows
 
+from ..devices.slices import SLICES
 from ..devices.transfer import CASTS_ANYWHERE, compute_target
 from ..progress import ProgressCallback
 from .casting import cast_weight_bias, forward_in_slices
@@ -64,9 +65,10 @@ class Linear(CastLayer, torch.nn.Linear):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not _casting(self):
             return super().forward(input)
-        out = forward_in_slices(self, input, self._linear, -1)
-        if out is not None:
-            return out
+        if SLICES in self.__dict__:  # streamed in row slices (asked inline: every streamed layer call passes here)
+            out = forward_in_slices(self, input, self._linear, -1)
+            if out is not None:
+                return out
         weight, bias = cast_weight_bias(self, input)
         return self._linear(input, weight, bias)
 
@@ -88,9 +90,10 @@ class _Conv(CastLayer):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not _casting(self):
             return super().forward(input)
-        out = forward_in_slices(self, input, self._conv_forward, 1)
-        if out is not None:
-            return out
+        if SLICES in self.__dict__:  # streamed in row slices (asked inline: every streamed layer call passes here)
+            out = forward_in_slices(self, input, self._conv_forward, 1)
+            if out is not None:
+                return out
         weight, bias = cast_weight_bias(self, input)
         return self._conv_forward(input, weight, bias)
 
