@@ -9,6 +9,8 @@ ComfyUI's loader or ours, changes one of these. Reading them is attribute reads 
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..devices.tensors import moves_in_place
@@ -20,7 +22,8 @@ _STREAMING_MARK = "prev_comfy_cast_weights"
 
 def tree_state(layers: list[Layer]) -> list:
     """What an engine compares to know its tree is as it left it: the pack's count of moves; for each layer its
-    streaming mark and the number of its tensors; for each tensor ``(the object, its class, its device)``. Attribute
+    streaming mark and the number of its tensors; for each tensor ``(a weak reference to it, its class, its device)``
+    (weak: a tensor another loader replaced must be freed, not kept on its device by this look). Attribute
     reads only (torch's own, not a tensor subclass's: a simulated device's tensors answer in C too), so that a look
     at a model of a thousand tensors costs no more Python calls than one."""
     state: list = [moves_in_place()]
@@ -31,8 +34,8 @@ def tree_state(layers: list[Layer]) -> list:
             state.append((_STREAMING_MARK in module.__dict__, len(params), len(buffers)))
             for tensors in (params, buffers):
                 for tensor in tensors.values():
-                    if tensor is not None:
-                        state.append((tensor, type(tensor), tensor.device))
+                    if tensor is not None:  # a weak reference: the state must not keep a moved-away tensor alive
+                        state.append((weakref.ref(tensor), type(tensor), tensor.device))
     return state
 
 
@@ -47,6 +50,6 @@ def same_state(before: list, now: list) -> bool:
         if layer_entry:
             if old != new:
                 return False
-        elif old[0] is not new[0] or old[1] is not new[1] or old[2] != new[2]:
+        elif old[0]() is not new[0]() or old[1] is not new[1] or old[2] != new[2]:
             return False
     return True
