@@ -211,14 +211,19 @@ def test_a_streamed_q4_0_layer_is_dequantised_within_the_plans_streaming_reserve
     device = SimulatedDevice(256 * MiB)
     stream(entry, device, NO_HOOKS, plan.slices.get(""))
     x = device.place(torch.randn(2, 4096, dtype=dtype))
+    assert _peak_beside_activations(device, layer, x) <= plan.reserve_bytes
+    reset_flags(entry)
+
+
+def _peak_beside_activations(device: SimulatedDevice, module: torch.nn.Module, x: torch.Tensor) -> int:
+    """The most ``module``'s forward on ``x`` holds on ``device`` beyond what was there before, less the activations
+    (its output, and one slice's output beside it)."""
     gc.collect()
     base = device.allocated()
     device.reset_peak()
     with torch.no_grad():
-        out = layer(x)
-    activations = 2 * out.numel() * out.element_size()  # the output, and one slice's output beside it
-    assert device.peak_allocated() - base - activations <= plan.reserve_bytes
-    reset_flags(entry)
+        out = module(x)
+    return device.peak_allocated() - base - 2 * out.numel() * out.element_size()
 
 
 class _Q4Stack(torch.nn.Module):
@@ -247,13 +252,7 @@ def test_quantised_layers_streamed_through_the_ring_stay_within_the_plans_reserv
     report = engine.load(device, engine.total_bytes() // 2)
     assert report.plan.streamed_layers > 0 and 0 < report.plan.ready_bytes < report.plan.reserve_bytes
     x = device.place(torch.randn(2, 512, dtype=dtype))
-    gc.collect()
-    base = device.allocated()
-    device.reset_peak()
-    with torch.no_grad():
-        out = net(x)
-    activations = 2 * out.numel() * out.element_size()
-    assert device.peak_allocated() - base - activations <= report.plan.reserve_bytes
-    del out, x
+    assert _peak_beside_activations(device, net, x) <= report.plan.reserve_bytes
+    del x
     settle(net)
     engine.unload_all()

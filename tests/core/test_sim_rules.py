@@ -10,9 +10,11 @@ moved in place is booked for its own bytes.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -187,6 +189,18 @@ def test_a_blocking_copy_waits_for_everything_queued_on_the_device_and_counts_as
 # -- stream order: ring slots, and the host memory queued copies read ------------------------------------------
 
 
+@contextlib.contextmanager
+def pinned_slot(device: SimulatedDevice, count: int) -> Iterator[tuple]:
+    """``count`` page-locked pages of host memory and a device buffer of their size: (backend, pages, buffer)."""
+    backend, memory = backend_of(device), pages(count)
+    slot = backend.empty(device, torch.Size([memory.numel()]), torch.uint8)
+    assert pin(backend, memory)
+    try:
+        yield backend, memory, slot
+    finally:
+        backend.unpin(memory.data_ptr())
+
+
 def fill(device: SimulatedDevice, slot: torch.Tensor, source: torch.Tensor, *, after_reads: bool = True):
     """``source`` copied into ``slot`` on the side stream, non-blocking, as the ring fills a slot (after the compute
     stream's reads of its old contents, unless told otherwise); the copy's event."""
@@ -217,24 +231,16 @@ def test_a_kernel_reading_a_ring_slot_before_its_copys_event_was_waited_for_rais
 
 
 def test_a_copy_overwriting_a_slot_before_the_reads_of_its_old_contents_raises(device):
-    backend, memory = backend_of(device), pages(1)
-    slot = backend.empty(device, torch.Size([PAGE]), torch.uint8)
-    assert pin(backend, memory)
-    try:
+    with pinned_slot(device, 1) as (backend, memory, slot):
         backend.wait(backend.current_stream(device), fill(device, slot, memory))
         slot.sum()  # the compute stream reads the slot
         with pytest.raises(MissingWaitError, match="overwrote a buffer"):
             fill(device, slot, memory, after_reads=False)  # the side stream did not wait for that read
         backend.wait_host(fill(device, slot, memory))
-    finally:
-        backend.unpin(memory.data_ptr())
 
 
 def test_the_host_writing_to_memory_a_queued_copy_still_reads_raises_when_it_waits(device):
-    backend, memory = backend_of(device), pages(2)
-    slot = backend.empty(device, torch.Size([memory.numel()]), torch.uint8)
-    assert pin(backend, memory)
-    try:
+    with pinned_slot(device, 2) as (backend, memory, slot):
         event = fill(device, slot, memory)
         memory[PAGE:].fill_(7)  # wrong: the copy may still be reading it on a real GPU
         with pytest.raises(MissingWaitError, match="wrote to host memory a queued copy still read"):
@@ -245,15 +251,10 @@ def test_the_host_writing_to_memory_a_queued_copy_still_reads_raises_when_it_wai
         fill(device, slot, memory)
         backend.synchronize(device)  # a whole-device wait frees the sources too
         memory.fill_(1)
-    finally:
-        backend.unpin(memory.data_ptr())
 
 
 def test_a_host_wait_on_an_event_of_a_stream_that_waited_for_the_copy_frees_its_source(device):
-    backend, memory = backend_of(device), pages(1)
-    slot = backend.empty(device, torch.Size([PAGE]), torch.uint8)
-    assert pin(backend, memory)
-    try:
+    with pinned_slot(device, 1) as (backend, memory, slot):
         compute = backend.current_stream(device)
         backend.wait(compute, fill(device, slot, memory))
         slot.sum()
@@ -265,8 +266,6 @@ def test_a_host_wait_on_an_event_of_a_stream_that_waited_for_the_copy_frees_its_
         backend.wait_host(compute_event)  # does not cover the new copy: its source is still read
         with pytest.raises(MissingWaitError, match="wrote to host memory"):
             backend.synchronize(device)
-    finally:
-        backend.unpin(memory.data_ptr())
 
 
 def test_freeing_memory_a_queued_copy_still_reads_raises_at_the_next_operation_on_the_device(device):
