@@ -16,7 +16,6 @@ of loads and offloads would otherwise pay in RAM the allocator keeps.
 from __future__ import annotations
 
 import mmap
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -122,15 +121,6 @@ def bias_first(module: torch.nn.Module) -> bool:
 
 def aligned(nbytes: int, align: int = ALIGN) -> int:
     return -(-nbytes // align) * align
-
-
-def key_of(modules: Sequence[torch.nn.Module]) -> tuple[int, ...]:
-    return tuple(id(module) for module in modules)
-
-
-def in_slab(module: torch.nn.Module, slab: torch.Tensor) -> bool:
-    """Whether ``module``'s tensors are views of ``slab`` now (they were not moved or replaced since)."""
-    return all(in_slab_tensor(tensor, slab) for _name, tensor in tensors_of(module))
 
 
 def in_slab_tensor(tensor: torch.Tensor, slab: torch.Tensor) -> bool:
