@@ -139,9 +139,12 @@ def parts_of(module: torch.nn.Module, slab: torch.Tensor) -> tuple[Part | None, 
 def page_block(nbytes: int) -> torch.Tensor:
     """``nbytes`` of host memory (rounded up to whole pages) of its own mapping: it starts on a page, so it can be
     page-locked without touching a page anything else lies on, and freeing it gives the memory back to the system
-    (the C allocator keeps large freed blocks for itself: replaced slabs piled up in the process)."""
+    (the C allocator keeps large freed blocks for itself: replaced slabs piled up in the process). The mapping is
+    private, as the C allocator's own: a shared anonymous one is shared memory to the kernel, counted and swapped
+    as the shared-memory filesystem's rather than as the process's."""
     size = aligned(max(nbytes, 1), PAGE)
-    return torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)
+    private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    return torch.frombuffer(mmap.mmap(-1, size, flags=private), dtype=torch.uint8)
 
 
 def pack(modules: list[torch.nn.Module], target: Target, *, bias_first: bool = False) -> Slab:
