@@ -14,16 +14,18 @@ most the unit. The unit is ``budget * STREAM_SHARE / STREAM_COPIES`` (at least :
 reserve is at most :data:`STREAM_SHARE` of the budget whatever the size of the model's layers, and the rest of
 the budget holds resident layers; a budget too tight for what cannot stream plus that reserve is planned with
 the smallest unit before it is declared short. Layers no larger than the unit stream whole, without slicing
-overhead. A quantised piece (a GGUF model's, ``core.weights.quantized``) crosses in its blocks and is decoded on
-the device into several times their bytes: the reserve keeps room for that decode, temporaries included, so it
-is then more than :data:`STREAM_SHARE` of the budget. The reserve holds streamed weights only: activations are
-not part of a model's budget (ComfyUI keeps room for them on the devices it manages, the patcher on the others).
+overhead, and no layer is sliced finer than the largest streamed piece, which sets the reserve anyway
+(``core.placement.pieces``). A quantised piece (a GGUF model's, ``core.weights.quantized``) crosses in its
+blocks and is decoded on the device into several times their bytes: the reserve keeps room for that decode,
+temporaries included, so it is then more than :data:`STREAM_SHARE` of the budget. The reserve holds streamed
+weights only: activations are not part of a model's budget (ComfyUI keeps room for them on the devices it manages,
+the patcher on the others).
 
-**Policy.** Which streamable layers stay resident when not all fit: ``largest-first`` (as ComfyUI does) keeps
-the biggest layers, so the fewest bytes per layer stream and the reserve is smallest; ``execution-order`` keeps
-the first layers, so the copies of the later ones could overlap with the computation of the earlier ones.
-``tools/bench.py`` measures both (``--only policy``); the default is :data:`DEFAULT_POLICY`, for the reason
-given there.
+**Policy.** Which streamable layers stay resident when not all fit: ``largest-first`` (as ComfyUI does) keeps the
+biggest layers, so the fewest bytes per layer stream and the reserve is smallest; ``execution-order`` keeps the
+first layers, so the copies of the later ones could overlap with the computation of the earlier ones.
+``tools/bench.py`` measures both (``--only policy``); the default is :data:`DEFAULT_POLICY`, for the reason given
+there.
 """
 
 from __future__ import annotations
@@ -34,14 +36,11 @@ from enum import Enum
 
 import torch
 
-from ..devices.slices import ROW_QUANTUM, RowSlices, ready_bytes, row_geometry, row_slices
+from ..devices.slices import RowSlices, row_geometry
 from ..devices.tensors import HOST, Target, is_on, own_tensors, tensor_bytes
+from .pieces import STREAM_COPIES, Multiples, Option, largest, options_of, room_for, stream_reserve, widened
 
-#: While a streamed piece computes, its weights are on the device once in their stored dtype and once in the
-#: compute dtype (twice the bytes when fp16 computes in fp32), and the next piece is copied ahead: room for that
-#: many of the largest streamed piece is kept inside the budget (the streaming reserve). A quantised piece made
-#: ready to compute takes more than its stored bytes (:func:`stream_reserve`).
-STREAM_COPIES = 3
+__all__ = ["STREAM_COPIES", "stream_reserve"]  # reckoned in core.placement.pieces, read by the plan's users here
 
 #: The streaming reserve is at most this share of the budget: the streaming unit is the budget times this share
 #: over :data:`STREAM_COPIES` (1/36 of the budget: 16.7 MiB of a 600 MiB budget).
@@ -162,40 +161,6 @@ class Plan:
         return self.needed_bytes > self.budget
 
 
-def stream_reserve(piece: int, ready: int) -> int:
-    """The streaming reserve for streamed pieces of at most ``piece`` stored bytes that take at most ``ready``
-    bytes once made ready to compute (``core.devices.slices.ready_bytes``): the piece computing and the one
-    copied ahead as stored, and one made ready. For plain weights ``ready`` is the piece: :data:`STREAM_COPIES`
-    pieces; a quantised piece is decoded on the device into more bytes than it crosses in, with temporaries."""
-    return (STREAM_COPIES - 1) * piece + ready
-
-
-@dataclass(frozen=True)
-class _Option:
-    """How one layer streams under a unit: the bytes of its largest piece, its slices if it is sliced, and the
-    bytes that piece takes on the device once made ready to compute (``ready``)."""
-
-    piece: int
-    slices: RowSlices | None
-    ready: int
-
-
-def _options(streamable: Sequence[Layer], unit: int, multiples: Mapping[str, int | None] | None) -> dict[int, _Option]:
-    """How each streamable layer would stream (by ``id``): in slices when it is larger than ``unit`` and its
-    rows can be sliced on the multiple its owner allows (``multiples``; :data:`ROW_QUANTUM` by default)."""
-    options = {}
-    for layer in streamable:
-        multiple = ROW_QUANTUM if multiples is None else multiples.get(layer.name, ROW_QUANTUM)
-        extra = layer.nbytes - layer.rows * layer.row_bytes  # the bias: it crosses whole, with the first slice
-        slices = None
-        if layer.rows and multiple is not None and layer.nbytes > unit:
-            slices = row_slices(layer.rows, layer.row_bytes, unit, multiple, extra)
-        piece = layer.nbytes if slices is None else slices.largest * layer.row_bytes + extra
-        rows = None if slices is None else slices.largest
-        options[id(layer)] = _Option(piece, slices, ready_bytes(layer.module, piece, rows))
-    return options
-
-
 def _greedy(order: Sequence[Layer], room: int) -> list[Layer]:
     chosen, used = [], 0
     for layer in order:
@@ -255,14 +220,14 @@ def _plan_with(
     budget: int,
     policy: Policy,
     allowed: Iterable[str] | None,
-    multiples: Mapping[str, int | None] | None,
+    multiples: Multiples,
     unit: int,
     extras: Mapping[str, int],
 ) -> Plan:
     """:func:`plan_layers` with the streaming unit given."""
     fixed = [layer for layer in layers if not layer.streamable]
     streamable = [layer for layer in layers if layer.streamable]
-    options = _options(streamable, unit, multiples)
+    options = options_of(streamable, unit, multiples)
     candidates, forced = _candidates(streamable, allowed, options)
     room = budget - _total(fixed)
     if not forced and _total(candidates) == _total(streamable) <= room:
@@ -273,31 +238,26 @@ def _plan_with(
             chosen = _longest_prefix(candidates, room, forced, options)
         else:
             chosen = _largest_first(candidates, room, forced, options)
+    options = widened(options, _others(streamable, chosen), multiples)
     return _plan_of(layers, budget, policy, [*fixed, *chosen], options, unit, extras)
 
 
+def _others(layers: Sequence[Layer], chosen: Sequence[Layer]) -> list[Layer]:
+    """The ``layers`` not in ``chosen``."""
+    kept = {id(layer) for layer in chosen}
+    return [layer for layer in layers if id(layer) not in kept]
+
+
 def _candidates(
-    streamable: Sequence[Layer], allowed: Iterable[str] | None, options: Mapping[int, _Option]
-) -> tuple[list[Layer], _Option | None]:
+    streamable: Sequence[Layer], allowed: Iterable[str] | None, options: Mapping[int, Option]
+) -> tuple[list[Layer], Option | None]:
     """The streamable layers that may be resident, and the largest piece and readied piece of those that may not
     (they stream; ``None`` when there are none)."""
     if allowed is None:
         return list(streamable), None
     names = set(allowed)
     candidates = [layer for layer in streamable if layer.name in names]
-    return candidates, _largest([options[id(la)] for la in streamable if la.name not in names])
-
-
-def _largest(ways: Sequence[_Option | None]) -> _Option | None:
-    """The largest piece and the largest readied piece of ``ways`` (``None`` ones left out; ``None`` if no other)."""
-    ways = [way for way in ways if way is not None]
-    return _Option(max(w.piece for w in ways), None, max(w.ready for w in ways)) if ways else None
-
-
-def _room_for(ways: Sequence[_Option | None]) -> tuple[int, int]:
-    """The streaming reserve for streaming ``ways``, and its part for one piece made ready to compute."""
-    largest = _largest(ways)
-    return (0, 0) if largest is None else (stream_reserve(largest.piece, largest.ready), largest.ready)
+    return candidates, largest([options[id(la)] for la in streamable if la.name not in names])
 
 
 def _plan_of(
@@ -305,7 +265,7 @@ def _plan_of(
     budget: int,
     policy: Policy,
     resident: Sequence[Layer],
-    options: Mapping[int, _Option],
+    options: Mapping[int, Option],
     unit: int,
     extras: Mapping[str, int],
 ) -> Plan:
@@ -313,7 +273,7 @@ def _plan_of(
     kept = {id(layer) for layer in resident}
     streamed = [layer for layer in layers if id(layer) not in kept]
     ways = [(layer.name, options[id(layer)]) for layer in streamed if layer.streamable]
-    reserve, ready = _room_for([way for _name, way in ways])
+    reserve, ready = room_for([way for _name, way in ways])
     return Plan(
         budget=budget,
         policy=policy,
@@ -330,54 +290,54 @@ def _plan_of(
     )
 
 
-def _extras_of(ways: Sequence[tuple[str, _Option]], extras: Mapping[str, int]) -> int:
+def _extras_of(ways: Sequence[tuple[str, Option]], extras: Mapping[str, int]) -> int:
     """What the streamed layers keep on the device beside their weights."""
     return sum(extras.get(name, 0) for name, _way in ways)
 
 
-def _sliced(ways: Sequence[tuple[str, _Option]]) -> dict[str, RowSlices]:
+def _sliced(ways: Sequence[tuple[str, Option]]) -> dict[str, RowSlices]:
     """The slices of the streamed layers that stream in slices, by name."""
     return {name: way.slices for name, way in ways if way.slices is not None}
 
 
 def _largest_first(
-    candidates: Sequence[Layer], room: int, forced: _Option | None, options: Mapping[int, _Option]
+    candidates: Sequence[Layer], room: int, forced: Option | None, options: Mapping[int, Option]
 ) -> list[Layer]:
     """The resident layers that keep the most bytes, over every choice of the largest piece that streams."""
     ordered = sorted(candidates, key=lambda layer: -layer.nbytes)
     best, chosen = -1, []
     floor = forced.piece if forced is not None else 0
-    for largest in sorted({options[id(layer)].piece for layer in ordered} | {floor}, reverse=True):
-        if largest < floor:
+    for biggest in sorted({options[id(layer)].piece for layer in ordered} | {floor}, reverse=True):
+        if biggest < floor:
             break
-        option = _keeping_all_above(ordered, largest, room, options, forced)
+        option = _keeping_all_above(ordered, biggest, room, options, forced)
         if option is not None and _total(option) > best:
             best, chosen = _total(option), option
     return chosen
 
 
 def _keeping_all_above(
-    ordered: Sequence[Layer], largest: int, room: int, options: Mapping[int, _Option], forced: _Option | None
+    ordered: Sequence[Layer], biggest: int, room: int, options: Mapping[int, Option], forced: Option | None
 ) -> list[Layer] | None:
-    """Every layer whose piece is bigger than ``largest`` (the biggest that may stream), then as many others as
+    """Every layer whose piece is bigger than ``biggest`` (the biggest that may stream), then as many others as
     fit with the reserve for streaming any of them; ``None`` when the bigger ones alone do not fit."""
-    must = [layer for layer in ordered if options[id(layer)].piece > largest]
-    may = [layer for layer in ordered if options[id(layer)].piece <= largest]
-    left = room - _room_for([forced, *(options[id(layer)] for layer in may)])[0] - _total(must)
+    must = [layer for layer in ordered if options[id(layer)].piece > biggest]
+    may = [layer for layer in ordered if options[id(layer)].piece <= biggest]
+    left = room - room_for([forced, *(options[id(layer)] for layer in may)])[0] - _total(must)
     if left < 0:
         return None
     return must + _greedy(may, left)
 
 
 def _longest_prefix(
-    candidates: Sequence[Layer], room: int, forced: _Option | None, options: Mapping[int, _Option]
+    candidates: Sequence[Layer], room: int, forced: Option | None, options: Mapping[int, Option]
 ) -> list[Layer]:
     """The longest run of layers from the start that fits with the reserve the rest needs."""
-    rest = [_room_for([forced])[0]] * (len(candidates) + 1)  # rest[i]: the reserve of the layers from i on
+    rest = [room_for([forced])[0]] * (len(candidates) + 1)  # rest[i]: the reserve of the layers from i on
     tail = forced  # the largest piece and readied piece of those, with the forced ones
     for i in range(len(candidates) - 1, -1, -1):
-        tail = _largest([tail, options[id(candidates[i])]])
-        rest[i] = _room_for([tail])[0]
+        tail = largest([tail, options[id(candidates[i])]])
+        rest[i] = room_for([tail])[0]
     used, length = 0, 0
     for i, layer in enumerate(candidates):
         if used + layer.nbytes + rest[i + 1] > room:

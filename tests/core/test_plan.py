@@ -8,8 +8,8 @@ import re
 import pytest
 import torch
 
-from core.devices.slices import ROW_QUANTUM
-from core.placement.plan import STREAM_COPIES, STREAM_SHARE, Layer, Policy, layers_of, plan_layers
+from core.devices.slices import ROW_QUANTUM, RowSlices, row_slices
+from core.placement.plan import MIN_UNIT, STREAM_COPIES, STREAM_SHARE, Layer, Policy, layers_of, plan_layers
 from core.weights import ops
 from tests.core.small_net import sizes
 from tools.layouts import ITEM_SIZE, layouts
@@ -165,6 +165,40 @@ def test_sd15_sized_layers_stream_whole_at_the_budgets_it_is_used_with():
         plan = plan_layers(layers, int(budget))
         assert plan.streamed_bytes > 0 and not plan.slices
         assert plan.reserve_bytes <= STREAM_SHARE * budget
+
+
+@pytest.mark.parametrize("family", ["SD1.5", "SDXL", "Flux"])
+def test_at_budget_0_no_layer_is_sliced_finer_than_the_reserve_needs(family):
+    """Everything streams; the one-multiple slice of the widest layer sets the reserve whatever the unit, so the
+    other layers are sliced no finer than that piece: the reserve of the smallest unit, in far fewer copies."""
+    name, fp32 = FAMILIES[family]
+    layers = layout_layers(layouts()[name]["tensors"], fp32=fp32)
+    plan = plan_layers(layers, 0)
+    finest = {
+        la.name: row_slices(la.rows, la.row_bytes, MIN_UNIT, ROW_QUANTUM, la.nbytes - la.rows * la.row_bytes)
+        for la in layers
+        if la.streamable and la.rows and la.nbytes > MIN_UNIT
+    }
+    pieces = [_piece(la, finest.get(la.name)) for la in layers if la.streamable]
+    assert plan.reserve_bytes == STREAM_COPIES * max(pieces)  # the reserve of 1 MiB slices
+    assert plan.unit == MIN_UNIT and plan.streamed_layers == len(layers) - len(plan.resident)
+    by_name = {la.name: la for la in layers}
+    for layer_name, slices in plan.slices.items():
+        layer = by_name[layer_name]
+        assert _piece(layer, slices) <= max(pieces)  # within the reserve
+        assert len(slices.ranges()) == math.ceil(
+            layer.rows / ((max(pieces) - _bias(layer)) // layer.row_bytes // 64 * 64)
+        )
+    count = sum(len(s.ranges()) for s in plan.slices.values())
+    assert count < 0.6 * sum(len(s.ranges()) for s in finest.values() if s is not None)
+
+
+def _bias(layer: Layer) -> int:
+    return layer.nbytes - layer.rows * layer.row_bytes
+
+
+def _piece(layer: Layer, slices: RowSlices | None) -> int:
+    return layer.nbytes if slices is None else slices.largest * layer.row_bytes + _bias(layer)
 
 
 def test_a_layer_whose_patches_need_every_row_streams_whole_or_stays_resident():
