@@ -109,18 +109,31 @@ def copied_onto() -> dict[str, int]:
 def count_copy(source: Target, target: Target, nbytes: int) -> None:
     """Book one copy of ``nbytes`` from ``source`` to ``target``: on the device it reaches, and for a copy between
     two devices on the one it leaves too (``to_peer``)."""
-    from_host, to_host = backend_of(source).is_host, backend_of(target).is_host
-    with _traffic_lock:
-        if to_host:
-            books = _traffic.setdefault(label_of(source), Traffic())
-            books.to_host += nbytes
-            books.copies += 1
-            return
-        books = _traffic.setdefault(label_of(target), Traffic())
-        books.to_device += nbytes
-        books.copies += 1
-        if not from_host:
-            _traffic.setdefault(label_of(source), Traffic()).to_peer += nbytes
+    Route(source, target).add(nbytes)
+
+
+class Route:
+    """The books the copies from one device to another are counted in, found once: a ring copies
+    thousands of groups a step along one route, and finding the books by device label was most of the work of
+    booking each."""
+
+    def __init__(self, source: Target, target: Target) -> None:
+        from_host, self.to_host = backend_of(source).is_host, backend_of(target).is_host
+        with _traffic_lock:
+            self.books = _traffic.setdefault(label_of(source if self.to_host else target), Traffic())
+            peer = not (self.to_host or from_host)
+            self.leaving = _traffic.setdefault(label_of(source), Traffic()) if peer else None
+
+    def add(self, nbytes: int) -> None:
+        """Book one copy of ``nbytes`` along this route."""
+        with _traffic_lock:
+            self.books.copies += 1
+            if self.to_host:
+                self.books.to_host += nbytes
+                return
+            self.books.to_device += nbytes
+            if self.leaving is not None:
+                self.leaving.to_peer += nbytes
 
 
 def _count(source: Target, target: Target, tensor: torch.Tensor) -> None:

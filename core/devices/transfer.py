@@ -52,12 +52,10 @@ GROUPED = "device_control_grouped"
 class GroupedLayer(Protocol):
     """What a cast layer asks of its model's ring."""
 
-    def fetch(self, target: Target) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+    def fetch(self, target: Target, index: int = 0) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
         """The layer's weight and bias on ``target`` (views of a ring slot, their copy waited for by the compute
-        stream); ``None`` when the ring cannot serve it."""
-
-    def fetch_slice(self, target: Target, index: int) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
-        """Row slice ``index`` of the layer's weight on ``target`` (with its bias for the first), as :meth:`fetch`."""
+        stream), or for a layer streamed in row slices slice ``index`` of its weight (with its bias for the first);
+        ``None`` when the ring cannot serve it."""
 
 
 def to_target(tensor: torch.Tensor, target: Target, *, copy: bool = False) -> torch.Tensor:

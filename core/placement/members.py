@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 
-from ..devices.backends import Target
 from .slabs import Part, Slab
 
 if TYPE_CHECKING:
@@ -49,20 +50,19 @@ class Member:
     views: list[list[tuple[torch.Tensor | None, torch.Tensor | None]]] = field(default_factory=list)
     #: The layer left the ring (its weight changed dtype or shape, or another loader moved it).
     left: bool = False
+    #: ``fetch(target, index=0)``: this layer's piece ``index`` (its weight and bias, or one row slice of its weight
+    #: with its bias for the first) on ``target``, their copy waited for by the compute stream; ``None`` when the
+    #: ring cannot serve it (the caller copies the layer's tensors itself). The ring's own method bound to this
+    #: layer, so that asking is one call (``core.devices.transfer.GroupedLayer``).
+    fetch: Callable[..., tuple[torch.Tensor | None, torch.Tensor | None] | None] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.fetch = partial(self.ring.fetch, self)
 
     @property
     def group(self) -> int:
         """The group of its first piece."""
         return self.pieces[0].group
-
-    def fetch(self, target: Target) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
-        """This layer's weight and bias on ``target``, their copy waited for by the compute stream; ``None`` when
-        the ring cannot serve it (the caller copies the layer's tensors itself)."""
-        return self.ring.fetch(self, target, 0)
-
-    def fetch_slice(self, target: Target, index: int) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
-        """Row slice ``index`` of this layer's weight on ``target`` (with its bias for the first), as :meth:`fetch`."""
-        return self.ring.fetch(self, target, index)
 
     def views_in(self, buffer: torch.Tensor) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
         """Each piece's weight and bias as views of ``buffer`` (a ring slot), where they lie in their group: right

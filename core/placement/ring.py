@@ -45,18 +45,13 @@ import torch
 
 from ..devices.backends import Target, backend_of, label_of, same_target, target_of
 from ..devices.memory import is_out_of_memory
-from ..devices.tensors import count_copy
+from ..devices.tensors import Route
 from ..devices.transfer import GROUPED
 from .layout import Kept, lay_out
 from .members import Group, Member, RingStats
 from .prefetch import prefetching
 from .run_order import RunOrder
-from .slabs import (
-    Slab,
-    in_slab_tensor,
-    piece_bytes,
-    tensors_of,
-)
+from .slabs import Slab, in_slab_tensor, piece_bytes, tensors_of
 from .staging import Staging
 from .uses import UseWatch
 
@@ -75,9 +70,7 @@ class Ring:
 
     def __init__(self, root: torch.nn.Module | None = None) -> None:
         self.root = root
-        #: Whether a pass's last group is followed by the next pass's first (a sampler's diffusion model); its
-        #: owner turns it off for a model run once per use (a text encoder, a VAE).
-        self.wraps = True
+        self._wraps = True
         self.stats = RingStats()
         self.target: Target | None = None
         self.group_bytes = 0
@@ -100,9 +93,25 @@ class Ring:
         self._filled: list[object | None] = []  # the event that ends each slot's last fill
         self._waited: list[bool] = []  # whether the compute stream waited for that fill already
         self._slot_of: dict[int, int] = {}
+        self._windows: dict[int, list[int]] = {}  # each group's window (:meth:`_window`), until the order changes
+        self._routes: dict[int, Route] = {}  # the traffic books of each slab's copies, by the slab's id
         self._current: int | None = None
         self._released: object | None = None  # compute-stream event when the current group began
         self._failed = False  # no slot fitted: the layers copy their own tensors until the next settle
+
+    @property
+    def wraps(self) -> bool:
+        """Whether a pass's last group is followed by the next pass's first (a sampler's diffusion model: the
+        next step's first group is copied while the last one computes); its owner turns it off for a model run
+        once per use (a text encoder, a VAE)."""
+        return self._wraps
+
+    @wraps.setter
+    def wraps(self, wraps: bool) -> None:
+        self._wraps = wraps
+        if self._next:
+            self._next[-1] = 0 if wraps else None
+            self._windows.clear()
 
     # -- set up by the engine ---------------------------------------------------------------------
 
@@ -129,7 +138,7 @@ class Ring:
         self.target, self._reserve, self._backend = target, reserve, backend_of(target)
         kept, self._kept = self._kept, {}
         self._groups, self._slabs, self._members = lay_out(self, modules, self.group_bytes, kept, target)
-        self._next = [*range(1, len(self._groups)), None]
+        self._next = [*range(1, len(self._groups)), 0 if self._wraps else None]  # a sampler's next step: group 0
 
     def detach(self, *, unlock: bool = True) -> None:
         """Stop streaming through the ring (layers move, the model is unloaded, or another loader took it): the
@@ -209,13 +218,14 @@ class Ring:
         wait for it. Once per group per pass: everything else a layer does is a lookup."""
         backend = self._backend
         compute = backend.current_stream(self.target)
-        if self._current is not None:
-            self._learn(self._current, group)
+        previous = self._current
+        if previous is not None and self._next[previous] != group:
+            self._learn(previous, group)
         # Every read of the slots so far is before this event; so is all earlier work on memory a slot was
         # allocated from (a fresh ring's first fills wait for it too).
         self._released = backend.record(compute)
         self._current = group
-        window = self._window(group)
+        window = self._windows.get(group) or self._window(group)
         for ahead, wanted in enumerate(window):
             if wanted not in self._slot_of:
                 self._fill(wanted, window, ahead=ahead > 0)
@@ -257,19 +267,22 @@ class Ring:
         self.stats.reordered += 1
 
     def _window(self, group: int) -> list[int]:
-        """``group`` and the groups expected after it, as many as the ring has slots."""
+        """``group`` and the groups expected after it, as many as the ring has slots (kept until the order
+        changes: a group's entry then takes a lookup)."""
         window = [group]
         following = self._next[group]
         while following is not None and len(window) < self.slots and following not in window:
             window.append(following)
             following = self._next[following]
+        self._windows[group] = window
         return window
 
     def _learn(self, previous: int, group: int) -> None:
         """``group`` followed ``previous``: remember it, unless it starts a new pass of a model that does not
         wrap (then nothing follows a pass's last group)."""
-        if self._next[previous] != group and (self.wraps or group > previous):
+        if self.wraps or group > previous:
             self._next[previous] = group
+            self._windows.clear()
 
     def _fill(self, group: int, window: list[int], *, ahead: bool) -> None:
         """Copy ``group``'s slab into a slot no group of ``window`` holds, on the side stream, after the compute
@@ -283,7 +296,10 @@ class Ring:
         backend = self._backend
         side = backend.side_stream(self.target)
         source = self._groups[group]
-        self._refresh(group)
+        for params, name, pointer in source.slab.places:  # a pointer compared per tensor and copy, not per use
+            if params[name].data_ptr() != pointer:
+                self._refresh(group)
+                break
         if side is None:  # a backend without streams: a plain copy, in order with the computation
             backend.copy_into(self._buffers[slot].narrow(0, 0, source.nbytes), source.block, non_blocking=False)
             event = None
@@ -291,7 +307,8 @@ class Ring:
             event = self._copy(slot, source, side)
         self._holding[slot], self._filled[slot], self._waited[slot] = group, event, event is None
         self._slot_of[group] = slot
-        count_copy(target_of(source.block), self.target, source.nbytes)  # the traffic books (profile, benchmarks)
+        books = self._routes.get(id(source.slab)) or self._route(source.slab)
+        books.add(source.nbytes)  # the traffic books (profile, benchmarks)
         self.stats.copies += 1
         self.stats.ahead += ahead
         self.stats.nbytes += source.nbytes
@@ -314,15 +331,16 @@ class Ring:
             self.stats.staged += 1
         return event
 
+    def _route(self, slab: Slab) -> Route:
+        """The traffic books of ``slab``'s copies into the ring, found once."""
+        self._routes[id(slab)] = Route(target_of(slab.block), self.target)
+        return self._routes[id(slab)]
+
     def _refresh(self, group: int) -> None:
-        """Before ``group``'s slab is copied: a weight replaced by another tensor since it was packed (not written
-        in place) is copied into the slab where it fits the same place, or leaves the ring (its layer then copies
-        its tensors itself), as does one another loader moved to a device. A pointer compared per tensor and copy,
-        not per use."""
+        """Before ``group``'s slab is copied, a tensor of it replaced since it was packed: a weight replaced by
+        another tensor (not written in place) is copied into the slab where it fits the same place, or leaves the
+        ring (its layer then copies its tensors itself), as does one another loader moved to a device."""
         source = self._groups[group].slab
-        shifts = [params[name].data_ptr() - pointer for params, name, pointer in source.places]  # one call a copy
-        if not any(shifts):
-            return
         home = target_of(source.block)
         for module in source.modules:
             member = module.__dict__.get(GROUPED)

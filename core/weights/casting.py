@@ -164,11 +164,10 @@ def forward_in_slices(layer: torch.nn.Module, input: torch.Tensor, compute: Comp
     grouped = layer.__dict__.get(GROUPED)
     out, bias = None, None
     for index, (start, stop) in enumerate(slices.ranges()):
-        views = grouped.fetch_slice(target, index) if grouped is not None else None
+        views = grouped.fetch(target, index) if grouped is not None else None
         if not index:
             bias = _slice_bias(layer, views, target, dtype)
-        on_rows = [_on_rows(function, start, stop) for function in functions]
-        part_weight = _slice_weight(weight, views, target, dtype, on_rows, layout, (start, stop))
+        part_weight = _slice_weight(weight, views, target, dtype, functions, layout, (start, stop))
         part = compute(input, part_weight, None if bias is None else bias[start:stop])
         del part_weight  # released before the next slice is used
         out = _output_for(part, dim, shape[0]) if out is None else out
@@ -185,11 +184,12 @@ def _slice_weight(
     layout: QuantizedLayout | None,
     rows: tuple[int, int],
 ) -> torch.Tensor:
-    """Rows ``rows`` of ``weight`` ready to compute: the ring's view of them made ready, or (where the ring cannot
-    serve the layer) copied here."""
+    """Rows ``rows`` of ``weight`` ready to compute, ``functions`` (the weight's) applied to those rows: the ring's
+    view of them made ready, or (where the ring cannot serve the layer) copied here."""
+    on_rows = [_on_rows(function, *rows) for function in functions] if functions else ()
     if views is None:
-        return cast_one(weight, target, dtype, functions, always=False, rows=rows, layout=layout)
-    return _finish(views[0], dtype, functions, always=False, layout=layout, rows=rows)
+        return cast_one(weight, target, dtype, on_rows, always=False, rows=rows, layout=layout)
+    return _finish(views[0], dtype, on_rows, always=False, layout=layout, rows=rows)
 
 
 def _output_for(part: torch.Tensor, dim: int, rows: int) -> torch.Tensor:
