@@ -95,6 +95,7 @@ class Calls:
         self.by_function: Counter[str] = Counter()
         self._mine: dict[str, bool] = {}
         self._depth = 0
+        self._inside_excluded = 0
         self._root = ""
 
     def _is_mine(self, filename: str) -> bool:
@@ -108,7 +109,10 @@ class Calls:
         if event not in ("call", "return"):
             return
         code = frame.f_code
-        if not self._is_mine(code.co_filename):
+        if code.co_filename.startswith(self.excluded):  # and what it calls (e.g. a simulated tensor's shape)
+            self._inside_excluded += 1 if event == "call" else -1
+            return
+        if self._inside_excluded > 0 or not self._is_mine(code.co_filename):
             return
         if event == "return":
             self._depth = max(0, self._depth - 1)
@@ -182,11 +186,17 @@ class Unet:
         """The layers that speak the cast protocol (each runs once a forward)."""
         return [m for m in self.unet.modules() if hasattr(m, "comfy_cast_weights")]
 
-    def forward(self) -> None:
+    def inputs(self, place: Callable[[Any], Any] = lambda tensor: tensor) -> dict[str, Any]:
+        """One forward's inputs, each put where ``place`` puts it (the device the model computes on, as a sampler
+        puts them: a streamed layer's device is its input's)."""
         torch = self.torch
-        x = torch.zeros(1, 4, 8, 8, dtype=self.dtype)
-        with torch.inference_mode():
-            self.unet(x, timesteps=torch.tensor([500.0]), context=self.context, y=self.y)
+        made = {"x": torch.zeros(1, 4, 8, 8, dtype=self.dtype), "timesteps": torch.tensor([500.0])}
+        made.update(context=self.context, y=self.y)
+        return {name: None if tensor is None else place(tensor) for name, tensor in made.items()}
+
+    def forward(self, inputs: dict[str, Any] | None = None) -> None:
+        with self.torch.inference_mode():
+            self.unet(**(inputs or self.inputs()))
 
     def sample(self, patcher: Any, steps: int) -> None:
         """One sampling call as KSampler makes it: euler, cfg 1 (one UNet forward a step), an 8x8 latent."""
@@ -211,14 +221,27 @@ class Unet:
         )
 
 
-def _forward_figures(unet: Unet, counter: Callable[[], Calls], runs: int, *, learns: bool) -> dict[str, Any]:
-    """Calls in one forward (the second when the first ``learns`` an order) and its median time over ``runs``."""
+def _forward_figures(
+    unet: Unet, counter: Callable[[], Calls], runs: int, inputs: dict[str, Any], *, learns: bool
+) -> dict[str, Any]:
+    """Calls in one forward and its median time over ``runs``. Where the placement ``learns`` the order the model
+    runs in (its first pass, ended as the second begins), the forward counted is the third, and what the first two
+    did beyond it is kept as ``learn_calls`` (once in a model's life: the order is kept for later plans)."""
+
+    def forward() -> None:
+        unet.forward(inputs)
+
+    learned = 0
     if learns:
-        unet.forward()
+        with counter().counting() as first_two:
+            forward()
+            forward()
+        learned = first_two.total
     with counter().counting() as calls:
-        unet.forward()
-    seconds = [_timed(unet.forward) for _ in range(runs)]
-    return {"calls": calls.total, "ops_calls": calls.by_function, "forward_s": _median(seconds)}
+        forward()
+    seconds = [_timed(forward) for _ in range(runs)]
+    figures = {"calls": calls.total, "ops_calls": calls.by_function, "forward_s": _median(seconds)}
+    return {**figures, "learn_calls": learned - 2 * calls.total} if learns else figures
 
 
 def _sampling_figures(unet: Unet, patcher: Any, runs: int) -> dict[str, Any]:
@@ -264,11 +287,13 @@ def ours(unet: Unet, runs: int, inventory: Any, pack: str) -> dict[float, dict[s
     """Per share of the model's bytes: placed by Move To GPU's path on the simulated GPU, then measured."""
     moves = __import__(f"{pack}.nodes.bridge.moves", fromlist=["x"])
     engines = __import__(f"{pack}.core.placement.engine", fromlist=["x"])
+    transfer = __import__(f"{pack}.core.devices.transfer", fromlist=["x"])
     results = {}
     for share in (1.0, *SHARES):
         patcher = moves.move(unet.patcher, "gpu:0", _budget_text(unet, share), False, inventory).value
         engine = engines.partial_model_of(patcher.model)
-        figures = _forward_figures(unet, pack_calls, runs, learns=True)
+        inputs = unet.inputs(lambda tensor, target=engine.target: transfer.to_target(tensor, target))
+        figures = _forward_figures(unet, pack_calls, runs, inputs, learns=True)
         figures.update(_sampling_figures(unet, patcher, runs))
         figures["layers"] = sum(layer.streamable for layer in engine.layers())
         figures["streamed"] = len(engine.streamed_layers())
@@ -284,7 +309,7 @@ def comfy_side(unet: Unet, runs: int, comfy_root: Path) -> dict[float, dict[str,
     for share in (1.0, *SHARES):
         unet.patcher.unpatch_model(cpu, unpatch_weights=True)
         unet.patcher.load(cpu, lowvram_model_memory=int(unet.total * share), full_load=share >= 1)
-        figures = _forward_figures(unet, lambda: comfy_calls(comfy_root), runs, learns=False)
+        figures = _forward_figures(unet, lambda: comfy_calls(comfy_root), runs, unet.inputs(), learns=False)
         layers = unet.layers()
         figures["layers"] = len(layers)
         figures["streamed"] = sum(hasattr(m, "prev_comfy_cast_weights") for m in layers)

@@ -3,6 +3,7 @@ the table with what misses its target. ``python -m tools.bench_host --quick`` ru
 
 from __future__ import annotations
 
+import heapq
 import json
 from pathlib import Path
 
@@ -24,6 +25,16 @@ def test_calls_are_counted_in_the_files_asked_for_and_booked_to_the_outermost():
         len("not counted: a builtin")
     assert calls.total == 3 and calls.by_root == {"_outer": 3}
     assert calls.by_function[f"{Path(__file__).name}:_inner"] == 2
+
+
+def test_what_an_excluded_file_calls_is_not_counted():
+    """The simulated backend's modules are excluded, and so is what they call (a simulated tensor's shape asks a
+    function of ours that no real GPU's tensor would)."""
+    calls = Calls((str(Path(__file__)),), excluded=(heapq.__file__,))
+    with calls.counting():
+        heapq.nsmallest(1, [2, 1, 3], key=lambda value: _inner() + value)  # heapq.py calls back into this file
+        _inner()
+    assert calls.total == 1 and calls.by_function == {f"{Path(__file__).name}:_inner": 1}
 
 
 def _side(calls: dict[float, int], seconds: dict[float, float], streamed: dict[float, int], **extra) -> dict:
