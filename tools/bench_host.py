@@ -18,9 +18,12 @@ plan, settle). Per model and budget (0, 25 % and 50 % of the UNet's bytes) this 
   counted in files under ``comfy/`` the same way.
 
 Weights are float32 (SDXL's bfloat16) and the input too, so no layer casts a dtype on either side: what a streamed
-layer costs beyond a resident one is host work. Our times also hold the simulated device's own Python (each operation
-on its tensors, and its copies into the ring, host memcpys here and a copy engine's work on a GPU): the calls are the
-figure to compare here, the times a GPU run confirms. A layer call is a forward of a layer with the cast protocol
+layer costs beyond a resident one is host work. Our times are taken without the time spent in the simulated backend's
+methods (its copies into the ring, host memcpys here and a copy engine's work on a GPU; its streams and events:
+:class:`BackendTime`), but they keep the simulated device's own Python for each operation on its tensors, which
+cancels against the resident forward except for the operations streaming adds (a sliced layer's slices); ComfyUI's
+side computes on the host, where its casts copy nothing. The calls are the figure to compare here, the times a GPU
+run confirms. A layer call is a forward of a layer with the cast protocol
 (each runs once a forward); per streamed layer call, a side's calls are its calls in a forward less what its
 resident layers take (its calls per layer with everything resident), over the streamed layer calls; host time is
 the forward's time less the same side's forward with everything resident, over the streamed layer calls.
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import json
 import os
 import statistics
@@ -221,15 +225,64 @@ class Unet:
         )
 
 
+class BackendTime:
+    """Host time spent in the simulated backend's methods (its copies, streams, events and allocations): on a GPU
+    that is a copy engine's and the driver's work, so our side's forward times are taken with it out. Its tensors'
+    operations are not taken out (the computation, and the simulated device's bookkeeping of each): those cancel
+    against the forward with every layer resident, except for the operations a streamed layer adds (a sliced layer's
+    slices), which stay in our time as a GPU's kernel launches would."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._inside = False
+
+    def _timed(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self._inside:  # a method calling another: timed once, by the outer
+                return method(*args, **kwargs)
+            self._inside, started = True, time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - started
+                self._inside = False
+
+        return timed
+
+    @contextmanager
+    def watching(self, backend: type) -> Iterator[BackendTime]:
+        """Time the methods of ``backend`` (the simulated backend's class) while in this context."""
+        methods = {name: m for name, m in vars(backend).items() if inspect.isfunction(m) and not name.startswith("__")}
+        for name, method in methods.items():
+            setattr(backend, name, self._timed(method))
+        try:
+            yield self
+        finally:
+            for name, method in methods.items():
+                setattr(backend, name, method)
+
+
 def _forward_figures(
-    unet: Unet, counter: Callable[[], Calls], runs: int, inputs: dict[str, Any], *, learns: bool
+    unet: Unet,
+    counter: Callable[[], Calls],
+    runs: int,
+    inputs: dict[str, Any],
+    *,
+    learns: bool,
+    backend: BackendTime | None = None,
 ) -> dict[str, Any]:
-    """Calls in one forward and its median time over ``runs``. Where the placement ``learns`` the order the model
-    runs in (its first pass, ended as the second begins), the forward counted is the third, and what the first two
-    did beyond it is kept as ``learn_calls`` (once in a model's life: the order is kept for later plans)."""
+    """Calls in one forward and its median time over ``runs`` (less the time in the simulated ``backend``, where
+    given). Where the placement ``learns`` the order the model runs in (its first pass, ended as the second begins),
+    the forward counted is the third, and what the first two did beyond it is kept as ``learn_calls`` (once in a
+    model's life: the order is kept for later plans)."""
 
     def forward() -> None:
         unet.forward(inputs)
+
+    def host_seconds() -> float:
+        before = backend.seconds if backend is not None else 0.0
+        seconds = _timed(forward)
+        return seconds - (backend.seconds - before if backend is not None else 0.0)
 
     learned = 0
     if learns:
@@ -239,7 +292,7 @@ def _forward_figures(
         learned = first_two.total
     with counter().counting() as calls:
         forward()
-    seconds = [_timed(forward) for _ in range(runs)]
+    seconds = [host_seconds() for _ in range(runs)]
     figures = {"calls": calls.total, "ops_calls": calls.by_function, "forward_s": _median(seconds)}
     return {**figures, "learn_calls": learned - 2 * calls.total} if learns else figures
 
@@ -288,12 +341,14 @@ def ours(unet: Unet, runs: int, inventory: Any, pack: str) -> dict[float, dict[s
     moves = __import__(f"{pack}.nodes.bridge.moves", fromlist=["x"])
     engines = __import__(f"{pack}.core.placement.engine", fromlist=["x"])
     transfer = __import__(f"{pack}.core.devices.transfer", fromlist=["x"])
+    simulated = __import__(f"{pack}.core.devices.backends.simulated", fromlist=["x"])
     results = {}
     for share in (1.0, *SHARES):
         patcher = moves.move(unet.patcher, "gpu:0", _budget_text(unet, share), False, inventory).value
         engine = engines.partial_model_of(patcher.model)
         inputs = unet.inputs(lambda tensor, target=engine.target: transfer.to_target(tensor, target))
-        figures = _forward_figures(unet, pack_calls, runs, inputs, learns=True)
+        with BackendTime().watching(simulated.SimulatedBackend) as backend:
+            figures = _forward_figures(unet, pack_calls, runs, inputs, learns=True, backend=backend)
         figures.update(_sampling_figures(unet, patcher, runs))
         figures["layers"] = sum(layer.streamable for layer in engine.layers())
         figures["streamed"] = len(engine.streamed_layers())

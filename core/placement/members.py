@@ -64,16 +64,24 @@ class Member:
         """The group of its first piece."""
         return self.pieces[0].group
 
-    def views_in(self, buffer: torch.Tensor) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
-        """Each piece's weight and bias as views of ``buffer`` (a ring slot), where they lie in their group: right
-        whenever the slot holds that group."""
-        return [
-            (
-                piece.weight.view(buffer) if piece.weight is not None else None,
-                piece.bias.view(buffer) if piece.bias is not None else None,
-            )
-            for piece in self.pieces
-        ]
+
+def slot_views(members: list[tuple[torch.nn.Module, Member]], buffers: list[torch.Tensor]) -> None:
+    """Every member's pieces (weight and bias) as views of each ring slot in ``buffers``, where they lie in their
+    group: right whenever the slot holds that group. Made each time the ring is allocated (each sampling call), for
+    every streamed layer, so in one plain loop (``Part.view``'s work, done inline)."""
+    for _module, member in members:
+        views = []
+        for buffer in buffers:
+            pieces = []
+            for piece in member.pieces:
+                weight, bias = piece.weight, piece.bias
+                if weight is not None:
+                    weight = buffer.narrow(0, weight.offset, weight.nbytes).view(weight.dtype).view(weight.shape)
+                if bias is not None:
+                    bias = buffer.narrow(0, bias.offset, bias.nbytes).view(bias.dtype).view(bias.shape)
+                pieces.append((weight, bias))
+            views.append(pieces)
+        member.views = views
 
 
 @dataclass

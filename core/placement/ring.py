@@ -48,7 +48,7 @@ from ..devices.memory import is_out_of_memory
 from ..devices.tensors import Route
 from ..devices.transfer import GROUPED
 from .layout import Kept, lay_out
-from .members import Group, Member, RingStats
+from .members import Group, Member, RingStats, slot_views
 from .prefetch import prefetching
 from .run_order import RunOrder
 from .slabs import Slab, in_slab_tensor, piece_bytes, tensors_of
@@ -84,6 +84,8 @@ class Ring:
         self._order = RunOrder()
         self._staging = Staging()
         self._uses = UseWatch(self._end_of_use)
+        self._windows: dict[int, list[int]] = {}  # each group's window (:meth:`_window`), until the order changes
+        self._routes: dict[int, Route] = {}  # the traffic books of each slab's copies, by the slab's id
         self._reset_ring()
 
     def _reset_ring(self) -> None:
@@ -93,8 +95,6 @@ class Ring:
         self._filled: list[object | None] = []  # the event that ends each slot's last fill
         self._waited: list[bool] = []  # whether the compute stream waited for that fill already
         self._slot_of: dict[int, int] = {}
-        self._windows: dict[int, list[int]] = {}  # each group's window (:meth:`_window`), until the order changes
-        self._routes: dict[int, Route] = {}  # the traffic books of each slab's copies, by the slab's id
         self._current: int | None = None
         self._released: object | None = None  # compute-stream event when the current group began
         self._failed = False  # no slot fitted: the layers copy their own tensors until the next settle
@@ -139,6 +139,8 @@ class Ring:
         kept, self._kept = self._kept, {}
         self._groups, self._slabs, self._members = lay_out(self, modules, self.group_bytes, kept, target)
         self._next = [*range(1, len(self._groups)), 0 if self._wraps else None]  # a sampler's next step: group 0
+        self._group_max = max(group.nbytes for group in self._groups)
+        self._windows, self._routes = {}, {}  # kept across sampling calls, for this plan's groups and slabs
 
     def detach(self, *, unlock: bool = True) -> None:
         """Stop streaming through the ring (layers move, the model is unloaded, or another loader took it): the
@@ -361,18 +363,19 @@ class Ring:
         """The ring's slots on the device, and every member's views of its tensors in each. Where the device has
         no room for every slot (another program took memory since the plan was made), fewer slots; ``False``
         when not even one fits (the layers then copy their tensors one by one, as without a ring)."""
-        size = self._slot_bytes = max(group.nbytes for group in self._groups)
+        size = self._slot_bytes = self._group_max
         self._buffers = self._slots(size)
         if not self._buffers:
             return False
-        if not all(slab.pinned for slab in self._slabs):
+        if [slab for slab in self._slabs if not slab.pinned]:
             self._staging.prepare(self.target, len(self._buffers), size)
+        if self.slots != len(self._buffers):  # fewer slots than the windows were made for
+            self._windows.clear()
         self.slots = len(self._buffers)
         self._holding = [None] * self.slots
         self._filled = [None] * self.slots
         self._waited = [True] * self.slots
-        for _module, member in self._members:
-            member.views = [member.views_in(buffer) for buffer in self._buffers]
+        slot_views(self._members, self._buffers)
         return True
 
     def _slots(self, size: int) -> list[torch.Tensor]:

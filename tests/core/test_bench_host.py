@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import heapq
 import json
+import time
 from pathlib import Path
 
-from tools.bench_host import SHARES, Calls, from_json, per_layer, table
+from tools.bench_host import SHARES, BackendTime, Calls, from_json, per_layer, table
 
 
 def _inner() -> int:
@@ -35,6 +36,26 @@ def test_what_an_excluded_file_calls_is_not_counted():
         heapq.nsmallest(1, [2, 1, 3], key=lambda value: _inner() + value)  # heapq.py calls back into this file
         _inner()
     assert calls.total == 1 and calls.by_function == {f"{Path(__file__).name}:_inner": 1}
+
+
+class _Backend:
+    def copy(self) -> int:
+        time.sleep(0.02)
+        return self.wait() + 1
+
+    def wait(self) -> int:
+        time.sleep(0.01)
+        return 1
+
+
+def test_the_simulated_backends_time_is_measured_once_per_outer_call_and_its_methods_restored():
+    plain = _Backend.copy
+    with BackendTime().watching(_Backend) as backend:
+        assert _Backend().copy() == 2  # copy calls wait: timed once, by copy
+        first = backend.seconds
+        _Backend().wait()
+    assert 0.03 <= first < 0.2 and 0.01 <= backend.seconds - first < 0.1
+    assert _Backend.copy is plain
 
 
 def _side(calls: dict[float, int], seconds: dict[float, float], streamed: dict[float, int], **extra) -> dict:
