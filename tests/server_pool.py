@@ -98,6 +98,13 @@ class ServerPool:
             return
         self._idle[key] = server
 
+    def stop_idle(self) -> None:
+        """Stop every idle server: a module about to run a server of its own (one that loads many models) wants
+        their RAM more than the next module wants a warm start."""
+        for server in self._idle.values():
+            server.stop()
+        self._idle.clear()
+
     def close(self) -> None:
         """Stop every server of the pool."""
         for server in [*self._busy, *self._idle.values()]:

@@ -23,8 +23,10 @@ TXT2IMG = REPO / "workflows" / "03_txt2img_vram_report.json"
 
 
 @pytest.fixture(scope="module")
-def fresh_server(synthetic_models, comfy_factory, tmp_path_factory):
-    """A server of its own, so that its memory before the first prompt is a true baseline."""
+def fresh_server(synthetic_models, comfy_factory, server_pool, tmp_path_factory):
+    """A server of its own, so that its memory before the first prompt is a true baseline; the pool's idle
+    servers are stopped first (every example loads its models in this one, up to a few GB each)."""
+    server_pool.stop_idle()
     server = comfy_factory(tmp_path_factory.mktemp("workflows-base"))
     yield server
     server.stop()
@@ -60,6 +62,7 @@ def test_report_numbers_are_real(fresh_server, api):
 
 @pytest.mark.parametrize("workflow", WORKFLOWS, ids=[w.stem for w in WORKFLOWS])
 def test_example_workflow_runs_end_to_end(fresh_server, api, workflow):
+    fresh_server.free()  # each example from no model loaded, as a user opening it (and the last one's RAM given back)
     prompt = api.load_prompt(fresh_server, workflow)
     entry = fresh_server.run(prompt)
     saved = 0
