@@ -34,27 +34,23 @@ from __future__ import annotations
 
 import argparse
 import gc
-import inspect
 import json
 import os
 import statistics
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tools.runtime import REPO
+from tools.host_counters import BackendTime, Calls, comfy_calls, pack_calls
+from tools.host_report import SHARES, table, write_page
 
-SHARES = (0.0, 0.25, 0.5)
 SIMULATED_GPU = "16GiB"
-#: The targets of issue 50: calls per streamed layer call (at budget 0, and at 25 % / 50 %), once per sampling call.
-TARGET_STREAMED_AT_0, TARGET_STREAMED, TARGET_ONCE = 40, 20, 5000
 
 #: The published SDXL 1.0 base UNet hyperparameters (as ComfyUI's detection reports them).
 SDXL_UNET_CONFIG = {
@@ -86,66 +82,6 @@ def unet_configs() -> dict[str, dict[str, Any]]:
 
     quick = dict(SD15_UNET_CONFIG, model_channels=32, context_dim=32, num_heads=2)
     return {"sd15": dict(SD15_UNET_CONFIG), "sdxl": dict(SDXL_UNET_CONFIG), "quick": quick}
-
-
-class Calls:
-    """Python calls into files under ``roots`` (not under ``excluded``), counted by ``sys.setprofile``, each
-    also booked to the outermost such function it ran under (``load``, ``cleanup``, a layer's ``forward``)."""
-
-    def __init__(self, roots: tuple[str, ...], excluded: tuple[str, ...] = ()) -> None:
-        self.roots, self.excluded = roots, excluded
-        self.total = 0
-        self.by_root: Counter[str] = Counter()
-        self.by_function: Counter[str] = Counter()
-        self._mine: dict[str, bool] = {}
-        self._depth = 0
-        self._inside_excluded = 0
-        self._root = ""
-
-    def _is_mine(self, filename: str) -> bool:
-        mine = self._mine.get(filename)
-        if mine is None:
-            mine = filename.startswith(self.roots) and not filename.startswith(self.excluded)
-            self._mine[filename] = mine
-        return mine
-
-    def _profile(self, frame: Any, event: str, _arg: Any) -> None:
-        if event not in ("call", "return"):
-            return
-        code = frame.f_code
-        if code.co_filename.startswith(self.excluded):  # and what it calls (e.g. a simulated tensor's shape)
-            self._inside_excluded += 1 if event == "call" else -1
-            return
-        if self._inside_excluded > 0 or not self._is_mine(code.co_filename):
-            return
-        if event == "return":
-            self._depth = max(0, self._depth - 1)
-            return
-        if self._depth == 0:
-            self._root = code.co_name
-        self._depth += 1
-        self.total += 1
-        self.by_root[self._root] += 1
-        self.by_function[f"{Path(code.co_filename).name}:{code.co_name}"] += 1
-
-    @contextmanager
-    def counting(self) -> Iterator[Calls]:
-        sys.setprofile(self._profile)
-        try:
-            yield self
-        finally:
-            sys.setprofile(None)
-
-
-def pack_calls() -> Calls:
-    """A counter of the pack's own calls (``core/``, ``nodes/``), the simulated backend's modules excluded."""
-    devices = str(REPO / "core" / "devices")
-    excluded = (f"{devices}/sim", f"{devices}/backends/simulated.py")
-    return Calls((str(REPO / "core") + "/", str(REPO / "nodes") + "/"), excluded)
-
-
-def comfy_calls(comfy_root: Path) -> Calls:
-    return Calls((str(comfy_root / "comfy") + "/",))
 
 
 def _timed(run: Callable[[], object]) -> float:
@@ -223,43 +159,6 @@ class Unet:
             disable_pbar=True,
             seed=0,
         )
-
-
-class BackendTime:
-    """Host time spent in the simulated backend's methods (its copies, streams, events and allocations): on a GPU
-    that is a copy engine's and the driver's work, so our side's forward times are taken with it out. Its tensors'
-    operations are not taken out (the computation, and the simulated device's bookkeeping of each): those cancel
-    against the forward with every layer resident, except for the operations a streamed layer adds (a sliced layer's
-    slices), which stay in our time as a GPU's kernel launches would."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self._inside = False
-
-    def _timed(self, method: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            if self._inside:  # a method calling another: timed once, by the outer
-                return method(*args, **kwargs)
-            self._inside, started = True, time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - started
-                self._inside = False
-
-        return timed
-
-    @contextmanager
-    def watching(self, backend: type) -> Iterator[BackendTime]:
-        """Time the methods of ``backend`` (the simulated backend's class) while in this context."""
-        methods = {name: m for name, m in vars(backend).items() if inspect.isfunction(m) and not name.startswith("__")}
-        for name, method in methods.items():
-            setattr(backend, name, self._timed(method))
-        try:
-            yield self
-        finally:
-            for name, method in methods.items():
-                setattr(backend, name, method)
 
 
 def _forward_figures(
@@ -407,96 +306,6 @@ def measure(name: str, runs: int, inventory: Any, pack: str, comfy_root: Path) -
     return {"ours": mine, "comfy": theirs, "per_layer": per_layer(mine, theirs)}
 
 
-def from_json(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The results as :func:`table` takes them, from the JSON line this tool prints (whose keys are strings)."""
-    return {
-        name: {side: {float(share): figures for share, figures in rows.items()} for side, rows in result.items()}
-        for name, result in raw.items()
-    }
-
-
-def _share_text(share: float) -> str:
-    return "all (resident)" if share >= 1 else f"{share:.0%}"
-
-
-def table(results: dict[str, dict[str, Any]]) -> tuple[str, list[str]]:
-    """The Markdown table, and what misses its target."""
-    rows = [
-        "| model | budget | layers streamed, ours / ComfyUI | calls per streamed layer call, ours / ComfyUI "
-        "(target) | host us per streamed layer call, ours / ComfyUI | once per sampling call, ours: calls "
-        "(target), ms |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    misses = []
-    for name, result in results.items():
-        for share in (*SHARES, 1.0):
-            mine, theirs, layer = result["ours"][share], result["comfy"][share], result["per_layer"][share]
-            once_target = TARGET_ONCE if name == "sd15" and mine["streamed"] else None
-            streamed = f"{mine['streamed']} / {theirs['streamed']} of {mine['layers']}"
-            if share >= 1:
-                target, us = (
-                    "<= ComfyUI's",
-                    (f"whole forward {mine['forward_s'] * 1e3:.1f} / {theirs['forward_s'] * 1e3:.1f} ms"),
-                )
-                calls_target = layer["comfy_calls"]
-                streamed += " (calls per resident layer call)"
-            else:
-                calls_target = TARGET_STREAMED_AT_0 if share == 0 else TARGET_STREAMED
-                target, us = f"<= {calls_target}", f"{layer['ours_us']:.1f} / {layer['comfy_us']:.1f}"
-                if layer["ours_us"] > layer["comfy_us"]:
-                    misses.append(f"{name} at {_share_text(share)}: host time per streamed layer call above ComfyUI's")
-            if layer["ours_calls"] > calls_target + 1e-9:
-                misses.append(f"{name} at {_share_text(share)}: {layer['ours_calls']:.1f} calls a layer call")
-            if once_target is not None and mine["once_calls"] > once_target:
-                misses.append(f"{name} at {_share_text(share)}: {mine['once_calls']:.0f} calls once a sampling call")
-            once = f"{mine['once_calls']:.0f}" + (f" (<= {once_target})" if once_target else "")
-            rows.append(
-                f"| {name} | {_share_text(share)} | {streamed} | {layer['ours_calls']:.1f} / "
-                f"{layer['comfy_calls']:.1f} ({target}) | {us} | {once}, {mine['once_s'] * 1e3:.0f} ms |"
-            )
-    return "\n".join(rows), misses
-
-
-def machine() -> str:
-    """The machine and software, in one line."""
-    import platform
-
-    import torch
-    from comfyui_version import __version__ as comfy_version
-
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3
-    lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
-    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
-    cpu = names[0] if names else platform.processor() or "unknown"
-    return (
-        f"{platform.machine()}, {os.cpu_count()} CPUs ({cpu}), {memory:.1f} GiB RAM, "
-        f"Python {platform.python_version()}, torch {torch.__version__}, ComfyUI {comfy_version}, "
-        f"load average {os.getloadavg()[0]:.2f}"
-    )
-
-
-def _write(out: Path, raw: str, text: str, misses: list[str], argv: list[str]) -> None:
-    """``host_raw.txt`` (what was printed) and ``host.md`` (the machine, the command, the table, the misses)."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "host_raw.txt").write_text(raw)
-    missed = "\n".join(f"- {miss}" for miss in misses) or "- nothing: every figure is within its target."
-    command = " ".join([".runtime/venv/bin/python -m tools.bench_host", *argv])
-    doc = (
-        "# Host cost of streaming, ours beside ComfyUI's low-VRAM path\n\n"
-        f"Machine: {machine()}.\n\nCommand: `{command}` ([tools/bench_host.py](../../tools/bench_host.py), whose "
-        "docstring says what each figure is); raw output in [host_raw.txt](host_raw.txt).\n\n"
-        f"{text}\n\nTargets (issue 50): per streamed layer call at most {TARGET_STREAMED_AT_0} calls at budget 0 and "
-        f"{TARGET_STREAMED} at 25 % and 50 %, never more host time than ComfyUI's; once per sampling call at most "
-        f"{TARGET_ONCE} calls for SD1.5 when it streams; a resident layer no more calls than ComfyUI's.\n\n"
-        "The calls are exact (a second run gives the same). A host time is the difference of two medians of whole "
-        "forwards of about a second: on a shared machine a difference smaller than their spread comes out at random, "
-        "negative ones included, and ours hold the simulated device's own Python; compare the calls here, and the "
-        "times on a GPU (`tools/bench_gpu.py`).\n\n"
-        f"Missing its target:\n\n{missed}\n"
-    )
-    (out / "host.md").write_text(doc)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="python -m tools.bench_host", description=__doc__.split("\n\n")[0])
@@ -522,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     raw = f"{text}\n\n" + "\n".join(f"missed: {miss}" for miss in misses) + f"\n\n{json.dumps(results)}\n"
     sys.stdout.write(raw)
     if args.out is not None:
-        _write(args.out, raw, text, misses, argv)
+        write_page(args.out, raw, text, misses, argv)
     return 0
 
 

@@ -273,7 +273,7 @@ def slices(runs: int, _paths: dict[str, Path], worker: Worker, aggregate: Callab
 def host(runs: int, _paths: dict[str, Path], worker: Worker, _aggregate: Callable) -> tuple[list, str]:
     """Host cost of streaming on SD1.5 and SDXL, ours beside ComfyUI's low-VRAM path (``tools/bench_host.py``,
     which takes the medians of its own runs)."""
-    from tools.bench_host import from_json, table
+    from tools.host_report import from_json, table
 
     raw = worker("--runs", str(runs), module="tools.bench_host")
     text, misses = table(from_json(raw))

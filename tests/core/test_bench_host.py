@@ -8,7 +8,9 @@ import json
 import time
 from pathlib import Path
 
-from tools.bench_host import SHARES, BackendTime, Calls, from_json, per_layer, table
+from tools.bench_host import per_layer
+from tools.host_counters import BackendTime, Calls
+from tools.host_report import SHARES, from_json, table
 
 
 def _inner() -> int:

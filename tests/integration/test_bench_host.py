@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from tests.passes import ONCE
 from tools.bench import worker
-from tools.bench_host import from_json, table
+from tools.host_report import from_json, table
 
 
 @ONCE
