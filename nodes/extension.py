@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .bridge import count_comfyuis_registrations
 from .load_checkpoint import LoadCheckpointWithDevice
 from .load_diffusion_model import LoadDiffusionModelWithDevice
 from .load_text_encoders import LoadTextEncodersWithDevice
@@ -16,7 +17,8 @@ from .vram_report import VRAMReport
 
 
 class DeviceControlExtension(ComfyExtension):
-    """Device Control's nodes, the routes of its live panel, and the profile's listener and route.
+    """Device Control's nodes, the routes of its live panel, the profile's listener and route, and ComfyUI's
+    pinned-memory books counted in ours.
 
     The routes are added when ComfyUI asks for the node list: ComfyUI 0.3.75 defines ``on_load`` but never
     calls it, and the list is asked for after the server exists and before it adds its routes.
@@ -25,10 +27,12 @@ class DeviceControlExtension(ComfyExtension):
     async def on_load(self) -> None:
         register_routes()
         install_profiling()
+        count_comfyuis_registrations()
 
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
         register_routes()
         install_profiling()
+        count_comfyuis_registrations()
         return [
             LoadCheckpointWithDevice,
             LoadDiffusionModelWithDevice,

@@ -30,7 +30,7 @@ from typing import Any
 
 from aiohttp import web
 
-from ..core.devices.transfer import pinned_memory
+from ..core.devices.pinned import pinned_memory
 from ..core.monitor.push import Pusher, check_interval
 from . import surface
 from .bridge import books
@@ -77,6 +77,7 @@ def snapshot() -> dict[str, Any]:
         "pinned": {
             "comfyui": report.mode.pinned_bytes if report.mode is not None else None,
             "device_control": pinned_memory().pinned_bytes,
+            "cap": pinned_memory().max_bytes,
         },
         "executing": executing,
         "queue": {"running": len(running), "pending": len(pending)},

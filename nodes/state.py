@@ -1,7 +1,8 @@
 """The pack's process-wide state inside ComfyUI: the device inventory (simulated devices included) and the
 settings read from the environment at start.
 
-Simulated devices exist only when ``DEVICE_CONTROL_SIMULATE_GPU`` is set (see ``core.devices``); pinned host
+Simulated devices exist only when ``DEVICE_CONTROL_SIMULATE_GPU`` is set (see ``core.devices``), a simulated
+platform only when ``DEVICE_CONTROL_SIMULATE_PLATFORM`` is (``core.devices.sim.platforms``); pinned host
 memory is capped by ``DEVICE_CONTROL_MAX_PINNED_FRACTION``; ``DEVICE_CONTROL_PREFETCH=off`` turns prefetch of
 streamed layers off. A value that cannot be parsed is logged with the
 fix and ignored: a typo in an environment variable must never keep ComfyUI or the pack from starting.
@@ -12,9 +13,11 @@ from __future__ import annotations
 import logging
 
 from ..core.devices.backends import simulated_backends
+from ..core.devices.host_memory import use_platform
 from ..core.devices.inventory import DeviceInventory
+from ..core.devices.pinned import DEFAULT_PINNED_FRACTION, pinned_fraction_from_env, use_pinned_fraction
+from ..core.devices.sim.platforms import PLATFORM_ENV, platform_from_env
 from ..core.devices.simulated import SIMULATE_ENV, SimulatedDevice, simulated_devices_from_env
-from ..core.devices.transfer import DEFAULT_PINNED_FRACTION, pinned_fraction_from_env, use_pinned_fraction
 from ..core.errors import InvalidSizeError
 from ..core.placement.prefetch import PREFETCH_ENV, prefetch_from_env, use_prefetch
 from ..core.units import format_bytes
@@ -55,6 +58,21 @@ def _pinning_from_env() -> None:
         use_pinned_fraction(DEFAULT_PINNED_FRACTION)
 
 
+def _platform_from_env() -> None:
+    try:
+        chosen = platform_from_env()
+    except ValueError as exc:
+        log.error("[Device Control] %s: %s; this machine's own platform is used.", PLATFORM_ENV, exc)
+        return
+    if chosen is not None:
+        use_platform(chosen)
+        log.info(
+            "[Device Control] simulated platform %s (from %s): its pages, mmap and driver limits",
+            chosen.name,
+            PLATFORM_ENV,
+        )
+
+
 def _prefetch_from_env() -> None:
     try:
         use_prefetch(prefetch_from_env())
@@ -63,6 +81,7 @@ def _prefetch_from_env() -> None:
         use_prefetch(True)
 
 
+_platform_from_env()
 inventory = DeviceInventory(extra=simulated_backends(_simulated_from_env()))
 _pinning_from_env()
 _prefetch_from_env()

@@ -72,6 +72,8 @@ COMFY_SYMBOLS: dict[str, tuple[str, ...]] = {
     "comfy.model_management": (
         "DISABLE_SMART_MEMORY",
         "LoadedModel",
+        "MAX_PINNED_MEMORY",
+        "PINNED_MEMORY",
         "TOTAL_PINNED_MEMORY",
         "cleanup_models",
         "cpu_state",
@@ -187,6 +189,8 @@ OPTIONAL: frozenset[str] = frozenset(
         "comfy.float._CK_STOCHASTIC_ROUNDING_AVAILABLE",
         "comfy_api.latest.io.MatchType",
         "comfy.memory_management.aimdo_enabled",
+        "comfy.model_management.MAX_PINNED_MEMORY",
+        "comfy.model_management.PINNED_MEMORY",
         "comfy.model_management.TOTAL_PINNED_MEMORY",
         "comfy.utils.convert_old_quants",
         "comfy.model_patcher:ModelPatcherDynamic.get_non_dynamic_delegate",
@@ -380,3 +384,16 @@ def comfyui_version() -> str:
         return str(importlib.import_module("comfyui_version").__version__)
     except (ImportError, AttributeError):
         return "unknown"
+
+
+def comfy_pinned_ranges() -> dict[int, int]:
+    """ComfyUI's own page-locked host ranges (data pointer -> bytes); empty where it keeps no such books."""
+    books = getattr(model_management(), "PINNED_MEMORY", None)
+    return dict(books) if isinstance(books, dict) else {}
+
+
+def comfy_pinned_cap() -> int | None:
+    """ComfyUI's own cap on page-locked host memory: 0 where it pins nothing (``--disable-pinned-memory``, or a
+    device it does not pin for), ``None`` where this ComfyUI has no such cap."""
+    cap = getattr(model_management(), "MAX_PINNED_MEMORY", None)
+    return max(0, int(cap)) if isinstance(cap, (int, float)) else None

@@ -22,7 +22,7 @@ def make_report(value: Any = None, label: str = "", devices: str = ALL_DEVICES) 
     snapshot = inventory.snapshot()
     notes: list[str] = []
     models, model_notes = bridge.loaded_models(snapshot)
-    notes += model_notes
+    notes += model_notes + bridge.pinning_notes()
     try:
         mode = bridge.memory_mode(snapshot)
     except Exception as exc:  # an unreadable mode must not cost the rest of the report

@@ -24,6 +24,7 @@ from ..errors import DeviceNotFoundError, InvalidDeviceSpecError
 from .backends import (
     DeviceBackend,
     DeviceInfo,
+    HiddenDevices,
     Target,
     backend_of,
     default_backends,
@@ -85,6 +86,7 @@ class BackendStatus:
     available: bool
     device_count: int = 0
     error: str | None = None
+    hidden: HiddenDevices | None = None
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,12 @@ class InventorySnapshot:
     def get(self, device_id: str) -> DeviceInfo | None:
         """The device with this id (``"gpu:0"``, ``"cpu"``), or ``None``."""
         return next((d for d in self.devices if d.id == device_id), None)
+
+    @property
+    def notes(self) -> list[str]:
+        """What a user should know about the devices: GPUs the driver has that ComfyUI does not see, and how to
+        see them all."""
+        return [b.hidden.sentence(b.name) for b in self.backends if b.hidden is not None]
 
     @property
     def errors(self) -> list[str]:
@@ -188,7 +196,7 @@ class DeviceInventory:
                     info = _with_id(info, f"gpu:{next_gpu}")
                     next_gpu += 1
                 devices.append(info)
-            statuses.append(BackendStatus(backend.name, True, len(found)))
+            statuses.append(BackendStatus(backend.name, True, len(found), hidden=_hidden(backend)))
         return InventorySnapshot(tuple(devices), tuple(statuses), host_memory())
 
     def _report_peaks(self, devices: Sequence[DeviceInfo]) -> Iterator[DeviceInfo]:
@@ -317,6 +325,13 @@ def _marks(devices: Sequence[DeviceInfo]) -> dict[str, Mark]:
         for info in devices
         if info.id and info.peak_allocated is not None and info.error is None
     }
+
+
+def _hidden(backend: DeviceBackend) -> HiddenDevices | None:
+    try:
+        return backend.hidden_devices()
+    except Exception:  # a count the driver cannot give is no reason to lose the inventory
+        return None
 
 
 def _with_id(info: DeviceInfo, device_id: str) -> DeviceInfo:

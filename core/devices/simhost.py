@@ -5,8 +5,9 @@ A real GPU fails on these where a simulated one that only books bytes would pass
 GPU first (an H100's tier raised "already mapped" from a forward after a failed registration), so the simulated GPU
 fails the same way here, on a CPU machine, in every test:
 
-* **Registration is page-granular** (:class:`HostRegistry`): a range is locked in whole pages of :data:`PAGE` bytes,
-  and registering a range that touches a page already registered fails, like ``cudaHostRegister`` does.
+* **Registration is page-granular** (:class:`HostRegistry`): a range is locked in whole pages of the platform's
+  page size, and registering a range that touches a page already registered fails, like ``cudaHostRegister`` does;
+  past the platform driver's limit (Windows: about half of RAM) it fails for want of memory.
 * **A failed call's error stays pending** until it is read back (``cudaGetLastError``, the backend's
   ``take_error``): until then the next computation or copy on a simulated device raises it as its own, as torch's
   launch check reports CUDA's last error. It is kept per host thread, as CUDA keeps it.
@@ -30,11 +31,12 @@ from typing import Any
 
 import torch
 
-#: The page size host registration works in (x86-64 and most ARM hosts).
-PAGE = 4096
+from .host_memory import page_size, platform
 
 #: CUDA's text for a registration that overlaps a registered page (``cudaErrorHostMemoryAlreadyRegistered``).
 ALREADY_MAPPED = "part or all of the requested memory range is already mapped"
+#: CUDA's text for a registration the driver refuses for want of memory (Windows past about half of RAM).
+OUT_OF_MEMORY = "out of memory"
 #: CUDA's text for unregistering what was never registered (``cudaErrorHostMemoryNotRegistered``).
 NOT_REGISTERED = "pointer does not correspond to a registered memory region"
 
@@ -54,12 +56,16 @@ class PendingDeviceError(RuntimeError):
 class HostRegistry:
     """The host ranges registered (page-locked) for the simulated GPUs: one for the process, as CUDA's is.
 
-    Ranges are kept sorted by their first page, so a registration checks its two neighbours only.
+    Ranges are kept sorted by where they start, so a registration checks one neighbour only. Pages are the
+    platform's (``core.devices.host_memory``: 4 KiB, 16 KiB on Apple silicon, 64 KiB on some arm64 Linux), and
+    where the platform's driver page-locks no more than a share of RAM (Windows: about half), a registration past
+    it fails as CUDA's does there.
     """
 
     def __init__(self) -> None:
-        self._starts: list[int] = []  # first page of each range, sorted
-        self._ranges: dict[int, tuple[int, int]] = {}  # first page -> (pointer, bytes)
+        self._starts: list[int] = []  # each range's pointer, sorted
+        self._ranges: dict[int, int] = {}  # pointer -> bytes
+        self._bytes = 0
         self._lock = threading.Lock()
         self._local = threading.local()
         #: How many host threads have an error pending (read without a lock on every operation: a quick "none").
@@ -67,47 +73,51 @@ class HostRegistry:
 
     def register(self, pointer: int, size: int) -> bool:
         """Lock ``size`` bytes at ``pointer``; ``False``, with the error left pending, when a page of the range is
-        registered already (or the range is empty)."""
-        if size <= 0:
-            self._fail("invalid argument")
-            return False
-        first, last = pointer // PAGE, (pointer + size - 1) // PAGE
+        registered already, the driver's limit would be passed, or the range is empty."""
         with self._lock:
-            at = bisect.bisect_right(self._starts, last)
-            if at and self._last_page(self._starts[at - 1]) >= first:
-                overlaps = True
-            else:
-                overlaps = False
-                self._starts.insert(at, first)
-                self._ranges[first] = (pointer, size)
-        if overlaps:
-            self._fail(ALREADY_MAPPED)
-        return not overlaps
+            refusal = self._refusal(pointer, size)
+            if refusal is None:
+                bisect.insort(self._starts, pointer)
+                self._ranges[pointer] = size
+                self._bytes += size
+        if refusal is not None:
+            self._fail(refusal)
+        return refusal is None
 
-    def unregister(self, pointer: int) -> None:
+    def _refusal(self, pointer: int, size: int) -> str | None:
+        """CUDA's error for registering the range now, or ``None`` when it may be (under the lock)."""
+        if size <= 0:
+            return "invalid argument"
+        page, cap = page_size(), platform().registration_cap()
+        first, last = pointer // page, (pointer + size - 1) // page
+        at = bisect.bisect_right(self._starts, last * page + page - 1)
+        if at and (self._starts[at - 1] + self._ranges[self._starts[at - 1]] - 1) // page >= first:
+            return ALREADY_MAPPED
+        if cap is not None and self._bytes + size > cap:
+            return OUT_OF_MEMORY
+        return None
+
+    def unregister(self, pointer: int) -> bool:
         """Unlock the range registered at ``pointer``; its pages may be registered again. A pointer that starts no
-        range leaves an error pending, as CUDA does."""
-        first = pointer // PAGE
+        range leaves an error pending, as CUDA does, and gives ``False``."""
         with self._lock:
-            found = self._ranges.get(first, (None, 0))[0] == pointer
-            if found:
-                del self._ranges[first]
-                self._starts.remove(first)
-        if not found:
+            size = self._ranges.pop(pointer, None)
+            if size is not None:
+                self._starts.remove(pointer)
+                self._bytes -= size
+        if size is None:
             self._fail(NOT_REGISTERED)
+        return size is not None
 
     def holds(self, pointer: int, nbytes: int) -> bool:
         """Whether the ``nbytes`` at ``pointer`` lie in one registered range (a copy from them needs no staging)."""
         with self._lock:
-            at = bisect.bisect_right(self._starts, pointer // PAGE)
+            at = bisect.bisect_right(self._starts, pointer)
             if not at:
                 return False
-            start, size = self._ranges[self._starts[at - 1]]
-        return start <= pointer and pointer + max(nbytes, 1) <= start + size
-
-    def _last_page(self, first: int) -> int:
-        pointer, size = self._ranges[first]
-        return (pointer + size - 1) // PAGE
+            start = self._starts[at - 1]
+            size = self._ranges[start]
+        return pointer + max(nbytes, 1) <= start + size
 
     def _fail(self, message: str) -> None:
         with self._lock:

@@ -14,6 +14,7 @@ from contextlib import ExitStack
 import torch
 
 from ..detection.headers import FileHeader, TensorInfo
+from ..devices.backends import Target
 from ..errors import ModelFileError
 from .reader import WeightReader
 
@@ -30,11 +31,11 @@ class FileSet:
 
     Args:
         headers: the files' headers, in the order their names are qualified with.
-        pin_staging: pin the staging buffers (see :class:`~core.files.reader.WeightReader`).
+        pin_for: page-lock the staging buffers for copies to this device (see :class:`~core.files.reader.WeightReader`).
     """
 
-    def __init__(self, headers: Sequence[FileHeader], *, pin_staging: bool = False) -> None:
-        self.readers = [WeightReader(header, pin_staging=pin_staging) for header in headers]
+    def __init__(self, headers: Sequence[FileHeader], *, pin_for: Target | None = None) -> None:
+        self.readers = [WeightReader(header, pin_for=pin_for) for header in headers]
         self._stack = ExitStack()
 
     def __enter__(self) -> FileSet:

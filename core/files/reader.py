@@ -15,13 +15,16 @@ on the target device):
 
 from __future__ import annotations
 
-import mmap
 import os
 import warnings
+from typing import Any
 
 import torch
 
 from ..detection.headers import SAFETENSORS_DTYPES, FileHeader, TensorInfo, load_pickled_state
+from ..devices.backends import Target
+from ..devices.host_memory import map_file, page_block, read_at, release_file_pages
+from ..devices.pinned import pinned_memory
 from ..errors import ModelFileError
 from .converting import Float32Steps
 
@@ -34,15 +37,15 @@ class WeightReader:
 
     Args:
         header: the file's header, from :func:`core.headers.read_header`.
-        pin_staging: pin the staging buffer (faster host-to-GPU copies); falls back to pageable memory
-            when pinning fails.
+        pin_for: page-lock the staging buffer for copies to this device (faster host-to-GPU copies), where the
+            pinned-memory books allow (``core.devices.pinned``); pageable otherwise.
     """
 
-    def __init__(self, header: FileHeader, *, pin_staging: bool = False) -> None:
+    def __init__(self, header: FileHeader, *, pin_for: Target | None = None) -> None:
         self.header = header
-        self.pin_staging = pin_staging
+        self.pin_for = pin_for
         self._fd: int | None = None
-        self._map: mmap.mmap | None = None
+        self._map: Any = None
         self._pickled: dict[str, torch.Tensor] | None = None
         self._staging = torch.empty(0, dtype=torch.uint8)
         self._steps = Float32Steps()
@@ -65,11 +68,8 @@ class WeightReader:
                 f"{os.path.basename(self.header.path)} changed after its header was read (replaced or rewritten "
                 "while the prompt ran); queue the prompt again."
             )
-        if _CAN_RELEASE_PAGES and self.header.file_size > 0:
-            try:  # read-only: a private writable mapping would be charged against the commit limit in full
-                self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
-            except (OSError, ValueError):  # no address space or no mmap: the staging path serves every read
-                self._map = None
+        if self.header.file_size > 0:  # None where pages cannot be given back: the staging path serves every read
+            self._map = map_file(self._fd)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -131,9 +131,7 @@ class WeightReader:
             self._steps.copy(dest, mapped.view(stored))
         finally:
             del mapped  # never leave a tensor pointing into the mapping once it may be closed
-        page = mmap.PAGESIZE
-        first = start // page * page
-        self._map.madvise(mmap.MADV_DONTNEED, first, start + info.nbytes - first)
+        release_file_pages(self._map, start, info.nbytes)
 
     def _check_within_file(self, info: TensorInfo, start: int) -> None:
         size = os.fstat(self._fd).st_size
@@ -169,7 +167,7 @@ class WeightReader:
 
     def _stage(self, info: TensorInfo) -> torch.Tensor:
         if self._staging.numel() < info.nbytes:
-            self._staging = _allocate_staging(info.nbytes, self.pin_staging)
+            self._staging = _allocate_staging(info.nbytes, self.pin_for)
         staging = self._staging[: info.nbytes]
         self._pread_into(info, staging)
         return staging
@@ -179,27 +177,13 @@ class WeightReader:
         position = self.header.data_start + info.begin
         done = 0
         while done < len(view):
-            count = _read_at(self._fd, view[done:], position + done)
+            count = read_at(self._fd, view[done:], position + done)
             if count == 0:
                 raise ModelFileError(
                     f"{os.path.basename(self.header.path)} ended while reading {info.name!r}: the file was truncated "
                     "or replaced while loading. Download it again."
                 )
             done += count
-
-
-#: Releasing a mapping's pages needs madvise (not on Windows); without it, conversions use the staging buffer.
-_CAN_RELEASE_PAGES = hasattr(mmap.mmap, "madvise") and hasattr(mmap, "MADV_DONTNEED")
-
-
-def _read_at(fd: int, view: memoryview, position: int) -> int:
-    """Read into ``view`` from byte ``position`` of ``fd`` (positional where the platform allows)."""
-    if hasattr(os, "preadv"):
-        return os.preadv(fd, [view], position)
-    os.lseek(fd, position, os.SEEK_SET)  # Windows: one reader per file, so seeking is safe
-    data = os.read(fd, len(view))
-    view[: len(data)] = data
-    return len(data)
 
 
 def _identity(stat: os.stat_result) -> tuple[int, int, int, int]:
@@ -218,10 +202,11 @@ def _torch_dtype(info: TensorInfo) -> torch.dtype:
     return dtype
 
 
-def _allocate_staging(nbytes: int, pin: bool) -> torch.Tensor:
-    if pin:
-        try:
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        except RuntimeError:  # no pinning on this platform or out of pinnable memory: pageable works too
-            pass
-    return torch.empty(nbytes, dtype=torch.uint8)
+def _allocate_staging(nbytes: int, pin_for: Target | None) -> torch.Tensor:
+    """A staging buffer of ``nbytes``: page-locked for copies to ``pin_for`` where the books allow (unlocked when
+    it is dropped), else pageable."""
+    if pin_for is None:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    block = page_block(nbytes)
+    pinned_memory().lock(block, pin_for)
+    return block

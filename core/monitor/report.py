@@ -68,7 +68,10 @@ class MemoryMode:
     compute_device: str
     smart_memory: bool
     dynamic_vram: str
-    pinned_bytes: int | None = None
+    pinned_bytes: int | None = None  # ComfyUI's own page-locked host memory
+    comfy_pinned_cap: int | None = None  # ComfyUI's cap on it (0: it pins nothing)
+    pack_pinned_bytes: int | None = None  # this pack's
+    pinned_cap: int | None = None  # the one cap both are counted against (``core.devices.pinned``)
 
 
 @dataclass(frozen=True)
@@ -133,12 +136,26 @@ def _or_none(lines: list[str]) -> list[str]:
 
 
 def _mode_lines(mode: MemoryMode) -> list[str]:
-    pinned = f"; pinned host memory: {format_bytes(mode.pinned_bytes)}" if mode.pinned_bytes else ""
-    return [
+    lines = [
         f"Memory mode: {mode.vram_state} - {mode.description}",
         f"  compute device: {mode.compute_device}; smart memory: {'on' if mode.smart_memory else 'off'}; "
-        f"dynamic VRAM: {mode.dynamic_vram}{pinned}",
+        f"dynamic VRAM: {mode.dynamic_vram}",
     ]
+    if mode.pinned_cap is not None or mode.pinned_bytes:
+        lines.append(f"  pinned host memory: {pinned_text(mode)}")
+    return lines
+
+
+def pinned_text(mode: MemoryMode) -> str:
+    """Who holds page-locked host memory, against which caps: ``ComfyUI 1.20 GiB (its cap 9.60 GiB), Device
+    Control 3.40 GiB; one cap for both: 10.8 GiB``."""
+    comfy = "ComfyUI " + ("not reported" if mode.pinned_bytes is None else format_bytes(mode.pinned_bytes))
+    if mode.comfy_pinned_cap == 0:
+        comfy += " (it pins none)"
+    elif mode.comfy_pinned_cap is not None:
+        comfy += f" (its cap {format_bytes(mode.comfy_pinned_cap)})"
+    text = f"{comfy}, Device Control {format_bytes(mode.pack_pinned_bytes or 0)}"
+    return text if mode.pinned_cap is None else f"{text}; one cap for both: {format_bytes(mode.pinned_cap)}"
 
 
 def _shallow(record: Any) -> dict[str, Any]:
@@ -223,6 +240,6 @@ def build_report(
         models=tuple(models),
         mode=mode,
         subject=subject,
-        notes=tuple(notes or ()),
+        notes=(*snapshot.notes, *(notes or ())),
         versions={**base_versions, **(versions or {})},
     )

@@ -24,8 +24,8 @@ import torch
 
 from ..devices.backends import backend_of
 from ..devices.memory import empty_cache, is_out_of_memory
+from ..devices.pinned import pinned_memory
 from ..devices.tensors import HOST, Target, label_of, same_target
-from ..devices.transfer import pinned_memory
 from ..errors import DeviceControlError, first_line
 from ..progress import ProgressCallback
 from ..units import format_bytes

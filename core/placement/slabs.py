@@ -3,7 +3,8 @@
 One block per group means one page-locking per group (not per tensor: each registration is a driver call) and one
 copy per group to the device. Host registration is page-granular: registering a range that touches a page already
 registered fails, and CUDA reports that failure at the next kernel ("already mapped"). So a slab starts on a page
-and is sized to whole pages (two slabs never share one), and each tensor in it starts on a page of its own: when
+and is sized to whole pages of the host's page size (``core.devices.host_memory``: 4 KiB, 16 KiB or 64 KiB; two
+slabs never share one), and each tensor in it starts on a page of its own: when
 the slab is unlocked (its model offloaded), ComfyUI may page-lock the weights one by one, and no two of them then
 share a page either. Each weight becomes a view of its slab, so
 host memory is not doubled; its place (offset, dtype, shape) is the same in the slab and in a ring slot, so a
@@ -15,21 +16,15 @@ of loads and offloads would otherwise pay in RAM the allocator keeps.
 
 from __future__ import annotations
 
-import mmap
 from dataclasses import dataclass, field
 
 import torch
 
 from ..devices.backends import Target, backend_of, target_of
+from ..devices.host_memory import page_block, page_size
+from ..devices.pinned import pinned_memory
 from ..devices.slices import SLICES
-from ..devices.transfer import CASTS_ANYWHERE, pinned_memory
-
-#: The host's page size: what registering host memory with a device locks, whole.
-PAGE = 4096
-
-#: Offsets inside a slab and a slot are aligned to this many bytes: a page (see the module's docstring), which also
-#: keeps every tensor aligned for vectorised kernels.
-ALIGN = PAGE
+from ..devices.transfer import CASTS_ANYWHERE
 
 #: In a slab on a donor device (no page to lock), offsets are aligned for vectorised loads only.
 DEVICE_ALIGN = 16
@@ -59,8 +54,8 @@ class Slab:
     pinned: bool  # copies from it need no host work: page-locked host memory, or a donor device's memory
     #: Each tensor's parameter table, name and data pointer when packed: what a replaced weight changes.
     places: list[tuple[dict, str, int]] = field(default_factory=list)
-    #: Tensors start at multiples of this many bytes (a page in host memory).
-    align: int = ALIGN
+    #: Tensors start at multiples of this many bytes (0: the host's page, ``core.devices.host_memory``).
+    align: int = 0
 
     def lock(self, target: Target) -> None:
         """Page-lock the block again (it was unlocked when its model left the device), where the cap allows."""
@@ -119,7 +114,10 @@ def bias_first(module: torch.nn.Module) -> bool:
     return bias is None or bias.data_ptr() < weight.data_ptr()
 
 
-def aligned(nbytes: int, align: int = ALIGN) -> int:
+def aligned(nbytes: int, align: int | None = None) -> int:
+    """``nbytes`` rounded up to a multiple of ``align`` (default: the host's page, what a slab's tensors start on,
+    which also keeps them aligned for vectorised kernels)."""
+    align = align or page_size()
     return -(-nbytes // align) * align
 
 
@@ -136,17 +134,6 @@ def parts_of(module: torch.nn.Module, slab: torch.Tensor) -> tuple[Part | None, 
     return parts.get("weight"), parts.get("bias")
 
 
-def page_block(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of host memory (rounded up to whole pages) of its own mapping: it starts on a page, so it can be
-    page-locked without touching a page anything else lies on, and freeing it gives the memory back to the system
-    (the C allocator keeps large freed blocks for itself: replaced slabs piled up in the process). The mapping is
-    private, as the C allocator's own: a shared anonymous one is shared memory to the kernel, counted and swapped
-    as the shared-memory filesystem's rather than as the process's."""
-    size = aligned(max(nbytes, 1), PAGE)
-    private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-    return torch.frombuffer(mmap.mmap(-1, size, flags=private), dtype=torch.uint8)
-
-
 def pack(modules: list[torch.nn.Module], target: Target, *, bias_first: bool = False) -> Slab:
     """A new slab holding ``modules``' weights and biases where they are now (host memory, page-locked where the
     backend and the cap allow; a donor device's memory for a split model's donor), each tensor becoming a view of it
@@ -154,7 +141,7 @@ def pack(modules: list[torch.nn.Module], target: Target, *, bias_first: bool = F
     crosses with its first slice, so bias and first rows are one range."""
     home = target_of(tensors_of(modules[0])[0][1])
     backend = backend_of(home)
-    align = ALIGN if backend.is_host else DEVICE_ALIGN
+    align = page_size() if backend.is_host else DEVICE_ALIGN
     size = sum(aligned(tensor.numel() * tensor.element_size(), align) for m in modules for _n, tensor in tensors_of(m))
     slab = page_block(size) if backend.is_host else backend.empty(home, torch.Size([size]), torch.uint8)
     pinned = pinned_memory().lock(slab, target) if backend.is_host else True  # device memory needs no host

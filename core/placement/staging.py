@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from ..devices.backends import Target, backend_of
-from ..devices.transfer import pinned_memory
-from .slabs import page_block
+from ..devices.host_memory import page_block
+from ..devices.pinned import pinned_memory
 
 
 class Staging:

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..devices.marks import mark_streamed
+from ..devices.pinned import pinned_memory
 from ..devices.slices import ROW_QUANTUM, SLICES, RowSlices
 from ..devices.tensors import HOST, Target, move_own, own_tensors, same_target
-from ..devices.transfer import pinned_memory
 from ..progress import ProgressCallback
 from .plan import Layer, Plan
 from .slabs import groupable
@@ -61,7 +61,7 @@ def to_host(layer: Layer) -> None:
     """Move every tensor of ``layer`` to host memory (unpinned first, so its memory can be freed)."""
     pinned = pinned_memory()
     for name, tensor, _is_param in list(own_tensors(layer.module)):
-        pinned.unpin(tensor)
+        pinned.unlock(tensor)
         move_own(layer.module, name, HOST)
 
 
@@ -81,7 +81,7 @@ def stream(layer: Layer, target: Target | None, hooks: LayerHooks, slices: RowSl
         if is_param:
             mark_streamed(tensor)
         if pin:
-            pinned_memory().pin(tensor, target)
+            pinned_memory().lock(tensor, target)
     if is_streaming(layer):
         return  # streams already, with its functions in place
     module.prev_comfy_cast_weights = module.comfy_cast_weights
@@ -111,7 +111,7 @@ def make_resident(layer: Layer, target: Target, hooks: LayerHooks) -> None:
     """Move ``layer`` onto ``target``; on any failure it goes back to streaming, its patches undone."""
     reset_flags(layer)
     for _name, tensor, _is_param in own_tensors(layer.module):
-        pinned_memory().unpin(tensor)
+        pinned_memory().unlock(tensor)
     try:
         hooks.before_resident(layer, target)
         for name, _tensor, _is_param in list(own_tensors(layer.module)):

@@ -20,12 +20,11 @@ from typing import Any
 import torch
 
 from ..devices.backends import Target, backend_of, same_target, target_of
-from ..devices.transfer import pinned_memory
+from ..devices.host_memory import page_block
+from ..devices.pinned import pinned_memory
 from .patch_math import ADAPTERS, Patch
 from .patch_rows import AdapterView
 
-#: Host registration locks whole pages: the block starts on one and is sized to whole pages.
-PAGE = 4096
 #: Each tensor in the block starts on this many bytes (any dtype can be viewed there).
 _ALIGN = 64
 
@@ -61,7 +60,7 @@ def place_patches(patches: Sequence[Patch], target: Target) -> PlacedPatches:
     if not tensors:
         return PlacedPatches(target, list(patches), list(patches), 0)
     offsets, size = _layout(tensors)
-    host = _page_block(size)
+    host = page_block(size)
     for key, tensor in tensors.items():
         _part(host, offsets[key], tensor).copy_(tensor)
     backend = backend_of(target)
@@ -91,13 +90,6 @@ def _layout(tensors: dict[int, torch.Tensor]) -> tuple[dict[int, int], int]:
         offsets[key] = size
         size += -(-tensor.numel() * tensor.element_size() // _ALIGN) * _ALIGN
     return offsets, size
-
-
-def _page_block(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of host memory, rounded up to whole pages, starting on a page."""
-    size = -(-max(nbytes, 1) // PAGE) * PAGE
-    raw = torch.empty(size + PAGE, dtype=torch.uint8)
-    return raw.narrow(0, -raw.data_ptr() % PAGE, size)
 
 
 def _part(block: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ...core.devices.transfer import pinned_memory
+from ...core.devices.pinned import pinned_memory
 from ...core.placement.engine import partial_model_of
 from ...core.weights.ops import set_cast_flags
 from .. import surface
@@ -128,7 +128,7 @@ def _convert(model: Any, holders: list[Any], old: torch.dtype, new: torch.dtype)
             for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
                 if tensor.dtype != old:
                     continue  # as ComfyUI builds the model for ``new``: its weights and tables in ``old`` change
-                pinned.unpin(tensor)  # never free page-locked memory still registered (unloading unpins it already)
+                pinned.unlock(tensor)  # never free page-locked memory still registered (unloading unpins it already)
                 tensor.data = tensor.data.to(new)
                 if hasattr(module, f"{name}_comfy_model_dtype"):  # ComfyUI 0.28+'s record of each tensor's dtype
                     setattr(module, f"{name}_comfy_model_dtype", new)

@@ -27,7 +27,6 @@ from .filling import (
     fill_target,
     first_load,
     is_comfy_layer,
-    is_cuda,
     set_unet_dtype,
     torch_device,
 )
@@ -74,8 +73,9 @@ def build_checkpoint(
         ModelFileError: a tensor is missing or misshapen in the file.
     """
     places = _Places(*(placements.get(role, ComponentPlan()) for role in ("diffusion_model", "text_encoder", "vae")))
+    filled_on_a_device = fill_target(places.unet) or fill_target(places.clip)
     notes: list[str] = []
-    with WeightReader(header, pin_staging=any(is_cuda(p.device) for p in placements.values())) as reader:
+    with WeightReader(header, pin_for=filled_on_a_device) as reader:
         sd = stand_ins(header, reader)
         config, prefix = config_of(sd, header, detection)
         compute = set_unet_dtype(config, sd, prefix, places.unet)

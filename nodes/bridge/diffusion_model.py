@@ -19,7 +19,6 @@ from .filling import (
     fill_target,
     first_load,
     is_comfy_layer,
-    is_cuda,
     set_unet_dtype,
     torch_device,
 )
@@ -53,7 +52,7 @@ def build_diffusion_model(
         ModelFileError: a tensor is missing or misshapen in the file.
     """
     notes: list[str] = []
-    with WeightReader(header, pin_staging=is_cuda(place.device)) as reader:
+    with WeightReader(header, pin_for=fill_target(place)) as reader:
         sd = stand_ins(header, reader)
         config, sd = diffusion_config_of(sd, header, detection)
         compute = set_unet_dtype(config, sd, "", place)

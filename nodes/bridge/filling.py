@@ -163,11 +163,6 @@ def first_load(patcher: Any, place: ComponentPlan, filled: Target | None) -> Non
     surface.model_management().load_models_gpu([patcher], force_full_load=makes_room)
 
 
-def is_cuda(device: torch.device | None) -> bool:
-    """Whether ``device`` is a CUDA device (the reader then stages through pinned memory)."""
-    return device is not None and device.type == "cuda"
-
-
 def keeps_blocks(layer: torch.nn.Module) -> bool:
     """Whether ``layer`` may hold a GGUF weight's quantised blocks: ComfyUI's standard layers (they become our cast
     layers, which dequantise, before the model is used) and ours."""

@@ -27,6 +27,7 @@ from ...core.weights.quantized import layout_of
 from .. import surface
 from .books import holding_of, placement_of
 from .dynamic_vram import dynamic_vram_enabled, is_dynamic
+from .pinning import pinned_figures
 from .split_books import is_part
 from .subjects import component_of, model_label
 
@@ -292,4 +293,5 @@ def memory_mode(snapshot: InventorySnapshot) -> MemoryMode:
         smart_memory=not bool(getattr(mm, "DISABLE_SMART_MEMORY", False)),
         dynamic_vram=dynamic_text,
         pinned_bytes=int(pinned) if isinstance(pinned, (int, float)) else None,
+        **pinned_figures(),
     )

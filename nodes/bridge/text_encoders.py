@@ -14,7 +14,7 @@ from ...core.files.fileset import FileSet
 from ...core.progress import ProgressCallback
 from ...core.weights.ops import convert
 from .. import surface
-from .filling import ComponentPlan, fill_models, fill_target, first_load, is_comfy_layer, is_cuda
+from .filling import ComponentPlan, fill_models, fill_target, first_load, is_comfy_layer
 from .patcher import adopt
 from .tracing import build_traced_text_encoders
 
@@ -41,7 +41,7 @@ def build_text_encoders(
         options |= {"load_device": place.device, "offload_device": torch.device("cpu")}  # as for a checkpoint's
     if place.dtype is not None:
         options["dtype"] = place.dtype
-    with FileSet(headers, pin_staging=is_cuda(place.device)) as files:
+    with FileSet(headers, pin_for=fill_target(place)) as files:
         clip, sources = build_traced_text_encoders(files, surface.clip_type(clip_type), options)
         fill = {"clip": fill_target(place)}
         fill_models({"clip": clip.cond_stage_model}, {"clip": sources}, files, fill, progress, notes)

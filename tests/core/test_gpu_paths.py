@@ -18,7 +18,8 @@ from safetensors.torch import save_file
 from core.detection.headers import read_header
 from core.devices.backends import backend_of
 from core.devices.memory import capacity_bytes, empty_cache, free_bytes
-from core.devices.transfer import PinnedMemory, side_stream, to_target
+from core.devices.pinned import PinnedMemory
+from core.devices.transfer import side_stream, to_target
 from core.files.reader import WeightReader
 from core.files.skeleton import materialize, weights_on_meta
 from core.placement.engine import partial_model_of
@@ -35,10 +36,10 @@ def test_side_stream_copies_are_ordered_before_use():
     moved = to_target(host, CUDA)
     assert torch.equal((moved * 2).cpu(), host * 2)
     pinned = PinnedMemory()
-    assert pinned.pin(host, CUDA)
+    assert pinned.lock(host, CUDA)
     moved = to_target(host, CUDA)
     assert torch.equal((moved + 1).cpu(), host + 1)
-    pinned.unpin(host)
+    pinned.unlock(host)
     assert pinned.pinned_bytes == 0
 
 
@@ -46,9 +47,9 @@ def test_side_stream_copies_are_ordered_before_use():
 def test_pinning_respects_its_cap():
     pinned = PinnedMemory(max_bytes=4 * 1024**2)
     small, large = torch.zeros(1024**2 // 4), torch.zeros(2 * 1024**2)
-    assert pinned.pin(small, CUDA) and not pinned.pin(large, CUDA)
+    assert pinned.lock(small, CUDA) and not pinned.lock(large, CUDA)
     assert pinned.pinned_bytes == 1024**2 and large.sum().item() == 0
-    pinned.unpin(small)
+    pinned.unlock(small)
 
 
 @pytest.mark.gpu(proves="a slab is page-locked in place at its own size, counted, unlocked on demand or when freed")
@@ -78,7 +79,7 @@ def test_memory_figures_come_from_the_driver():
 
 @pytest.mark.gpu(proves="streamed layers of a partially loaded model are pinned, and unpinned when resident")
 def test_streamed_layers_are_pinned_and_released():
-    from core.devices.transfer import pinned_memory
+    from core.devices.pinned import pinned_memory
 
     net = torch.nn.Sequential(*(ops.Linear(1024, 1024) for _ in range(8)))
     engine = partial_model_of(net)
@@ -190,7 +191,7 @@ def _weights_file(tmp_path, layers: int, width: int):
 def test_weights_are_written_straight_into_vram(tmp_path):
     header, tensors, net = _weights_file(tmp_path, 4, 4096)
     base = torch.cuda.memory_allocated(CUDA)
-    with WeightReader(header, pin_staging=True) as reader:
+    with WeightReader(header, pin_for=torch.device("cuda")) as reader:
         materialize(net, {name: name for name in tensors}, reader, partial(backend_of(CUDA).empty, CUDA))
     assert all(p.device == CUDA and isinstance(p, torch.nn.Parameter) for p in net.parameters())
     assert torch.cuda.memory_allocated(CUDA) - base == sum(t.numel() * t.element_size() for t in tensors.values())

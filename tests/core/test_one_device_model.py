@@ -17,10 +17,11 @@ import torch
 
 from core.devices.backends import backend_of
 from core.devices.memory import capacity_bytes, free_bytes
+from core.devices.pinned import pinned_memory
 from core.devices.simlink import LinkCost, MissingWaitError
 from core.devices.simulated import SimulatedDevice
 from core.devices.tensors import move_own, traffic
-from core.devices.transfer import pinned_memory, to_target
+from core.devices.transfer import to_target
 from core.errors import InvalidSizeError
 from core.placement.engine import partial_model_of
 from core.placement.plan import STREAM_COPIES
@@ -34,6 +35,8 @@ ALLOWED = {
     "core/devices/simtensor.py",
     "core/devices/simlink.py",
     "core/devices/backends/simulated.py",
+    "core/devices/sim/__init__.py",  # the simulated machine parts: platforms
+    "core/devices/sim/platforms.py",
     "core/devices/backends/__init__.py",  # the registry: which backend drives which kind of device
     "core/detection/__main__.py",  # the command line reads the DEVICE_CONTROL_SIMULATE_* settings
     "nodes/state.py",  # the pack's inventory, made with the backends those settings add
@@ -190,7 +193,7 @@ def test_copies_take_the_links_time_and_side_stream_copies_overlap_the_host():
     device.place(data)  # blocking: the host waits for the copy
     assert time.monotonic() - started >= 0.09
     backend = backend_of(device)
-    assert pinned_memory().pin(data, device)
+    assert pinned_memory().lock(data, device)
     try:
         started = time.monotonic()
         with backend.on_stream(backend.side_stream(device)):
@@ -200,7 +203,7 @@ def test_copies_take_the_links_time_and_side_stream_copies_overlap_the_host():
         backend.wait(backend.current_stream(device), event)  # the compute stream (the host) waits here
         waited = time.monotonic() - started
     finally:
-        pinned_memory().unpin(data)
+        pinned_memory().unlock(data)
     assert queued < 0.05 <= 0.09 <= waited  # queued at once, usable only when the copy is done
     assert copy.sum().item() == 0
 

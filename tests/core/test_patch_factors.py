@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import torch
 
+from core.devices.pinned import pinned_memory
 from core.devices.simulated import SimulatedDevice
-from core.devices.transfer import pinned_memory
 from core.placement.engine import partial_model_of
 from core.placement.plan import Layer, plan_layers
 from core.placement.streaming import LayerHooks

@@ -47,7 +47,18 @@ UNET = ModelResidency(
     managed_by="Device Control",
     in_use=False,
 )
-MODE = MemoryMode("NORMAL_VRAM", "normal", "GPU", "gpu:0", True, "not available in this ComfyUI", 512 * 1024**2)
+MODE = MemoryMode(
+    "NORMAL_VRAM",
+    "normal",
+    "GPU",
+    "gpu:0",
+    True,
+    "not available in this ComfyUI",
+    512 * 1024**2,
+    comfy_pinned_cap=8 * 1024**3,
+    pack_pinned_bytes=1024**3,
+    pinned_cap=9 * 1024**3,
+)
 
 
 def test_text_report_has_every_section_and_figure():
@@ -58,7 +69,10 @@ def test_text_report_has_every_section_and_figure():
     assert "gpu:1  Simulated GPU 0 (8.00 GiB) [simulated]: 0 B used of 8.00 GiB; 8.00 GiB free" in text
     assert "gpu:2  Simulated GPU 1 (1.00 GiB) [simulated]: query failed: RuntimeError: sim:1: injected fault" in text
     assert "RAM: " in text and "this process (RSS): " in text
-    assert "Memory mode: NORMAL_VRAM - normal" in text and "pinned host memory: 512.00 MiB" in text
+    assert "Memory mode: NORMAL_VRAM - normal" in text and (
+        "pinned host memory: ComfyUI 512.00 MiB (its cap 8.00 GiB), Device Control 1.00 GiB; one cap for both: "
+        "9.00 GiB" in text
+    )
     assert (
         "MODEL SD15 diffusion model (BaseModel), 3.00 GiB: 2.00 GiB on gpu:1, 1.00 GiB on cpu "
         "[computes on gpu:1, partial, float16, managed by Device Control, idle]" in text

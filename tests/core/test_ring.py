@@ -13,9 +13,10 @@ import gc
 import pytest
 import torch
 
+from core.devices.pinned import pinned_memory
 from core.devices.simlink import LinkCost
 from core.devices.tensors import traffic
-from core.devices.transfer import GROUPED, pinned_memory, to_target
+from core.devices.transfer import GROUPED, to_target
 from core.placement import prefetch
 from core.placement.engine import partial_model_of
 from tests.core.order_net import LAYERS, on_host, streamed_net

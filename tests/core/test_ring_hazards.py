@@ -13,13 +13,14 @@ from pathlib import Path
 
 import torch
 
+from core.devices.host_memory import page_size
+from core.devices.pinned import pinned_memory
 from core.devices.simlink import LinkCost
 from core.devices.simulated import SimulatedDevice
-from core.devices.transfer import pinned_memory
 from core.placement import prefetch
 from core.placement.engine import partial_model_of
 from core.placement.plan import STREAM_COPIES
-from core.placement.slabs import PAGE, tensors_of
+from core.placement.slabs import tensors_of
 from core.weights import ops
 from tests.core.order_net import on_host, streamed_net
 
@@ -35,9 +36,9 @@ def test_slabs_start_on_a_page_hold_whole_pages_and_give_each_tensor_pages_of_it
     assert groups
     for group in groups:
         start = group.block.data_ptr()
-        assert start % PAGE == 0 and group.nbytes % PAGE == 0 and group.block.numel() == group.nbytes
+        assert start % page_size() == 0 and group.nbytes % page_size() == 0 and group.block.numel() == group.nbytes
         offsets = [tensor.data_ptr() - start for module in group.modules for _name, tensor in tensors_of(module)]
-        assert all(offset % PAGE == 0 for offset in offsets)
+        assert all(offset % page_size() == 0 for offset in offsets)
 
 
 class Vae(torch.nn.Module):

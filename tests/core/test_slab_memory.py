@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from core.devices.pinned import pinned_memory
 from core.devices.simulated import SimulatedDevice
-from core.devices.transfer import pinned_memory
 from core.placement.engine import partial_model_of
 from core.placement.ring import Ring
 from core.placement.slabs import layer_bytes

@@ -27,7 +27,8 @@ MAY_IMPORT = {
     "devices": set(),
     "weights": {"devices"},
     "detection": set(),
-    "files": {"detection", "weights"},  # a GGUF's quantised blocks are filled as ``weights.quantized`` reads them
+    # page blocks and file mappings (devices.host_memory); a GGUF's blocks are filled as ``weights.quantized`` reads
+    "files": {"detection", "devices", "weights"},
     "placement": {"devices", "detection"},
     "monitor": {"devices"},
 }

@@ -65,7 +65,7 @@ def test_the_snapshot_shows_devices_models_and_placements(server, api):
     assert model(snapshot, "CLIP")["resident"].get("cpu", 0) > 0
     assert snapshot["report"]["mode"]["vram_state"] == "DISABLED"
     assert "--cpu" in snapshot["flags"]
-    assert set(snapshot["pinned"]) == {"comfyui", "device_control"}
+    assert set(snapshot["pinned"]) == {"comfyui", "device_control", "cap"}
     assert snapshot["push"]["listening"] is False  # nobody subscribed: no pushes
 
 

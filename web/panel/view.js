@@ -154,7 +154,8 @@ export class PanelView {
         const pinned = device.kind === "cpu" ? pinnedBytes(snapshot.pinned) : 0;
         const text =
           `${bytes(f.own)} ComfyUI · ${bytes(f.others)} others · ${bytes(f.free)} free of ${bytes(f.total)}` +
-          (pinned ? ` · ${bytes(pinned)} pinned` : "");
+          (pinned ? ` · ${bytes(pinned)} pinned` : "") +
+          (pinned && snapshot.pinned?.cap ? ` (one cap for ComfyUI's and ours: ${bytes(snapshot.pinned.cap)})` : "");
         row.append(
           label,
           bar([

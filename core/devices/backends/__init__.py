@@ -11,7 +11,17 @@ from __future__ import annotations
 import torch
 
 from ..simulated import SimulatedDevice
-from .base import HOST, DeviceBackend, DeviceInfo, Target, describe, dtypes_from, installed, this_process
+from .base import (
+    HOST,
+    DeviceBackend,
+    DeviceInfo,
+    HiddenDevices,
+    Target,
+    describe,
+    dtypes_from,
+    installed,
+    this_process,
+)
 from .cpu import CpuBackend
 from .cuda import CudaBackend, cuda_capabilities
 from .directml import DirectMLBackend
@@ -29,6 +39,7 @@ __all__ = [
     "DeviceBackend",
     "DeviceInfo",
     "DirectMLBackend",
+    "HiddenDevices",
     "MluBackend",
     "MpsBackend",
     "NpuBackend",

@@ -19,6 +19,7 @@ import contextlib
 import functools
 import importlib.util
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -78,6 +79,34 @@ class DeviceInfo:
         return self.kind != "cpu"
 
 
+@dataclass(frozen=True)
+class HiddenDevices:
+    """Devices the driver has that this process does not see, and the setting that hides them."""
+
+    count: int
+    total: int
+    setting: str | None = None
+
+    def sentence(self, kind: str) -> str:
+        """What a user reads, with what to start ComfyUI with."""
+        why = f" ({self.setting} hides the others)" if self.setting else ""
+        return (
+            f"ComfyUI sees {self.total - self.count} of the {self.total} {kind} GPUs the driver has{why}: to use "
+            "them all, start ComfyUI with --cuda-device all and leave CUDA_VISIBLE_DEVICES unset (on Windows "
+            "ComfyUI uses GPU 0 alone unless started so)."
+        )
+
+
+#: The settings that hide GPUs from a process, in the order they are read.
+VISIBILITY_SETTINGS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
+
+
+def visibility_setting(environ: Mapping[str, str] | None = None) -> str | None:
+    """``NAME=value`` of the first visibility setting this process was started with, or ``None``."""
+    env = os.environ if environ is None else environ
+    return next((f"{name}={env[name]}" for name in VISIBILITY_SETTINGS if name in env), None)
+
+
 @runtime_checkable
 class DeviceObject(Protocol):
     """A device torch does not know, represented by an object of its backend's (see ``register_device_type``)."""
@@ -115,6 +144,11 @@ class DeviceBackend:
     def devices(self) -> list[DeviceInfo]:
         """Query every device of this backend now (ids are assigned later by the inventory)."""
         return []
+
+    def hidden_devices(self) -> HiddenDevices | None:
+        """The devices of this kind the driver has and this process does not see (``None``: none, or cannot
+        tell)."""
+        return None
 
     def reset_peaks(self) -> None:
         """Start measuring each device's peak allocation again from now (a no-op where there is none). The counter
@@ -225,8 +259,15 @@ class DeviceBackend:
         :meth:`take_error` reads it: call it right after a failed pin."""
         return False
 
-    def unpin(self, pointer: int) -> None:
-        """Undo :meth:`pin` (``pointer`` is where a locked range starts; any other leaves an error pending)."""
+    def unpin(self, pointer: int) -> bool:
+        """Undo :meth:`pin` (``pointer`` is where a locked range starts); ``False`` when the runtime refused, with
+        its error pending until :meth:`take_error` reads it."""
+        return True
+
+    def reads_errors(self) -> bool:
+        """Whether :meth:`take_error` can read a failed call's error back on this system; where it cannot,
+        nothing may be registered (a failure would stay pending and fail the next computation)."""
+        return True
 
     def take_error(self) -> str | None:
         """Read and clear the error a failed runtime call (a failed :meth:`pin`) left pending for this host thread,

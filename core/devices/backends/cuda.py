@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import ctypes
 from typing import Any
 
 import torch
 
+from ..host_memory import CudaRuntime
+from .base import HiddenDevices, visibility_setting
 from .torch_module import TorchModuleBackend
 
-#: ``cudaHostRegisterPortable``: the pinned range is usable from every device.
-_REGISTER_PORTABLE = 1
+#: Host registration through the runtime torch loaded (``core.devices.host_memory``).
+RUNTIME = CudaRuntime()
 
 
 def cuda_capabilities(mod: Any, index: int) -> tuple[bool, bool, bool]:
@@ -32,46 +33,25 @@ class CudaBackend(TorchModuleBackend):
     def __init__(self) -> None:
         super().__init__("cuda", "rocm" if torch.version.hip else "cuda", cuda_capabilities)
 
-    def pin(self, pointer: int, size: int) -> bool:
-        # A failure leaves its error as the runtime's last one, which the next kernel launch's check reports as its
-        # own (seen on an H100: "part or all of the requested memory range is already mapped" raised by a forward
-        # after a failed registration): the caller reads it back with take_error.
-        return _code(torch.cuda.cudart().cudaHostRegister(pointer, size, _REGISTER_PORTABLE)) == 0
+    def hidden_devices(self) -> HiddenDevices | None:
+        # The management library counts every device the driver has, whatever the visibility setting says.
+        raw = getattr(torch.cuda, "_raw_device_count_amdsmi" if torch.version.hip else "_raw_device_count_nvml", None)
+        try:
+            total, visible = (raw() if raw is not None else -1), torch.cuda.device_count()
+        except Exception:  # no management library: nothing to say
+            return None
+        if total is None or total <= visible:
+            return None
+        return HiddenDevices(total - visible, total, visibility_setting())
 
-    def unpin(self, pointer: int) -> None:
-        torch.cuda.cudart().cudaHostUnregister(pointer)
+    def pin(self, pointer: int, size: int) -> bool:
+        return RUNTIME.register(pointer, size)
+
+    def unpin(self, pointer: int) -> bool:
+        return RUNTIME.unregister(pointer)
+
+    def reads_errors(self) -> bool:
+        return RUNTIME.reads_errors()
 
     def take_error(self) -> str | None:
-        return _take_last_error(torch.cuda.cudart())
-
-
-def _code(result: Any) -> int:
-    """A CUDA runtime call's result as a number (torch's binding returns its ``cudaError`` enum)."""
-    return int(getattr(result, "value", result))
-
-
-def _take_last_error(cudart: Any) -> str | None:
-    """Read and clear the CUDA runtime's last error (``cudaGetLastError``): through torch's binding where it has the
-    call (torch 2.14 has not), else through the runtime library this process loaded (found in its memory map, so it
-    is the instance torch uses); its text, or ``None`` when there was none or it cannot be read."""
-    last = getattr(cudart, "cudaGetLastError", None) or _runtime_call("cudaGetLastError")
-    if last is None:
-        return None
-    code = _code(last())
-    if code == 0:
-        return None
-    describe = _runtime_call("cudaGetErrorString")
-    if describe is None:
-        return f"CUDA error {code}"
-    describe.restype = ctypes.c_char_p
-    return describe(code).decode(errors="replace")
-
-
-def _runtime_call(name: str) -> Any | None:
-    """Function ``name`` of the CUDA runtime library loaded in this process, or ``None`` where none is found."""
-    try:
-        with open("/proc/self/maps", encoding="utf-8") as maps:
-            paths = {line.split()[-1] for line in maps if "libcudart" in line}
-        return next((getattr(ctypes.CDLL(path), name) for path in sorted(paths)), None)
-    except (OSError, AttributeError):
-        return None
+        return RUNTIME.take_error()

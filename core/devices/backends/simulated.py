@@ -13,16 +13,17 @@ wait for the whole device, and a host that must wait for a queued copy before it
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from ..host_memory import platform
 from ..simhost import REGISTRY
 from ..simlink import SimEvent, SimStream
 from ..simtensor import SimTensor, own_storage, take_snapshot
 from ..simulated import SimulatedDevice
-from .base import DeviceBackend, DeviceInfo, Target, describe
+from .base import DeviceBackend, DeviceInfo, HiddenDevices, Target, describe, visibility_setting
 
 #: The compute dtypes a simulated GPU reports (it computes on the host, which has them all but fp8).
 DTYPES = ("fp32", "fp16", "bf16")
@@ -34,14 +35,21 @@ class SimulatedBackend(DeviceBackend):
     Args:
         devices: the simulated devices this backend reports in inventories (none: it serves only moves to
             devices made elsewhere, such as in tests).
+        hidden: the simulated devices a visibility setting hides, as a driver would report them.
     """
 
     name = "simulated"
     comfy_makes_room = False
-    can_pin = True
 
-    def __init__(self, devices: Sequence[SimulatedDevice] = ()) -> None:
+    @property
+    def can_pin(self) -> bool:
+        """Host memory can be page-locked for it, except on a platform of unified memory (Apple's, where a
+        simulated GPU is like MPS: no registration, no streams)."""
+        return not platform().unified_memory
+
+    def __init__(self, devices: Sequence[SimulatedDevice] = (), hidden: HiddenDevices | None = None) -> None:
         self.simulated = tuple(devices)
+        self.hidden = hidden
 
     # -- identity --------------------------------------------------------------------------------
 
@@ -50,6 +58,9 @@ class SimulatedBackend(DeviceBackend):
 
     def devices(self) -> list[DeviceInfo]:
         return [_info(device) for device in self.simulated]
+
+    def hidden_devices(self) -> HiddenDevices | None:
+        return self.hidden
 
     def reset_peaks(self) -> None:
         for device in self.simulated:
@@ -114,20 +125,21 @@ class SimulatedBackend(DeviceBackend):
 
     # -- streams and events ----------------------------------------------------------------------
 
-    def side_stream(self, target: Target) -> SimStream:
-        return target.link.side
+    def side_stream(self, target: Target) -> SimStream | None:
+        return None if platform().unified_memory else target.link.side
 
-    def current_stream(self, target: Target) -> SimStream:
-        return target.link.current
+    def current_stream(self, target: Target) -> SimStream | None:
+        return None if platform().unified_memory else target.link.current
 
     def on_stream(self, stream: Any) -> contextlib.AbstractContextManager[None]:
         return _on(stream)
 
-    def record(self, stream: Any) -> SimEvent:
-        return stream.link.record(stream)
+    def record(self, stream: Any) -> SimEvent | None:
+        return None if stream is None else stream.link.record(stream)
 
     def wait(self, stream: Any, event: Any) -> None:
-        stream.link.wait(stream, event)
+        if stream is not None:
+            stream.link.wait(stream, event)
 
     def synchronize(self, target: Target) -> None:
         target.link.synchronize()
@@ -146,8 +158,8 @@ class SimulatedBackend(DeviceBackend):
     def pin(self, pointer: int, size: int) -> bool:
         return REGISTRY.register(pointer, size)
 
-    def unpin(self, pointer: int) -> None:
-        REGISTRY.unregister(pointer)
+    def unpin(self, pointer: int) -> bool:
+        return REGISTRY.unregister(pointer)
 
     def take_error(self) -> str | None:
         return REGISTRY.take_error()
@@ -191,6 +203,28 @@ def _info(device: SimulatedDevice) -> DeviceInfo:
     )
 
 
-def simulated_backends(devices: Sequence[SimulatedDevice]) -> list[DeviceBackend]:
-    """What the settings add to the inventory for ``devices``: their backend, or nothing without devices."""
-    return [SimulatedBackend(devices)] if devices else []
+def simulated_backends(
+    devices: Sequence[SimulatedDevice], environ: Mapping[str, str] | None = None
+) -> list[DeviceBackend]:
+    """What the settings add to the inventory for ``devices``: their backend, or nothing without devices. As a
+    CUDA driver does, ``CUDA_VISIBLE_DEVICES`` (ComfyUI sets it to ``0`` on Windows unless started with
+    ``--cuda-device all``) keeps the devices it lists, in its order, and the backend reports the others hidden."""
+    if not devices:
+        return []
+    setting = visibility_setting(environ)
+    if setting is None:
+        return [SimulatedBackend(devices)]
+    visible = [devices[index] for index in _listed(setting.split("=", 1)[1]) if index < len(devices)]
+    hidden = HiddenDevices(len(devices) - len(visible), len(devices), setting) if len(visible) < len(devices) else None
+    return [SimulatedBackend(visible, hidden)]
+
+
+def _listed(value: str) -> list[int]:
+    """The device numbers a visibility setting lists, read as CUDA reads them: up to the first that is not one."""
+    listed: list[int] = []
+    for item in value.split(","):
+        if not item.strip().isdigit():
+            break
+        if int(item) not in listed:
+            listed.append(int(item))
+    return listed
