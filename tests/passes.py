@@ -64,6 +64,7 @@ EVERY_VERSION_MODULES = frozenset(
         "test_patch_oracle",
         "test_placement_from_any_state",
         "test_placement_takeover",
+        "test_platforms",
         "test_split_books",
         "test_split_comfy_models",
         "test_split_loaders",

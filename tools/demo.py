@@ -83,8 +83,9 @@ def main() -> int:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     started = time.monotonic()
-    for stop_signal in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # every way of stopping the demo
-        signal.signal(stop_signal, _interrupt)  # stops its ComfyUI too
+    for name in ("SIGINT", "SIGTERM", "SIGHUP"):  # every way of stopping the demo this OS has (no SIGHUP on Windows)
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), _interrupt)  # stops its ComfyUI too
 
     provision(args.comfyui)
     log.info("[Device Control] making the synthetic SD1.5 checkpoint (cached after the first run)")

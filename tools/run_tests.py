@@ -2,12 +2,17 @@
 ComfyUI 0.3.75, then the version checks (integration and browser tiers, ``tests/passes.py``) on 0.28.0 (a part of
 them) and on 0.33.0, the newest, whose pass also runs the long reliability checks.
 
+The platforms users run are simulated (``core.devices.sim.platforms``): the core tier runs on this machine and again
+under each simulated platform (Windows, 64 KiB-page arm64 Linux, macOS), beside the 0.3.75 pass; the 0.33.0 pass
+runs its ComfyUI servers under the Windows profile, so every streamed Move To GPU there goes through Windows' surface.
+
 ComfyUI 0.28.0 and 0.33.0 come from source archives beside the repository (``../shared/comfyui/``); where one is
 absent (a user's clone) its tiers are skipped with one line, and under ``CI=true`` that is a failure.
 
     python3 tools/run_tests.py            # everything; extra arguments go to pytest (each pass)
     python3 tools/run_tests.py --quick    # while working on a change: the core tier and one integration test
                                           # per node, on ComfyUI 0.3.75 only (under 10 minutes)
+    python3 tools/run_tests.py --core     # the core tier alone, on this machine's OS (the platform matrix)
 
 Every tier must run: a tier that cannot (no ComfyUI, no Chromium) fails instead of being skipped.
 """
@@ -21,13 +26,16 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from any folder
 
 from tests.quick import QUICK
-from tools.runtime import PRIMARY_VERSION, RELEASES, REPO, TESTED_VERSIONS, missing_source, provision
+from tools.runtime import NEWEST_TESTED, PRIMARY_VERSION, RELEASES, REPO, TESTED_VERSIONS, missing_source, provision
 
 log = logging.getLogger("device_control.tools")
 #: Each pass ends with its slowest tests: where the time of a run goes, in every CI log.
@@ -63,6 +71,12 @@ def arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help=f"the core tier and one integration test per node (tests/quick.py), on ComfyUI {PRIMARY_VERSION} "
         "only, without lint or the browser tier: a check while working on a change, not a substitute for the run",
     )
+    parser.add_argument(
+        "--core",
+        action="store_true",
+        help="the core tier alone, on this machine as it is (no simulated platform): what the Windows, macOS and "
+        "Linux runners of the platform matrix (.github/workflows/platforms.yml) run",
+    )
     return parser.parse_known_args(argv)
 
 
@@ -75,11 +89,13 @@ def main() -> int:
         disk_free_gb(),
         DISK_NEEDED_GB,
     )
+    if options.core:
+        core = Step.one([str(provision()), "-m", "pytest", *DURATIONS, "tests/core", *pytest_args], PRIMARY_VERSION)
+        return run_stages([[core]], started)
     if options.quick:
         python = provision()
-        return run_stages(
-            [[(PRIMARY_VERSION, [str(python), "-m", "pytest", *DURATIONS, *QUICK, *pytest_args])]], started
-        )
+        quick = Step.one([str(python), "-m", "pytest", *DURATIONS, *QUICK, *pytest_args], PRIMARY_VERSION)
+        return run_stages([[quick]], started)
     absent = {version: missing_source(version) for version in RELEASES if missing_source(version)}
     for version, reason in absent.items():
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
@@ -87,30 +103,64 @@ def main() -> int:
             return 1
         log.warning("[Device Control] SKIPPED the ComfyUI %s tiers: %s.", version, reason)
     python = provision(browser=True, versions=tuple(v for v in RELEASES if v not in absent))
-    primary, *others = (v for v in TESTED_VERSIONS if v not in absent)
+    return run_stages(full_run(python, [v for v in TESTED_VERSIONS if v not in absent], pytest_args), started)
+
+
+#: The setting that chooses a simulated platform, and the platforms (``core.devices.sim.platforms``, which this
+#: script does not import: it runs before the runtime that has torch exists; a core test keeps the two the same).
+PLATFORM_ENV = "DEVICE_CONTROL_SIMULATE_PLATFORM"
+PROFILES = ("windows", "linux-64k", "macos")
+#: The simulated platform each ComfyUI's pass runs its servers under (none: this machine's own).
+PASS_PLATFORMS = {NEWEST_TESTED: "windows"}
+
+
+@dataclass(frozen=True)
+class Step:
+    """Commands run one after the other (each with settings of its own), under a label; the steps of a stage run
+    side by side."""
+
+    label: str
+    commands: tuple[tuple[dict[str, str], tuple[str, ...]], ...]
+
+    @classmethod
+    def one(cls, command: list[str], version: str = "", **env: str) -> Step:
+        """One command, on ComfyUI ``version`` (none: no ComfyUI), with settings ``env``."""
+        settings = {**({"DEVICE_CONTROL_COMFYUI": version} if version else {}), **env}
+        label = " ".join(command[2:]) + (f" (ComfyUI {version})" if version else "")
+        label += f" (simulated {env[PLATFORM_ENV]})" if PLATFORM_ENV in env else ""
+        return cls(label, ((settings, tuple(command)),))
+
+
+def full_run(python: Path, versions: list[str], pytest_args: list[str]) -> list[list[Step]]:
+    """The stages of a whole run on ``versions`` (the primary first)."""
     pytest = [str(python), "-m", "pytest", *DURATIONS]
-    lint = [
-        ("", [str(python), "-m", "ruff", "check", "."]),
-        ("", [str(python), "-m", "ruff", "format", "--check", "."]),
-    ]
+    ruff = [str(python), "-m", "ruff"]
+    lint = [Step.one([*ruff, "check", "."]), Step.one([*ruff, "format", "--check", "."])]
+    primary = versions[0]
     if pytest_args:  # what was asked for, in each pass
-        stages = [[step] for step in lint] + [[(version, [*pytest, *pytest_args])] for version in (primary, *others)]
-        return run_stages(stages, started)
+        return [[step] for step in lint] + [[Step.one([*pytest, *pytest_args], version)] for version in versions]
     # The lint, the core tier (it does not import ComfyUI) and the synthetic models the other tiers load run side
-    # by side (they take little memory); then the tiers that run ComfyUI, on each version in turn.
-    fixtures = (primary, [str(python), "-m", "tools.make_fixtures"])
-    stages = [[*lint, (primary, [*pytest, "tests/core"]), fixtures]]
-    stages += [[(version, [*pytest, "tests/integration", "tests/browser"])] for version in (primary, *others)]
-    return run_stages(stages, started)
-
-
-Step = tuple[str, list[str]]
+    # by side (they take little memory); then the tiers that run ComfyUI, on each version in turn, the first beside
+    # the core tier under each simulated platform, one after the other (each pytest has a folder of its own: two
+    # side by side would remove each other's).
+    fixtures = Step.one([str(python), "-m", "tools.make_fixtures"], primary)
+    stages = [[*lint, Step.one([*pytest, "tests/core"], primary), fixtures]]
+    scratch = Path(tempfile.gettempdir()) / f"device-control-core-{os.getpid()}"
+    profiles = [
+        Step.one([*pytest, "tests/core", f"--basetemp={scratch / name}"], primary, **{PLATFORM_ENV: name})
+        for name in PROFILES
+    ]
+    simulated = Step("the core tier under " + ", ".join(PROFILES), tuple(c for step in profiles for c in step.commands))
+    for version in versions:
+        tiers = [*pytest, "tests/integration", "tests/browser"]
+        platform = {PLATFORM_ENV: PASS_PLATFORMS[version]} if version in PASS_PLATFORMS else {}
+        stages.append([Step.one(tiers, version, **platform), *([simulated] if version == primary else [])])
+    return stages
 
 
 def run_stages(stages: list[list[Step]], started: float) -> int:
-    """Run each stage in turn, the steps of a stage side by side (a step: a ComfyUI version, or none, and a
-    command); stop after the first stage with a step that fails. A stage of several steps prints each one's output
-    when it ends, whole, in the order given."""
+    """Run each stage in turn, the steps of a stage side by side; stop after the first stage with a step that
+    fails. A stage of several steps prints each one's output when it ends, whole, in the order given."""
     env = {**os.environ, "DEVICE_CONTROL_REQUIRE_ALL_TIERS": "1"}
     for stage in stages:
         failed = _run_one(stage[0], env) if len(stage) == 1 else _run_side_by_side(stage, env)
@@ -124,43 +174,46 @@ def run_stages(stages: list[list[Step]], started: float) -> int:
     return 0
 
 
-def _label(step: Step) -> str:
-    version, command = step
-    return " ".join(command[2:]) + (f" (ComfyUI {version})" if version else "")
-
-
-def _env_of(step: Step, env: dict[str, str]) -> dict[str, str]:
-    return {**env, "DEVICE_CONTROL_COMFYUI": step[0]} if step[0] else env
+def _commands(step: Step, env: dict[str, str], **output: Any) -> int:
+    """Run ``step``'s commands in turn until one fails; its exit status (0 when all passed)."""
+    for settings, command in step.commands:
+        done = subprocess.run(list(command), cwd=REPO, env={**env, **settings}, check=False, **output)
+        if done.returncode != 0:
+            return done.returncode
+    return 0
 
 
 def _run_one(step: Step, env: dict[str, str]) -> str | None:
-    """Run a step with its output going straight through; the label of a failed step, or ``None``."""
-    log.info("[Device Control] $ %s", _label(step))
-    done = subprocess.run(step[1], cwd=REPO, env=_env_of(step, env), check=False)
-    return _label(step) if done.returncode != 0 else None
+    """Run a step with its output going straight through; its label if it failed, else ``None``."""
+    log.info("[Device Control] $ %s", step.label)
+    return step.label if _commands(step, env) != 0 else None
 
 
 def _run_side_by_side(stage: list[Step], env: dict[str, str]) -> str | None:
-    """Start every step of ``stage`` at once, then print each one's output in turn; the labels of those that
-    failed, or ``None``."""
+    """Start every step of ``stage`` at once (each in a thread of its own: a step may be several commands in turn),
+    then print each one's output in turn; the labels of those that failed, or ``None``."""
     with tempfile.TemporaryDirectory(prefix="device-control-steps-") as folder:
         outputs = [Path(folder) / f"{index}.log" for index in range(len(stage))]
-        running = []
-        for step, output in zip(stage, outputs, strict=True):
-            log.info("[Device Control] $ %s (side by side)", _label(step))
-            with open(output, "wb") as sink:
-                running.append(
-                    subprocess.Popen(step[1], cwd=REPO, env=_env_of(step, env), stdout=sink, stderr=subprocess.STDOUT)
-                )
-        codes = [process.wait() for process in running]
+        codes: dict[int, int] = {}
+
+        def run(index: int, step: Step) -> None:
+            with open(outputs[index], "wb") as sink:
+                codes[index] = _commands(step, env, stdout=sink, stderr=subprocess.STDOUT)
+
+        threads = [threading.Thread(target=run, args=(index, step)) for index, step in enumerate(stage)]
+        for step, thread in zip(stage, threads, strict=True):
+            log.info("[Device Control] $ %s (side by side)", step.label)
+            thread.start()
+        for thread in threads:
+            thread.join()
         failed = []
-        for step, output, code in zip(stage, outputs, codes, strict=True):
-            log.info("[Device Control] output of %s (exit %d):", _label(step), code)
+        for index, step in enumerate(stage):
+            log.info("[Device Control] output of %s (exit %d):", step.label, codes[index])
             sys.stdout.flush()
-            sys.stdout.buffer.write(output.read_bytes())
+            sys.stdout.buffer.write(outputs[index].read_bytes())
             sys.stdout.flush()
-            if code != 0:
-                failed.append(_label(step))
+            if codes[index] != 0:
+                failed.append(step.label)
     return ", ".join(failed) or None
 
 

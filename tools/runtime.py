@@ -136,8 +136,9 @@ def runtime_dir() -> Path:
 
 
 def venv_python() -> Path:
-    """The runtime's Python interpreter."""
-    return runtime_dir() / "venv" / "bin" / "python"
+    """The runtime's Python interpreter (``Scripts\\python.exe`` in a Windows virtual environment)."""
+    venv = runtime_dir() / "venv"
+    return venv / "Scripts" / "python.exe" if os.name == "nt" else venv / "bin" / "python"
 
 
 def comfyui_dir(version: str = DEFAULT_VERSION) -> Path:

@@ -50,6 +50,7 @@ class Platform:
         registration_limit: the share of RAM past which the driver refuses to page-lock more (Windows: about
             half); ``None`` where no such limit is known.
         unified_memory: the devices share the host's memory (Apple silicon): nothing to page-lock, no streams.
+        nvml: the file name of NVIDIA's management library here (how many GPUs the driver has); empty: none.
         ram: the bytes of RAM (``None``: as the OS reports them).
     """
 
@@ -60,6 +61,7 @@ class Platform:
     open_library: Callable[[str], Any]
     registration_limit: float | None = None
     unified_memory: bool = False
+    nvml: str = ""
     ram: int | None = None
 
     def ram_bytes(self) -> int:
@@ -112,6 +114,7 @@ def os_platform() -> Platform:
         # Windows' driver refuses page-locking past about half of RAM (ComfyUI caps its own at 40 % there).
         registration_limit=0.5 if name == "windows" else None,
         unified_memory=name == "macos",
+        nvml={"windows": "nvml.dll", "macos": ""}.get(name, "libnvidia-ml.so.1"),
     )
 
 
@@ -243,6 +246,25 @@ def runtime_function(libraries: Sequence[str], name: str, *, text: bool = False)
 
 def _as_text(value: Any) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def nvidia_driver_devices() -> int | None:
+    """How many NVIDIA GPUs the driver has, whatever ``CUDA_VISIBLE_DEVICES`` hides from this process (its
+    management library counts them all); ``None`` where that library is not here. (torch's own count loads the
+    library by its Linux name only, so it cannot tell on Windows.)"""
+    found = platform()
+    if not found.nvml:
+        return None
+    try:
+        nvml = found.open_library(found.nvml)
+        if nvml.nvmlInit_v2() != 0:
+            return None
+        count = ctypes.c_uint(0)
+        status = nvml.nvmlDeviceGetCount_v2(ctypes.byref(count))
+        nvml.nvmlShutdown()
+    except (OSError, AttributeError):
+        return None
+    return int(count.value) if status == 0 else None
 
 
 #: ``cudaHostRegisterPortable``: the registered range is usable from every device.

@@ -37,6 +37,8 @@ from .host_memory import page_size, platform
 ALREADY_MAPPED = "part or all of the requested memory range is already mapped"
 #: CUDA's text for a registration the driver refuses for want of memory (Windows past about half of RAM).
 OUT_OF_MEMORY = "out of memory"
+#: The text of a registration a device of unified memory cannot make (``cudaErrorNotSupported``'s).
+NOT_SUPPORTED = "operation not supported"
 #: CUDA's text for unregistering what was never registered (``cudaErrorHostMemoryNotRegistered``).
 NOT_REGISTERED = "pointer does not correspond to a registered memory region"
 
@@ -118,6 +120,10 @@ class HostRegistry:
             start = self._starts[at - 1]
             size = self._ranges[start]
         return pointer + max(nbytes, 1) <= start + size
+
+    def refuse(self, message: str) -> None:
+        """Leave ``message`` pending as a refused call's error (a device that cannot register at all)."""
+        self._fail(message)
 
     def _fail(self, message: str) -> None:
         with self._lock:

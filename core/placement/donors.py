@@ -27,6 +27,7 @@ from ..devices.transfer import CASTS_ANYWHERE
 from .pipeline import place_split
 from .plan import STREAM_COPIES, Layer
 from .ring import Ring
+from .slabs import carried_bytes
 from .split import ACTIVATIONS, Split
 from .streaming import NO_HOOKS, LayerHooks, stream
 
@@ -63,8 +64,14 @@ def stream_room(split: Split) -> int:
     """Room the computing device (the first part's) should have for streamed copies: ``DONOR_COPIES`` of the
     largest layer the other parts hold (the most :func:`place_streamed` takes). Known before anything moves, so
     room can be made for it with the part."""
-    donated = (layer.nbytes for part in split.parts[1:] for block in part.blocks for layer in block.layers)
+    donated = (_carried(layer) for part in split.parts[1:] for block in part.blocks for layer in block.layers)
     return DONOR_COPIES * max(donated, default=0)
+
+
+def _carried(layer: Layer) -> int:
+    """The bytes a donor's layer takes in a ring slot (its tensors aligned as in its slab), at least its own (a
+    layer whose cast is its own copies its tensors as they are)."""
+    return max(layer.nbytes, carried_bytes(layer.module))
 
 
 def place_streamed(
@@ -101,7 +108,7 @@ def place_streamed(
                     for name, _tensor, _is_param in list(own_tensors(layer.module)):
                         move_own(layer.module, name, target)
                     moved_in.append(layer)
-    largest = max((layer.nbytes for layer in streamed), default=0)
+    largest = max((_carried(layer) for layer in streamed), default=0)
     room = max(STREAM_COPIES * largest, min(DONOR_COPIES * largest, free_bytes(target) - keep_free))
     rings = []
     for modules in by_donor.values():  # the room less the layer computing (its cast), shared by the donors' rings

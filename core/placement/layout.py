@@ -23,7 +23,7 @@ from ..devices.backends import Target
 from ..devices.slices import SLICES
 from ..devices.transfer import GROUPED
 from .members import Group, Member, Piece
-from .slabs import Part, Slab, aligned, bias_first, layer_bytes, pack, parts_of, tensors_of
+from .slabs import Part, Slab, aligned, bias_first, carried_bytes, pack, parts_of, tensors_of
 
 if TYPE_CHECKING:
     from .ring import Ring
@@ -125,7 +125,7 @@ def lay_out(
     layout = _Layout(ring, kept, target)
     batch, size = [], 0
     for module in modules:
-        sliced, nbytes = SLICES in module.__dict__, layer_bytes(module)
+        sliced, nbytes = SLICES in module.__dict__, carried_bytes(module)
         if batch and (sliced or size + nbytes > group_bytes):
             layout.add(batch)
             batch, size = [], 0

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..devices.slices import ROW_QUANTUM, RowSlices, ready_bytes, row_slices
+from .slabs import aligned, groupable, layer_bytes
 
 if TYPE_CHECKING:
     from .plan import Layer
@@ -63,8 +64,22 @@ def options_of(streamable: Sequence[Layer], unit: int, multiples: Multiples) -> 
             slices = row_slices(layer.rows, layer.row_bytes, unit, multiple, extra)
         piece = layer.nbytes if slices is None else slices.largest * layer.row_bytes + extra
         rows = None if slices is None else slices.largest
-        options[id(layer)] = Option(piece, slices, ready_bytes(layer.module, piece, rows))
+        ready = ready_bytes(layer.module, piece, rows)
+        options[id(layer)] = Option(carried(layer, slices), slices, ready)
     return options
+
+
+def carried(layer: Layer, slices: RowSlices | None) -> int:
+    """The device bytes the largest piece of ``layer`` takes in a ring slot: a ring's slot mirrors its host slab,
+    where every tensor starts on a page of its own (``core.placement.slabs``), so on a host of 64 KiB pages a
+    256-byte bias takes 64 KiB there. A layer no ring carries (a cast of its own) copies its tensors as they are."""
+    extra = layer.nbytes - layer.rows * layer.row_bytes  # the bias
+    rows = layer.rows if slices is None else slices.largest
+    if not groupable(layer.module):
+        return rows * layer.row_bytes + extra if layer.rows else layer.nbytes
+    if slices is None:
+        return layer_bytes(layer.module)
+    return aligned(rows * layer.row_bytes) + (aligned(extra) if extra else 0)
 
 
 def largest(ways: Sequence[Option | None]) -> Option | None:

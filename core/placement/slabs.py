@@ -94,18 +94,35 @@ def tensors_of(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def layer_bytes(module: torch.nn.Module) -> int:
+    """The bytes ``module``'s weight and bias take in a host slab, and so in a ring slot: each on pages of its own."""
     return sum(aligned(tensor.numel() * tensor.element_size()) for _name, tensor in tensors_of(module))
 
 
+def carried_bytes(module: torch.nn.Module) -> int:
+    """The bytes ``module``'s weight and bias take in a slab where they are now, and so in a ring slot: on pages of
+    their own in host memory, aligned for vectorised loads in a donor device's memory."""
+    tensors = tensors_of(module)
+    align = _align_of(tensors[0][1]) if tensors else None
+    return sum(aligned(tensor.numel() * tensor.element_size(), align) for _name, tensor in tensors)
+
+
 def piece_bytes(module: torch.nn.Module) -> int:
-    """The most bytes one computation of a streamed layer copies: the whole layer, or, streamed in row slices, its
-    largest slice with its bias."""
+    """The most bytes one computation of a streamed layer copies, as its slab holds them: the whole layer, or,
+    streamed in row slices, its largest slice with its bias."""
     slices = module.__dict__.get(SLICES)
     if slices is None:
-        return layer_bytes(module)
+        return carried_bytes(module)
     weight, bias = module._parameters["weight"], module._parameters.get("bias")
+    align = _align_of(weight)
     row = weight.numel() // weight.size(0) * weight.element_size()
-    return aligned(slices.largest * row) + (0 if bias is None else aligned(bias.numel() * bias.element_size()))
+    return aligned(slices.largest * row, align) + (
+        0 if bias is None else aligned(bias.numel() * bias.element_size(), align)
+    )
+
+
+def _align_of(tensor: torch.Tensor) -> int:
+    """What a slab aligns ``tensor`` to where it lives: a page in host memory, a vector in a donor device's."""
+    return page_size() if backend_of(target_of(tensor)).is_host else DEVICE_ALIGN
 
 
 def bias_first(module: torch.nn.Module) -> bool:

@@ -8,8 +8,8 @@ import torch
 from core.devices.simlink import LinkCost
 from core.devices.simulated import SimulatedDevice
 from core.placement.engine import partial_model_of
-from core.placement.plan import STREAM_COPIES
 from core.weights import ops
+from tests.core.small_net import reserve_of, width
 
 MiB = 1024**2
 LAYERS = 8
@@ -21,7 +21,7 @@ class Net(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.layers = torch.nn.ModuleList(ops.Linear(64, 64) for _ in range(LAYERS))
+        self.layers = torch.nn.ModuleList(ops.Linear(width(), width()) for _ in range(LAYERS))
         self.reverse = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -38,8 +38,8 @@ def streamed_net(
     device = SimulatedDevice(64 * MiB, link=link)
     net = Net().to(stored)
     engine = partial_model_of(net)
-    engine.load(device, (resident_layers + STREAM_COPIES) * engine.layers()[0].nbytes)
-    return net, device, torch.randn(2, 64, generator=torch.Generator().manual_seed(1))
+    engine.load(device, resident_layers * engine.layers()[0].nbytes + reserve_of(engine.layers()[:1]))
+    return net, device, torch.randn(2, width(), generator=torch.Generator().manual_seed(1))
 
 
 def on_host(net: Net, x: torch.Tensor) -> torch.Tensor:

@@ -5,10 +5,19 @@ from __future__ import annotations
 
 import torch
 
+from core.devices.host_memory import page_size
 from core.devices.simtensor import SimTensor
 from core.devices.simulated import SimulatedDevice
-from core.placement.plan import STREAM_COPIES, layers_of
+from core.placement.plan import Layer, layers_of, stream_reserve
+from core.placement.slabs import layer_bytes
 from core.weights import ops
+
+
+def width() -> int:
+    """The width of the small nets' layers: 64 on hosts of 4 KiB pages, wider on hosts of larger pages (a ring slot
+    holds each tensor on pages of its own, as its host slab does), so a layer takes as many pages on every
+    platform."""
+    return 64 * round((page_size() // 4096) ** 0.5)
 
 
 class Scale(torch.nn.Module):
@@ -30,12 +39,13 @@ class Net(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.first = ops.Linear(64, 64)
-        self.norm = ops.LayerNorm(64)
-        self.middle = ops.Linear(64, 512)
-        self.fixed = Scale(512)
-        self.back = ops.Linear(512, 64)
-        self.tail = torch.nn.Sequential(*(ops.Linear(64, 64) for _ in range(6)))
+        wide = width()
+        self.first = ops.Linear(wide, wide)
+        self.norm = ops.LayerNorm(wide)
+        self.middle = ops.Linear(wide, 8 * wide)
+        self.fixed = Scale(8 * wide)
+        self.back = ops.Linear(8 * wide, wide)
+        self.tail = torch.nn.Sequential(*(ops.Linear(wide, wide) for _ in range(6)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm(self.first(x))
@@ -46,7 +56,14 @@ class Net(torch.nn.Module):
 def partial_budget(net: Net) -> int:
     """Room for the big layers and the fixed one; the small ones stream."""
     size = sizes(net)
-    return size["fixed"] + size["middle"] + size["back"] + size["norm"] + STREAM_COPIES * size["first"]
+    first = next(layer for layer in layers_of(net) if layer.name == "first")
+    return size["fixed"] + size["middle"] + size["back"] + size["norm"] + reserve_of([first])
+
+
+def reserve_of(layers: list[Layer]) -> int:
+    """The streaming reserve a plan keeps for streaming ``layers`` whole: their pieces as a ring slot holds them
+    (each tensor on pages of its own, as in its host slab) and one made ready to compute."""
+    return stream_reserve(max(layer_bytes(layer.module) for layer in layers), max(layer.nbytes for layer in layers))
 
 
 def sizes(net: torch.nn.Module) -> dict[str, int]:

@@ -8,9 +8,9 @@ import torch
 
 from core.devices.simulated import SimulatedDevice
 from core.placement.engine import partial_model_of
-from core.placement.plan import STREAM_COPIES
 from core.weights import ops
 from tests.core.order_net import Net
+from tests.core.small_net import reserve_of, width
 
 MiB = 1024**2
 
@@ -28,18 +28,18 @@ def test_resident_layers_in_the_compute_dtype_leave_the_cast_path_and_streamed_o
         layer.comfy_cast_weights = True  # as a load to the CPU leaves them (float16 computed in float32 there)
     device = SimulatedDevice(64 * MiB)
     engine = partial_model_of(net)
-    engine.load(device, (3 + STREAM_COPIES) * engine.layers()[0].nbytes)
+    engine.load(device, 3 * engine.layers()[0].nbytes + reserve_of(engine.layers()[:1]))
     ops.set_cast_flags(net, torch.float32, None)  # on this device it computes in its stored dtype
     resident, streamed = _flags(net)
     assert resident and not any(resident) and streamed and all(streamed)
-    x = torch.randn(2, 64)
+    x = torch.randn(2, width())
     with torch.no_grad():
         net(device.place(x))
     engine.unload_all()
     assert _flags(net) == ([False] * len(net.layers), [])  # offloaded: the flags it has now, not the CPU load's
     engine.load(device, engine.total_bytes())
     assert _flags(net) == ([False] * len(net.layers), [])
-    engine.load(device, (3 + STREAM_COPIES) * engine.layers()[0].nbytes)
+    engine.load(device, 3 * engine.layers()[0].nbytes + reserve_of(engine.layers()[:1]))
     resident, streamed = _flags(net)
     assert not any(resident) and streamed and all(streamed)
 

@@ -16,6 +16,7 @@ from core.devices.tensors import HOST, traffic
 from core.placement.donors import DONOR_COPIES, place_streamed, stream_room
 from core.placement.plan import STREAM_COPIES
 from core.placement.prefetch import settle
+from core.placement.slabs import carried_bytes
 from core.placement.split import ACTIVATIONS
 from tests.core.split_net import FluxShaped, inputs, split_of
 
@@ -38,7 +39,8 @@ def test_the_first_gpu_computes_and_the_donors_stream_their_parts_to_it_ahead_of
     assert {layer.name for layer in streamed.layers} == {
         layer.name for part in split.parts[1:] for block in part.blocks for layer in block.layers
     }
-    assert streamed.reserve_bytes == DONOR_COPIES * max(layer.nbytes for layer in streamed.layers) == stream_room(split)
+    carried = max(carried_bytes(layer.module) for layer in streamed.layers)  # each tensor as its slab holds it
+    assert streamed.reserve_bytes == DONOR_COPIES * carried == stream_room(split)
     before, lent_before = traffic(compute).to_device, traffic(donor).to_peer
     for _ in range(2):  # the first pass learns the order, the second copies ahead
         with torch.no_grad():

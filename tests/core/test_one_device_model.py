@@ -24,8 +24,9 @@ from core.devices.tensors import move_own, traffic
 from core.devices.transfer import to_target
 from core.errors import InvalidSizeError
 from core.placement.engine import partial_model_of
-from core.placement.plan import STREAM_COPIES
 from core.weights import ops
+from tests.core.platform_marks import STREAMS_AND_PINNING
+from tests.core.small_net import reserve_of, width
 
 REPO = Path(__file__).resolve().parents[2]
 PRODUCT = [REPO / "__init__.py", *sorted((REPO / "core").rglob("*.py")), *sorted((REPO / "nodes").rglob("*.py"))]
@@ -127,15 +128,16 @@ def _half_streamed(device: SimulatedDevice) -> tuple[torch.nn.Module, torch.Tens
     """An eight-layer net with two layers resident on ``device`` and six streaming; an input and the output the
     net gives on the host before it moved."""
     torch.manual_seed(0)
-    net = torch.nn.Sequential(*(ops.Linear(64, 64) for _ in range(8)))
-    x = torch.randn(2, 64)
+    net = torch.nn.Sequential(*(ops.Linear(width(), width()) for _ in range(8)))
+    x = torch.randn(2, width())
     expected = net(x)
     engine = partial_model_of(net)
-    engine.load(device, (2 + STREAM_COPIES) * engine.layers()[0].nbytes)
+    engine.load(device, 2 * engine.layers()[0].nbytes + reserve_of(engine.layers()[:1]))
     assert 0 < engine.resident_bytes(device) < engine.total_bytes()
     return net, device.place(x), expected
 
 
+@STREAMS_AND_PINNING
 def test_streamed_weights_are_copied_on_the_side_stream_and_waited_for():
     device = SimulatedDevice(64 * MiB)
     net, x, expected = _half_streamed(device)
@@ -148,6 +150,7 @@ def test_streamed_weights_are_copied_on_the_side_stream_and_waited_for():
     assert torch.equal(out.cpu(), expected)
 
 
+@STREAMS_AND_PINNING
 def test_a_missing_wait_is_caught(monkeypatch):
     device = SimulatedDevice(64 * MiB)
     net, x, _expected = _half_streamed(device)
@@ -186,6 +189,7 @@ def test_a_malformed_link_names_the_form(text):
         LinkCost.parse(text)
 
 
+@STREAMS_AND_PINNING
 def test_copies_take_the_links_time_and_side_stream_copies_overlap_the_host():
     device = SimulatedDevice(256 * MiB, link=LinkCost(bandwidth=100 * MiB / 0.1, latency=0.0))  # 100 MiB: 0.1 s
     data = torch.zeros(100 * MiB // 4)

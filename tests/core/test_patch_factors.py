@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import torch
 
+from core.devices.host_memory import page_size
 from core.devices.pinned import pinned_memory
 from core.devices.simulated import SimulatedDevice
 from core.placement.engine import partial_model_of
@@ -22,6 +23,8 @@ from core.weights.patch_factors import factor_bytes
 from core.weights.patch_math import calculate_weight
 from core.weights.patching import OnTheFlyPatch
 from tests.core.order_net import LAYERS, Net
+from tests.core.platform_marks import STREAMS_AND_PINNING
+from tests.core.small_net import width
 from tests.core.test_quantized_layers import _quantise
 
 MiB = 1024**2
@@ -52,13 +55,13 @@ def _lora(rows: int, columns: int, seed: int, strength: float = 0.8) -> tuple:
 def _patched_net(patched: bool) -> tuple[Net, SimulatedDevice, dict]:
     """The net on a simulated GPU with every layer streaming, each weight with a LoRA when ``patched``."""
     net, device = Net(), SimulatedDevice(64 * MiB)
-    patches = {f"layers.{i}.weight": [_lora(64, 64, i)] for i in range(LAYERS)} if patched else {}
+    patches = {f"layers.{i}.weight": [_lora(width(), width(), i)] for i in range(LAYERS)} if patched else {}
     partial_model_of(net).load(device, 0, hooks=OnTheFly(patches))
     return net, device, patches
 
 
 def _copies_per_pass(net: Net, device: SimulatedDevice, passes: int = 3) -> list[int]:
-    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(2, width(), generator=torch.Generator().manual_seed(1))
     counts = []
     with torch.no_grad():
         for _ in range(passes):
@@ -83,7 +86,7 @@ def test_lora_factors_cross_once_per_load_then_never_again_while_the_layers_stre
 
 def test_the_patched_streamed_net_computes_the_host_patched_weights_bit_for_bit():
     net, device, patches = _patched_net(True)
-    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(2, width(), generator=torch.Generator().manual_seed(1))
     expected = x
     for i, layer in enumerate(net.layers):
         weight = calculate_weight(patches[f"layers.{i}.weight"], layer.weight.detach().clone(), f"layers.{i}.weight")
@@ -93,6 +96,7 @@ def test_the_patched_streamed_net_computes_the_host_patched_weights_bit_for_bit(
             assert torch.equal(device.release(net(device.place(x))), expected)
 
 
+@STREAMS_AND_PINNING
 def test_factors_are_page_locked_while_kept_and_given_back_when_the_model_unloads():
     pinned, kept, left = pinned_memory(), {}, {}
     for patched in (False, True):
@@ -106,8 +110,8 @@ def test_factors_are_page_locked_while_kept_and_given_back_when_the_model_unload
         gc.collect()
         left[patched] = pinned.pinned_bytes - before[0]
         assert device.allocated() == 0
-    assert kept[True][0] - kept[False][0] == LAYERS * 4096  # one page-locked page per layer's factors
-    assert kept[True][1] - kept[False][1] == LAYERS * 2 * 64 * 4 * 4  # up and down in float32, on the device
+    assert kept[True][0] - kept[False][0] == LAYERS * page_size()  # one page-locked page per layer's factors
+    assert kept[True][1] - kept[False][1] == LAYERS * 2 * width() * 4 * 4  # up and down in float32, on the device
     assert left[True] == left[False]  # given back with the model's own
 
 
@@ -115,7 +119,7 @@ def test_a_patch_added_later_crosses_once_and_applies():
     plain = _copies_per_pass(*_patched_net(False)[:2])
     net, device, patches = _patched_net(True)
     _copies_per_pass(net, device, 1)
-    patches["layers.3.weight"].append(_lora(64, 64, 99, strength=0.5))  # as ComfyUI's add_patches appends
+    patches["layers.3.weight"].append(_lora(width(), width(), 99, strength=0.5))  # as ComfyUI's add_patches appends
     assert _copies_per_pass(net, device, 2) == [plain[1] + 1, plain[2]]  # that layer's factors, all, once
     layer = net.layers[3]
     weight = calculate_weight(patches["layers.3.weight"], layer.weight.detach().clone(), "layers.3.weight")

@@ -22,6 +22,7 @@ from core.placement import prefetch
 from core.placement.engine import partial_model_of
 from core.weights import ops
 from tests.core.order_net import MiB, on_host, streamed_net
+from tests.core.platform_marks import STREAMS_AND_PINNING
 
 
 def test_a_patch_function_never_changes_the_stored_weight_through_a_prefetched_copy():
@@ -40,6 +41,7 @@ def test_a_patch_function_never_changes_the_stored_weight_through_a_prefetched_c
     assert torch.equal(out.cpu(), expected)
 
 
+@STREAMS_AND_PINNING
 def test_a_prefetched_copy_used_without_waiting_is_caught(monkeypatch):
     net, device, x = streamed_net()
     net(device.place(x))
@@ -131,6 +133,7 @@ def test_slices_are_groups_of_the_ring_copied_ahead_one_after_another_within_the
     assert ring.ring_bytes == 0 and device.allocated() == engine.resident_bytes()
 
 
+@STREAMS_AND_PINNING
 def test_a_sliced_copy_used_without_waiting_is_caught(monkeypatch):
     net, device, x, _reference = _sliced_net()
     with torch.no_grad():

@@ -20,8 +20,10 @@ from core.devices.transfer import GROUPED, to_target
 from core.placement import prefetch
 from core.placement.engine import partial_model_of
 from tests.core.order_net import LAYERS, on_host, streamed_net
+from tests.core.platform_marks import STREAMS_AND_PINNING
 
 
+@STREAMS_AND_PINNING
 def test_whole_streamed_layers_go_through_the_ring_one_copy_per_group():
     net, device, x = streamed_net()
     ring = partial_model_of(net).ring
@@ -143,6 +145,7 @@ def test_weights_made_in_inference_mode_stream_through_the_ring():
     assert torch.equal(out.cpu(), again.cpu()) and torch.equal(out.cpu(), on_host(net, x))
 
 
+@STREAMS_AND_PINNING
 def test_unloading_frees_the_ring_and_unlocks_the_slabs_which_stay_the_weights_home():
     """Offload To CPU: nothing on the device, nothing page-locked, no weight copied (copying at every offload and
     load is RAM a long run's allocator keeps); the next load locks the same slabs again."""

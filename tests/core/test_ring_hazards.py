@@ -19,10 +19,11 @@ from core.devices.simlink import LinkCost
 from core.devices.simulated import SimulatedDevice
 from core.placement import prefetch
 from core.placement.engine import partial_model_of
-from core.placement.plan import STREAM_COPIES
 from core.placement.slabs import tensors_of
 from core.weights import ops
 from tests.core.order_net import on_host, streamed_net
+from tests.core.platform_marks import STREAMS_AND_PINNING
+from tests.core.small_net import reserve_of, width
 
 MiB = 1024**2
 
@@ -48,9 +49,9 @@ class Vae(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.encoder = torch.nn.Sequential(*(ops.Linear(64, 64) for _ in range(3)))
-        self.decoder = torch.nn.Sequential(*(ops.Linear(64, 64) for _ in range(4)))
-        self.post_quant_conv = ops.Linear(64, 64)
+        self.encoder = torch.nn.Sequential(*(ops.Linear(width(), width()) for _ in range(3)))
+        self.decoder = torch.nn.Sequential(*(ops.Linear(width(), width()) for _ in range(4)))
+        self.post_quant_conv = ops.Linear(width(), width())
 
     def decode(self, x: torch.Tensor) -> torch.Tensor:
         return self.decoder(self.post_quant_conv(x))
@@ -60,9 +61,9 @@ def test_a_model_run_once_per_use_gives_its_ring_back_whatever_order_its_layers_
     vae = Vae()
     device = SimulatedDevice(64 * MiB)
     engine = partial_model_of(vae)
-    engine.load(device, STREAM_COPIES * engine.layers()[0].nbytes)  # everything streams
+    engine.load(device, reserve_of(engine.layers()[:1]))  # everything streams
     engine.ring.wraps = False
-    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(2, width(), generator=torch.Generator().manual_seed(1))
     expected = x
     with torch.no_grad():
         for layer in (vae.post_quant_conv, *vae.decoder):
@@ -101,13 +102,13 @@ class Block(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.attn1 = ops.Linear(64, 64)
-        self.ff_in = ops.Linear(64, 256)
-        self.ff_out = ops.Linear(256, 64)
-        self.attn2 = ops.Linear(64, 64)
-        self.norm2 = ops.Linear(64, 64)
-        self.norm1 = ops.Linear(64, 64)
-        self.norm3 = ops.Linear(64, 64)
+        self.attn1 = ops.Linear(width(), width())
+        self.ff_in = ops.Linear(width(), 3 * width())
+        self.ff_out = ops.Linear(3 * width(), width())
+        self.attn2 = ops.Linear(width(), width())
+        self.norm2 = ops.Linear(width(), width())
+        self.norm1 = ops.Linear(width(), width())
+        self.norm3 = ops.Linear(width(), width())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in (self.norm1, self.attn1, self.norm2, self.attn2, self.norm3, self.ff_in, self.ff_out):
@@ -124,9 +125,9 @@ def test_groups_are_packed_in_the_order_the_model_runs_in_so_each_crosses_once_a
     net = torch.nn.Sequential(Block(), Block(), Block())
     device = SimulatedDevice(64 * MiB)
     engine = partial_model_of(net)
-    engine.load(device, STREAM_COPIES * max(layer.nbytes for layer in engine.layers()))
+    engine.load(device, reserve_of(engine.layers()))
     ring = engine.ring
-    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(2, width(), generator=torch.Generator().manual_seed(1))
     expected = x
     with torch.no_grad():
         for layer in (layer for block in net for layer in run_order(block)):
@@ -143,6 +144,7 @@ def test_groups_are_packed_in_the_order_the_model_runs_in_so_each_crosses_once_a
     assert torch.equal(first, expected) and torch.equal(last, expected)
 
 
+@STREAMS_AND_PINNING
 def test_slabs_the_pinned_cap_left_pageable_cross_through_staging_without_the_host_waiting(monkeypatch):
     """Past the pinned-memory cap, a slab stays pageable; a copy from pageable memory makes the host wait for it
     (and, on the side stream, for the computation before it). Staged through a small page-locked buffer, it does

@@ -25,6 +25,7 @@ from core.devices.pinned import PinnedMemory
 from core.devices.simhost import REGISTRY, MissingWaitError, PendingDeviceError
 from core.devices.simlink import LinkCost
 from core.devices.simulated import SimulatedDevice
+from tests.core.platform_marks import STREAMS_AND_PINNING
 
 MiB = 1024**2
 KiB = 1024
@@ -56,6 +57,7 @@ def pin(backend, tensor: torch.Tensor) -> bool:
 # -- host registration is page-granular, and its failure stays pending -----------------------------------------
 
 
+@STREAMS_AND_PINNING
 def test_a_range_touching_a_registered_page_fails_and_the_next_kernel_raises_cudas_error(device):
     backend, memory = backend_of(device), pages(4)
     weight = device.place(torch.ones(8))
@@ -70,6 +72,7 @@ def test_a_range_touching_a_registered_page_fails_and_the_next_kernel_raises_cud
         backend.unpin(first.data_ptr())
 
 
+@STREAMS_AND_PINNING
 def test_the_pending_error_reaches_the_next_copy_too_and_take_error_clears_it(device):
     backend, memory = backend_of(device), pages(2)
     assert pin(backend, memory[: page_size() + 1])  # reaches into the second page
@@ -85,6 +88,7 @@ def test_the_pending_error_reaches_the_next_copy_too_and_take_error_clears_it(de
         backend.unpin(memory.data_ptr())
 
 
+@STREAMS_AND_PINNING
 def test_ranges_on_pages_of_their_own_register_and_unpinning_frees_the_pages(device):
     backend, memory = backend_of(device), pages(3)
     low, high = memory[: page_size()], memory[page_size() : 3 * page_size()]
@@ -99,12 +103,14 @@ def test_ranges_on_pages_of_their_own_register_and_unpinning_frees_the_pages(dev
     backend.unpin(memory.data_ptr())
 
 
+@STREAMS_AND_PINNING
 def test_unpinning_what_was_never_registered_leaves_an_error_pending(device):
     backend = backend_of(device)
     backend.unpin(pages(1).data_ptr())
     assert "not correspond to a registered memory region" in backend.take_error()
 
 
+@STREAMS_AND_PINNING
 def test_the_pending_error_is_the_failing_threads_own(device):
     backend, memory = backend_of(device), pages(1)
     assert pin(backend, memory[:10])
@@ -118,6 +124,7 @@ def test_the_pending_error_is_the_failing_threads_own(device):
         backend.unpin(memory.data_ptr())
 
 
+@STREAMS_AND_PINNING
 def test_pinned_memory_reads_a_failed_registrations_error_back_so_no_kernel_raises_it(device):
     """ComfyUI (or anyone) locked part of a page; our lock of a range on that page fails, and PinnedMemory reads the
     error back at once, so the forward that follows runs."""
@@ -139,6 +146,7 @@ def costed(milliseconds_per_8k: float) -> SimulatedDevice:
     return SimulatedDevice(64 * MiB, link=cost)
 
 
+@STREAMS_AND_PINNING
 def test_a_copy_from_pageable_memory_holds_the_host_even_when_non_blocking_is_asked():
     device = costed(10.0)
     backend, link = backend_of(device), device.link
@@ -155,6 +163,7 @@ def test_a_copy_from_pageable_memory_holds_the_host_even_when_non_blocking_is_as
         backend.unpin(memory.data_ptr())
 
 
+@STREAMS_AND_PINNING
 def test_a_pageable_copy_into_a_ring_slot_holds_the_host():
     device = costed(10.0)
     backend, link = backend_of(device), device.link
@@ -164,6 +173,7 @@ def test_a_pageable_copy_into_a_ring_slot_holds_the_host():
     assert link.pageable_copies == 1 and link.host_wait_seconds > 0.01  # 10 ms pinned; slower from pageable
 
 
+@STREAMS_AND_PINNING
 def test_a_blocking_copy_waits_for_everything_queued_on_the_device_and_counts_as_a_synchronisation():
     device = costed(20.0)
     backend, link = backend_of(device), device.link
@@ -213,6 +223,7 @@ def fill(device: SimulatedDevice, slot: torch.Tensor, source: torch.Tensor, *, a
         return backend.record(side)
 
 
+@STREAMS_AND_PINNING
 def test_a_kernel_reading_a_ring_slot_before_its_copys_event_was_waited_for_raises(device):
     backend, memory = backend_of(device), pages(1)
     memory.fill_(3)
@@ -229,6 +240,7 @@ def test_a_kernel_reading_a_ring_slot_before_its_copys_event_was_waited_for_rais
         backend.unpin(memory.data_ptr())
 
 
+@STREAMS_AND_PINNING
 def test_a_copy_overwriting_a_slot_before_the_reads_of_its_old_contents_raises(device):
     with pinned_slot(device, 1) as (backend, memory, slot):
         backend.wait(backend.current_stream(device), fill(device, slot, memory))
@@ -238,6 +250,7 @@ def test_a_copy_overwriting_a_slot_before_the_reads_of_its_old_contents_raises(d
         backend.wait_host(fill(device, slot, memory))
 
 
+@STREAMS_AND_PINNING
 def test_the_host_writing_to_memory_a_queued_copy_still_reads_raises_when_it_waits(device):
     with pinned_slot(device, 2) as (backend, memory, slot):
         event = fill(device, slot, memory)
@@ -252,6 +265,7 @@ def test_the_host_writing_to_memory_a_queued_copy_still_reads_raises_when_it_wai
         memory.fill_(1)
 
 
+@STREAMS_AND_PINNING
 def test_a_host_wait_on_an_event_of_a_stream_that_waited_for_the_copy_frees_its_source(device):
     with pinned_slot(device, 1) as (backend, memory, slot):
         compute = backend.current_stream(device)
@@ -267,6 +281,7 @@ def test_a_host_wait_on_an_event_of_a_stream_that_waited_for_the_copy_frees_its_
             backend.synchronize(device)
 
 
+@STREAMS_AND_PINNING
 def test_freeing_memory_a_queued_copy_still_reads_raises_at_the_next_operation_on_the_device(device):
     backend = backend_of(device)
     weight = device.place(torch.ones(8))

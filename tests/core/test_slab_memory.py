@@ -19,8 +19,10 @@ from core.placement.ring import Ring
 from core.placement.slabs import layer_bytes
 from core.weights import ops
 from tests.core.order_net import MiB, streamed_net
+from tests.core.platform_marks import STREAMS_AND_PINNING
 
 
+@STREAMS_AND_PINNING
 def test_a_plan_with_nothing_to_stream_keeps_no_slab_locked():
     net, device, _x = streamed_net(resident_layers=2)
     engine = partial_model_of(net)

@@ -21,7 +21,7 @@ from core.placement.split_model import SplitRequest, load_split, plan_split, spl
 from core.placement.streaming import LayerHooks
 from core.weights import ops
 from tests.core.faults import OUT_OF_MEMORY, fail_moves
-from tests.core.split_net import FluxShaped, inputs
+from tests.core.split_net import WIDTH, FluxShaped, inputs
 
 
 class Doubling(LayerHooks):
@@ -125,7 +125,7 @@ def test_a_device_out_of_memory_raised_by_its_runtime_gives_every_layer_back_to_
 class Transformer(torch.nn.Module):
     def __init__(self, linear: type[torch.nn.Linear] = torch.nn.Linear) -> None:
         super().__init__()
-        self.layers = torch.nn.ModuleList(linear(32, 32) for _ in range(4))
+        self.layers = torch.nn.ModuleList(linear(WIDTH, WIDTH) for _ in range(8))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -149,7 +149,7 @@ class TextEncoderShaped(torch.nn.Module):
 @pytest.mark.parametrize("mode", ["pipeline", "stream"])
 def test_a_text_encoder_split_gives_its_output_back_beside_the_callers_mask(mode):
     encoder = TextEncoderShaped()
-    embeds, mask = torch.randn(2, 5, 32), (torch.rand(2, 5, 1) > 0.3).float()
+    embeds, mask = torch.randn(2, 5, WIDTH), (torch.rand(2, 5, 1) > 0.3).float()
     with torch.no_grad():
         expected = encoder(embeds, mask)
     gpus = SimulatedDevice(1 << 30, ordinal=0), SimulatedDevice(1 << 30, ordinal=1)
@@ -179,7 +179,7 @@ def test_a_streamed_text_encoder_leaves_no_copy_queued_for_a_call_that_may_not_c
     patcher drops them when sampling ends); a text encoder encodes a prompt and is not called again until the
     next one, so its last layer queues nothing for a next call."""
     encoder = TextEncoderShaped(ops.Linear)  # the pack's cast layers stream from a donor
-    embeds, mask = torch.randn(2, 5, 32), torch.ones(2, 5, 1)
+    embeds, mask = torch.randn(2, 5, WIDTH), torch.ones(2, 5, 1)
     gpus = SimulatedDevice(1 << 30, ordinal=0), SimulatedDevice(1 << 30, ordinal=1)
     request = SplitRequest(
         encoder,

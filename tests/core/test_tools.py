@@ -68,3 +68,11 @@ def test_hollow_keeps_every_byte_and_gives_back_the_disk_of_zero_blocks(tmp_path
         path.write_bytes(data)
         assert hollow(path) == path and path.read_bytes() == data
         assert path.stat().st_blocks * 512 < 1 << 20, name  # on a file system with holes (ext4, xfs, tmpfs)
+
+
+def test_the_run_simulates_every_platform_the_pack_has():
+    from core.devices.sim import platforms
+    from tools import run_tests
+
+    assert (run_tests.PLATFORM_ENV, run_tests.PROFILES) == (platforms.PLATFORM_ENV, platforms.PROFILES)
+    assert run_tests.PASS_PLATFORMS == {"0.33.0": "windows"}

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ..host_memory import CudaRuntime
+from ..host_memory import CudaRuntime, nvidia_driver_devices
 from .base import HiddenDevices, visibility_setting
 from .torch_module import TorchModuleBackend
 
@@ -34,10 +34,14 @@ class CudaBackend(TorchModuleBackend):
         super().__init__("cuda", "rocm" if torch.version.hip else "cuda", cuda_capabilities)
 
     def hidden_devices(self) -> HiddenDevices | None:
-        # The management library counts every device the driver has, whatever the visibility setting says.
-        raw = getattr(torch.cuda, "_raw_device_count_amdsmi" if torch.version.hip else "_raw_device_count_nvml", None)
+        # The management libraries count every device the driver has, whatever the visibility setting says.
         try:
-            total, visible = (raw() if raw is not None else -1), torch.cuda.device_count()
+            if torch.version.hip:
+                raw = getattr(torch.cuda, "_raw_device_count_amdsmi", None)
+                total = raw() if raw is not None else None
+            else:
+                total = nvidia_driver_devices()
+            visible = torch.cuda.device_count()
         except Exception:  # no management library: nothing to say
             return None
         if total is None or total <= visible:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..host_memory import platform
-from ..simhost import REGISTRY
+from ..simhost import NOT_SUPPORTED, REGISTRY
 from ..simlink import SimEvent, SimStream
 from ..simtensor import SimTensor, own_storage, take_snapshot
 from ..simulated import SimulatedDevice
@@ -156,6 +156,9 @@ class SimulatedBackend(DeviceBackend):
     # -- pinned host memory ----------------------------------------------------------------------
 
     def pin(self, pointer: int, size: int) -> bool:
+        if platform().unified_memory:  # as MPS: host memory is the device's, there is nothing to register
+            REGISTRY.refuse(NOT_SUPPORTED)
+            return False
         return REGISTRY.register(pointer, size)
 
     def unpin(self, pointer: int) -> bool:

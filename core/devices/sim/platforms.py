@@ -104,9 +104,11 @@ def simulated_platform(name: str, *, ram: int | None = None, libraries: Mapping[
         return loaded[path]
 
     if name == "windows":
-        return Platform("windows", windows_mmap(), 4 * KiB, listed, opened, registration_limit=0.5, ram=ram)
+        windows = windows_mmap()
+        return Platform("windows", windows, 4 * KiB, listed, opened, registration_limit=0.5, nvml="nvml.dll", ram=ram)
     if name == "linux-64k":
-        return Platform("linux-64k", unix_mmap(64 * KiB), 64 * KiB, loaded_libraries, open_library, ram=ram)
+        linux = unix_mmap(64 * KiB)
+        return Platform("linux-64k", linux, 64 * KiB, loaded_libraries, open_library, nvml="libnvidia-ml.so.1", ram=ram)
     if name == "macos":
         return Platform(
             "macos",
