@@ -11,7 +11,7 @@ from ..core.placement.budget import Budget
 from . import panel, surface
 from .bridge.moves import MoveResult, move
 from .device_warnings import warn_missing_devices
-from .state import device_options, inventory
+from .state import device_options, device_tooltip, inventory
 
 log = logging.getLogger("device_control")
 
@@ -80,7 +80,7 @@ class MoveToGPU(surface.io.ComfyNode):
                     "device",
                     options=device_options(),
                     default="auto",
-                    tooltip=(
+                    tooltip=device_tooltip(
                         "Where the model computes: gpu:N, auto (ComfyUI's GPU) or cpu. A device this machine does not "
                         "have falls back to auto with a warning, so workflows from other machines still run."
                     ),

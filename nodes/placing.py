@@ -34,7 +34,7 @@ from .bridge.comfy_detection import detect_with_comfyui
 from .bridge.fallback import resolve_or_fallback
 from .bridge.filling import ComponentPlan
 from .device_warnings import warn_missing_devices
-from .state import device_options, inventory
+from .state import device_options, device_tooltip, inventory
 
 log = logging.getLogger("device_control")
 
@@ -107,7 +107,7 @@ def device_input(name: str, what: str) -> Any:
         name,
         options=device_options(),
         default="auto",
-        tooltip=(
+        tooltip=device_tooltip(
             f"Where the {what} lives: auto (ComfyUI's choice), cpu, or gpu:N. A device this machine does not "
             "have falls back to auto with a warning, so workflows from other machines still run."
         ),

@@ -90,3 +90,9 @@ _prefetch_from_env()
 def device_options() -> list[str]:
     """The devices a node offers: ``auto`` (ComfyUI's choice), ``cpu``, then every accelerator (``gpu:N``)."""
     return ["auto", "cpu", *(d.id for d in inventory.snapshot().devices if d.is_accelerator and d.id)]
+
+
+def device_tooltip(text: str) -> str:
+    """A device input's tooltip: ``text``, then what hides GPUs the driver has from ComfyUI, and the fix (the
+    device list is where a user misses them first)."""
+    return " ".join([text, *inventory.snapshot().notes])

@@ -5,6 +5,7 @@ pinned memory and ours are counted under one cap."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -49,5 +50,7 @@ def test_gpus_comfyui_does_not_see_are_named_with_what_to_start_it_with(servers,
     assert "--cuda-device all" in text and "gpu:1" not in text
     notes = server.get("/device_control/snapshot")["report"]["notes"]
     assert any("--cuda-device all" in note for note in notes)  # the panel shows the report's notes
-    devices = server.get("/object_info/DeviceControl_MoveToGPU")["DeviceControl_MoveToGPU"]["input"]["required"]
-    assert "gpu:1" not in str(devices["device"])
+    for node in ("DeviceControl_MoveToGPU", "DeviceControl_LoadCheckpoint"):  # the device lists say it too
+        inputs = server.get(f"/object_info/{node}")[node]["input"]["required"]
+        device = next(spec for name, spec in inputs.items() if name.endswith("device"))
+        assert "gpu:1" not in json.dumps(device) and "--cuda-device all" in device[1]["tooltip"]
