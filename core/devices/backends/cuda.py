@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ..host_memory import CudaRuntime, nvidia_driver_devices
+from ..host_memory import CudaRuntime, nvidia_driver_devices, platform
 from .base import HiddenDevices, visibility_setting
 from .torch_module import TorchModuleBackend
 
@@ -32,21 +32,15 @@ class CudaBackend(TorchModuleBackend):
 
     def __init__(self) -> None:
         super().__init__("cuda", "rocm" if torch.version.hip else "cuda", cuda_capabilities)
+        self._hidden: dict[object, HiddenDevices | None] = {}
 
     def hidden_devices(self) -> HiddenDevices | None:
-        # The management libraries count every device the driver has, whatever the visibility setting says.
-        try:
-            if torch.version.hip:
-                raw = getattr(torch.cuda, "_raw_device_count_amdsmi", None)
-                total = raw() if raw is not None else None
-            else:
-                total = nvidia_driver_devices()
-            visible = torch.cuda.device_count()
-        except Exception:  # no management library: nothing to say
-            return None
-        if total is None or total <= visible:
-            return None
-        return HiddenDevices(total - visible, total, visibility_setting())
+        # Asked at every inventory snapshot (the panel's, several a second): the count is read once per platform, as
+        # the driver's GPUs do not change while ComfyUI runs and the management library takes milliseconds to start.
+        key = platform()
+        if key not in self._hidden:
+            self._hidden[key] = _hidden_now()
+        return self._hidden[key]
 
     def pin(self, pointer: int, size: int) -> bool:
         return RUNTIME.register(pointer, size)
@@ -59,3 +53,20 @@ class CudaBackend(TorchModuleBackend):
 
     def take_error(self) -> str | None:
         return RUNTIME.take_error()
+
+
+def _hidden_now() -> HiddenDevices | None:
+    """The GPUs the driver has and this process does not see: the management libraries count every device the
+    driver has, whatever the visibility setting says."""
+    try:
+        if torch.version.hip:
+            raw = getattr(torch.cuda, "_raw_device_count_amdsmi", None)
+            total = raw() if raw is not None else None
+        else:
+            total = nvidia_driver_devices()
+        visible = torch.cuda.device_count()
+    except Exception:  # no management library: nothing to say
+        return None
+    if total is None or total <= visible:
+        return None
+    return HiddenDevices(total - visible, total, visibility_setting())
