@@ -126,7 +126,7 @@ class Step:
     def one(cls, command: list[str], version: str = "", **env: str) -> Step:
         """One command, on ComfyUI ``version`` (none: no ComfyUI), with settings ``env``."""
         settings = {**({"DEVICE_CONTROL_COMFYUI": version} if version else {}), **env}
-        label = " ".join(command[2:]) + (f" (ComfyUI {version})" if version else "")
+        label = " ".join(command[command.index("-m") + 1 :]) + (f" (ComfyUI {version})" if version else "")
         label += f" (simulated {env[PLATFORM_ENV]})" if PLATFORM_ENV in env else ""
         return cls(label, ((settings, tuple(command)),))
 
@@ -145,9 +145,11 @@ def full_run(python: Path, versions: list[str], pytest_args: list[str]) -> list[
     # side by side would remove each other's).
     fixtures = Step.one([str(python), "-m", "tools.make_fixtures"], primary)
     stages = [[*lint, Step.one([*pytest, "tests/core"], primary), fixtures]]
+    # At a lower priority: they take what the ComfyUI pass leaves of the machine (about half of it), not its share.
     scratch = Path(tempfile.gettempdir()) / f"device-control-core-{os.getpid()}"
+    lower = ["nice", "-n", "10"] if shutil.which("nice") else []
     profiles = [
-        Step.one([*pytest, "tests/core", f"--basetemp={scratch / name}"], primary, **{PLATFORM_ENV: name})
+        Step.one([*lower, *pytest, "tests/core", f"--basetemp={scratch}-{name}"], primary, **{PLATFORM_ENV: name})
         for name in PROFILES
     ]
     simulated = Step("the core tier under " + ", ".join(PROFILES), tuple(c for step in profiles for c in step.commands))
