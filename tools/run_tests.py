@@ -2,9 +2,11 @@
 ComfyUI 0.3.75, then the version checks (integration and browser tiers, ``tests/passes.py``) on 0.28.0 (a part of
 them) and on 0.33.0, the newest, whose pass also runs the long reliability checks.
 
-The platforms users run are simulated (``core.devices.sim.platforms``): the core tier runs on this machine and again
-under each simulated platform (Windows, 64 KiB-page arm64 Linux, macOS), beside the 0.3.75 pass; the 0.33.0 pass
-runs its ComfyUI servers under the Windows profile, so every streamed Move To GPU there goes through Windows' surface.
+In each ComfyUI's pass the integration and browser tiers run side by side, each in a pytest of its own. The
+platforms users run are simulated (``core.devices.sim.platforms``): the core tier runs on this machine and again
+under each simulated platform (Windows, 64 KiB-page arm64 Linux, macOS), after the browser tier of the 0.3.75 pass;
+the 0.33.0 pass runs its ComfyUI servers under the Windows profile, so every streamed Move To GPU there goes through
+Windows' surface.
 
 ComfyUI 0.28.0 and 0.33.0 come from source archives beside the repository (``../shared/comfyui/``); where one is
 absent (a user's clone) its tiers are skipped with one line, and under ``CI=true`` that is a failure.
@@ -140,23 +142,30 @@ def full_run(python: Path, versions: list[str], pytest_args: list[str]) -> list[
     if pytest_args:  # what was asked for, in each pass
         return [[step] for step in lint] + [[Step.one([*pytest, *pytest_args], version)] for version in versions]
     # The lint, the core tier (it does not import ComfyUI) and the synthetic models the other tiers load run side
-    # by side (they take little memory); then the tiers that run ComfyUI, on each version in turn, the first beside
-    # the core tier under each simulated platform, one after the other (each pytest has a folder of its own: two
-    # side by side would remove each other's).
+    # by side (they take little memory); then the tiers that run ComfyUI, on each version in turn.
     fixtures = Step.one([str(python), "-m", "tools.make_fixtures"], primary)
     stages = [[*lint, Step.one([*pytest, "tests/core"], primary), fixtures]]
-    # At a lower priority: they take what the ComfyUI pass leaves of the machine (about half of it), not its share.
-    scratch = Path(tempfile.gettempdir()) / f"device-control-core-{os.getpid()}"
-    lower = ["nice", "-n", "10"] if shutil.which("nice") else []
-    profiles = [
-        Step.one([*lower, *pytest, "tests/core", f"--basetemp={scratch}-{name}"], primary, **{PLATFORM_ENV: name})
-        for name in PROFILES
-    ]
-    simulated = Step("the core tier under " + ", ".join(PROFILES), tuple(c for step in profiles for c in step.commands))
+    # A pass's integration tier keeps one core busy and leaves the other mostly idle (its ComfyUI servers wait on
+    # each other and on the disk); the browser tier is short and light (the starter's models, one server at a time),
+    # so it runs beside it, and on the primary version the core tier under each simulated platform follows it in the
+    # same lane. Each pytest has a folder of its own: two in one folder would remove each other's.
+    scratch = Path(tempfile.gettempdir()) / f"device-control-{os.getpid()}"
     for version in versions:
-        tiers = [*pytest, "tests/integration", "tests/browser"]
         platform = {PLATFORM_ENV: PASS_PLATFORMS[version]} if version in PASS_PLATFORMS else {}
-        stages.append([Step.one(tiers, version, **platform), *([simulated] if version == primary else [])])
+        integration, browser = (
+            Step.one([*pytest, f"tests/{tier}", f"--basetemp={scratch}-{version}-{tier}"], version, **platform)
+            for tier in ("integration", "browser")
+        )
+        if version == primary:
+            profiles = [
+                Step.one([*pytest, "tests/core", f"--basetemp={scratch}-{name}"], primary, **{PLATFORM_ENV: name})
+                for name in PROFILES
+            ]
+            browser = Step(
+                f"{browser.label}, then the core tier under " + ", ".join(PROFILES),
+                browser.commands + tuple(c for step in profiles for c in step.commands),
+            )
+        stages.append([integration, browser])
     return stages
 
 

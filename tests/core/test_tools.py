@@ -76,3 +76,22 @@ def test_the_run_simulates_every_platform_the_pack_has():
 
     assert (run_tests.PLATFORM_ENV, run_tests.PROFILES) == (platforms.PLATFORM_ENV, platforms.PROFILES)
     assert run_tests.PASS_PLATFORMS == {"0.33.0": "windows"}
+
+
+def test_each_pass_runs_its_tiers_side_by_side_in_folders_of_their_own():
+    """Every ComfyUI's pass runs the integration and browser tiers beside each other; the core tier runs under each
+    simulated platform in the primary pass; no two pytests share a folder (each would remove the other's)."""
+    from tools import run_tests
+
+    stages = run_tests.full_run(Path("python"), ["0.3.75", "0.28.0", "0.33.0"], [])
+    commands = [c for stage in stages for step in stage for c in step.commands]
+    folders = [arg for _, command in commands for arg in command if arg.startswith("--basetemp=")]
+    assert len(folders) == len(set(folders)) == 3 * 2 + len(run_tests.PROFILES)
+    for version, stage in zip(["0.3.75", "0.28.0", "0.33.0"], stages[1:], strict=True):
+        tiers = [[arg for arg in command if arg.startswith("tests/")] for step in stage for _, command in step.commands]
+        assert tiers[:2] == [["tests/integration"], ["tests/browser"]], version
+        assert all(settings["DEVICE_CONTROL_COMFYUI"] == version for step in stage for settings, _ in step.commands)
+    simulated = {s.get(run_tests.PLATFORM_ENV) for s, command in commands if "tests/core" in command}
+    assert simulated == {None, *run_tests.PROFILES}
+    newest = [s for step in stages[-1] for s, _ in step.commands]
+    assert {s.get(run_tests.PLATFORM_ENV) for s in newest} == {"windows"}
