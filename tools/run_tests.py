@@ -105,7 +105,14 @@ def main() -> int:
             return 1
         log.warning("[Device Control] SKIPPED the ComfyUI %s tiers: %s.", version, reason)
     python = provision(browser=True, versions=tuple(v for v in RELEASES if v not in absent))
-    return run_stages(full_run(python, [v for v in TESTED_VERSIONS if v not in absent], pytest_args), started)
+    code = run_stages(full_run(python, [v for v in TESTED_VERSIONS if v not in absent], pytest_args), started)
+    folders = sorted(SCRATCH.parent.glob(SCRATCH.name + "-*"))
+    if code == 0:  # pytest keeps a --basetemp folder: a passing run's are removed, a failing run's kept to read
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
+    elif folders:
+        log.error("[Device Control] each pytest's files are kept under %s-*", SCRATCH)
+    return code
 
 
 #: The setting that chooses a simulated platform, and the platforms (``core.devices.sim.platforms``, which this
@@ -114,6 +121,8 @@ PLATFORM_ENV = "DEVICE_CONTROL_SIMULATE_PLATFORM"
 PROFILES = ("windows", "linux-64k", "macos")
 #: The simulated platform each ComfyUI's pass runs its servers under (none: this machine's own).
 PASS_PLATFORMS = {NEWEST_TESTED: "windows"}
+#: The start of the name of each pytest's folder (``--basetemp``) in a whole run: one folder per tier and pass.
+SCRATCH = Path(tempfile.gettempdir()) / f"device-control-{os.getpid()}"
 
 
 @dataclass(frozen=True)
@@ -145,20 +154,19 @@ def full_run(python: Path, versions: list[str], pytest_args: list[str]) -> list[
     # by side (they take little memory); then the tiers that run ComfyUI, on each version in turn.
     fixtures = Step.one([str(python), "-m", "tools.make_fixtures"], primary)
     stages = [[*lint, Step.one([*pytest, "tests/core"], primary), fixtures]]
-    # A pass's integration tier keeps one core busy and leaves the other mostly idle (its ComfyUI servers wait on
-    # each other and on the disk); the browser tier is short and light (the starter's models, one server at a time),
-    # so it runs beside it, and on the primary version the core tier under each simulated platform follows it in the
-    # same lane. Each pytest has a folder of its own: two in one folder would remove each other's.
-    scratch = Path(tempfile.gettempdir()) / f"device-control-{os.getpid()}"
+    # A pass's integration tier alone leaves a fifth to a quarter of a 2-core machine idle (its ComfyUI servers wait
+    # on each other and on the disk); the browser tier is light (the starter's models, one server at a time), so it
+    # runs beside it, and on the primary version the core tier under each simulated platform follows it in the same
+    # lane. Each pytest has a folder of its own: two in one folder would remove each other's.
     for version in versions:
         platform = {PLATFORM_ENV: PASS_PLATFORMS[version]} if version in PASS_PLATFORMS else {}
         integration, browser = (
-            Step.one([*pytest, f"tests/{tier}", f"--basetemp={scratch}-{version}-{tier}"], version, **platform)
+            Step.one([*pytest, f"tests/{tier}", f"--basetemp={SCRATCH}-{version}-{tier}"], version, **platform)
             for tier in ("integration", "browser")
         )
         if version == primary:
             profiles = [
-                Step.one([*pytest, "tests/core", f"--basetemp={scratch}-{name}"], primary, **{PLATFORM_ENV: name})
+                Step.one([*pytest, "tests/core", f"--basetemp={SCRATCH}-{name}"], primary, **{PLATFORM_ENV: name})
                 for name in PROFILES
             ]
             browser = Step(
