@@ -121,6 +121,9 @@ PLATFORM_ENV = "DEVICE_CONTROL_SIMULATE_PLATFORM"
 PROFILES = ("windows", "linux-64k", "macos")
 #: The simulated platform each ComfyUI's pass runs its servers under (none: this machine's own).
 PASS_PLATFORMS = {NEWEST_TESTED: "windows"}
+#: Settings of torch's OpenMP threads for a step that runs beside another: wait without spinning, or compute on one.
+PASSIVE = {"OMP_WAIT_POLICY": "PASSIVE"}
+ONE = {"OMP_NUM_THREADS": "1"}
 #: The start of the name of each pytest's folder (``--basetemp``) in a whole run: one folder per tier and pass.
 SCRATCH = Path(tempfile.gettempdir()) / f"device-control-{os.getpid()}"
 
@@ -158,15 +161,22 @@ def full_run(python: Path, versions: list[str], pytest_args: list[str]) -> list[
     # on each other and on the disk); the browser tier is light (the starter's models, one server at a time), so it
     # runs beside it, and on the primary version the core tier under each simulated platform follows it in the same
     # lane. Each pytest has a folder of its own: two in one folder would remove each other's.
+    # Two processes side by side on two cores: torch's threads that spin while they wait for work take the core the
+    # other process computes on. ComfyUI's tiers wait passively; the core tier beside them computes on one thread
+    # (its models are small). Measured side by side: docs/bench/ci_threads.txt.
     for version in versions:
         platform = {PLATFORM_ENV: PASS_PLATFORMS[version]} if version in PASS_PLATFORMS else {}
         integration, browser = (
-            Step.one([*pytest, f"tests/{tier}", f"--basetemp={SCRATCH}-{version}-{tier}"], version, **platform)
+            Step.one(
+                [*pytest, f"tests/{tier}", f"--basetemp={SCRATCH}-{version}-{tier}"], version, **platform, **PASSIVE
+            )
             for tier in ("integration", "browser")
         )
         if version == primary:
             profiles = [
-                Step.one([*pytest, "tests/core", f"--basetemp={SCRATCH}-{name}"], primary, **{PLATFORM_ENV: name})
+                Step.one(
+                    [*pytest, "tests/core", f"--basetemp={SCRATCH}-{name}"], primary, **{PLATFORM_ENV: name}, **ONE
+                )
                 for name in PROFILES
             ]
             browser = Step(

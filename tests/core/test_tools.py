@@ -95,3 +95,16 @@ def test_each_pass_runs_its_tiers_side_by_side_in_folders_of_their_own():
     assert simulated == {None, *run_tests.PROFILES}
     newest = [s for step in stages[-1] for s, _ in step.commands]
     assert {s.get(run_tests.PLATFORM_ENV) for s in newest} == {"windows"}
+
+
+def test_steps_that_run_beside_another_do_not_spin_torch_threads():
+    """ComfyUI's tiers wait passively; the core tier under the simulated platforms, beside the integration tier,
+    computes on one thread (docs/bench/ci_threads.txt: spinning threads took the other tier's core)."""
+    from tools import run_tests
+
+    stages = run_tests.full_run(Path("python"), ["0.3.75", "0.33.0"], [])
+    for stage in stages[1:]:
+        for step in stage:
+            for settings, command in step.commands:
+                expected = run_tests.ONE if "tests/core" in command else run_tests.PASSIVE
+                assert expected.items() <= settings.items(), command
