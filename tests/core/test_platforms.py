@@ -355,8 +355,8 @@ def test_comfyuis_registrations_count_against_the_cap_and_their_pages_are_never_
 
 # -- nothing else speaks to the OS --------------------------------------------------------------------------------
 
-#: Modules whose job is to speak to the OS (or to simulate one).
-OS_MODULES = {"core/devices/host_memory.py", "core/devices/sim/platforms.py"}
+#: The module whose job is to speak to the OS (the simulated platforms build on what it hands out).
+OS_MODULES = {"core/devices/host_memory.py"}
 #: Imports of OS-specific modules, and attribute reads that ask which OS this is or call its own API.
 OS_IMPORTS = {"mmap", "ctypes", "fcntl", "msvcrt", "winreg", "resource", "_winapi", "nt", "posix", "winsound"}
 OS_ATTRIBUTES = {

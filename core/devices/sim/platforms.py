@@ -20,7 +20,6 @@ Only the mappings' placement and signatures are simulated: the memory itself is 
 
 from __future__ import annotations
 
-import mmap as _os_mmap
 import os
 from collections.abc import Mapping
 from types import SimpleNamespace
@@ -28,7 +27,11 @@ from typing import Any
 
 import torch
 
-from ..host_memory import Platform, loaded_libraries, open_library
+from ..host_memory import Platform, loaded_libraries, open_library, os_platform
+
+#: This machine's own ``mmap`` module, as the host-memory module hands it out (the only module that speaks to the OS):
+#: the simulated platforms' stand-ins are built over it.
+_os_mmap = os_platform().mmap
 
 PLATFORM_ENV = "DEVICE_CONTROL_SIMULATE_PLATFORM"
 
@@ -44,7 +47,7 @@ def _aligned_anonymous(length: int, granularity: int) -> memoryview:
     return memoryview(whole)[start : start + length]
 
 
-def _address(mapping: _os_mmap.mmap) -> int:
+def _address(mapping: Any) -> int:
     return torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()
 
 
