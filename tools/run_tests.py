@@ -2,16 +2,18 @@
 ComfyUI 0.3.75, then the version checks (integration and browser tiers, ``tests/passes.py``) on 0.28.0 (a part of
 them) and on 0.33.0, the newest, whose pass also runs the long reliability checks.
 
-In each ComfyUI's pass the integration and browser tiers run side by side, each in a pytest of its own. The
-platforms users run are simulated (``core.devices.sim.platforms``): the core tier runs on this machine and again
-under each simulated platform (Windows, 64 KiB-page arm64 Linux, macOS), after the browser tier of the 0.3.75 pass;
-the 0.33.0 pass runs its ComfyUI servers under the Windows profile, so every streamed Move To GPU there goes through
-Windows' surface.
+Each tier of each ComfyUI is a job, and two jobs run at a time (:func:`run_jobs`), as soon as what they need is
+there: the synthetic models first (every ComfyUI tier loads them), then the primary integration tier, the longest;
+the core tier, the browser tiers and the other versions' integration tiers beside it and after it, never two
+integration tiers at once where the machine's RAM holds one. The platforms users run are simulated
+(``core.devices.sim.platforms``): the core tier runs on this machine and again under each simulated platform
+(Windows, 64 KiB-page arm64 Linux, macOS); the 0.33.0 pass runs its ComfyUI servers under the Windows profile, so
+every streamed Move To GPU there goes through Windows' surface.
 
 ComfyUI 0.28.0 and 0.33.0 come from source archives beside the repository (``../shared/comfyui/``); where one is
 absent (a user's clone) its tiers are skipped with one line, and under ``CI=true`` that is a failure.
 
-    python3 tools/run_tests.py            # everything; extra arguments go to pytest (each pass)
+    python3 tools/run_tests.py            # everything; extra arguments go to pytest (each pass, one after another)
     python3 tools/run_tests.py --quick    # while working on a change: the core tier and one integration test
                                           # per node, on ComfyUI 0.3.75 only (under 10 minutes)
     python3 tools/run_tests.py --core     # the core tier alone, on this machine's OS (the platform matrix)
@@ -22,8 +24,10 @@ Every tier must run: a tier that cannot (no ComfyUI, no Chromium) fails instead 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import queue
 import shutil
 import subprocess
 import sys
@@ -91,13 +95,10 @@ def main() -> int:
         disk_free_gb(),
         DISK_NEEDED_GB,
     )
-    if options.core:
-        core = Step.one([str(provision()), "-m", "pytest", *DURATIONS, "tests/core", *pytest_args], PRIMARY_VERSION)
-        return run_stages([[core]], started)
-    if options.quick:
-        python = provision()
-        quick = Step.one([str(python), "-m", "pytest", *DURATIONS, *QUICK, *pytest_args], PRIMARY_VERSION)
-        return run_stages([[quick]], started)
+    if options.core or options.quick:
+        tests = ["tests/core"] if options.core else list(QUICK)
+        job = Job.of([str(provision()), "-m", "pytest", *DURATIONS, *tests, *pytest_args], PRIMARY_VERSION)
+        return finish(run_jobs([job], started), started)
     absent = {version: missing_source(version) for version in RELEASES if missing_source(version)}
     for version, reason in absent.items():
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
@@ -105,13 +106,25 @@ def main() -> int:
             return 1
         log.warning("[Device Control] SKIPPED the ComfyUI %s tiers: %s.", version, reason)
     python = provision(browser=True, versions=tuple(v for v in RELEASES if v not in absent))
-    code = run_stages(full_run(python, [v for v in TESTED_VERSIONS if v not in absent], pytest_args), started)
+    groups = full_run(python, [v for v in TESTED_VERSIONS if v not in absent], pytest_args)
+    code = next((code for code in (run_jobs(group, started) for group in groups) if code), 0)
     folders = sorted(SCRATCH.parent.glob(SCRATCH.name + "-*"))
     if code == 0:  # pytest keeps a --basetemp folder: a passing run's are removed, a failing run's kept to read
         for folder in folders:
             shutil.rmtree(folder, ignore_errors=True)
     elif folders:
         log.error("[Device Control] each pytest's files are kept under %s-*", SCRATCH)
+    return finish(code, started)
+
+
+def finish(code: int, started: float) -> int:
+    """Say how the run ended and after how long; its exit status."""
+    if code:
+        log.error("[Device Control] the run failed after %.0f s", time.monotonic() - started)
+        if disk_free_gb() < 2:
+            log.error("[Device Control] The disk is full (%.1f GB free): %s", disk_free_gb(), ROOM)
+    else:
+        log.info("[Device Control] all test tiers passed in %.0f s", time.monotonic() - started)
     return code
 
 
@@ -121,129 +134,181 @@ PLATFORM_ENV = "DEVICE_CONTROL_SIMULATE_PLATFORM"
 PROFILES = ("windows", "linux-64k", "macos")
 #: The simulated platform each ComfyUI's pass runs its servers under (none: this machine's own).
 PASS_PLATFORMS = {NEWEST_TESTED: "windows"}
-#: Settings of torch's OpenMP threads for a step that runs beside another: wait without spinning, or compute on one.
+#: Settings of torch's OpenMP threads for a job that runs beside another: wait without spinning, or compute on one.
 PASSIVE = {"OMP_WAIT_POLICY": "PASSIVE"}
 ONE = {"OMP_NUM_THREADS": "1"}
+#: The priority of a job that fills what the others leave of the cores (a niceness: higher is lower).
+NICE = 10
 #: The start of the name of each pytest's folder (``--basetemp``) in a whole run: one folder per tier and pass.
 SCRATCH = Path(tempfile.gettempdir()) / f"device-control-{os.getpid()}"
+#: How many jobs run at once: the CI machine's two cores (each job's ComfyUI servers and browser use more than one
+#: at times, and wait on each other at others).
+LANES = 2
+#: What each job is expected to take, in minutes, by tier and pass (beside another job, in the last fresh-clone
+#: run: ``docs/bench/ci_fresh_clone.txt``): the primary pass runs every test, the newest the version checks and the
+#: long checks, a middle one a part of the version checks.
+MINUTES = {
+    "fixtures": 1.5,
+    "core": 4.0,
+    ("integration", "primary"): 28.0,
+    ("integration", "newest"): 16.0,
+    ("integration", "middle"): 5.0,
+    ("browser", "primary"): 10.0,
+    ("browser", "newest"): 5.0,
+    ("browser", "middle"): 3.0,
+}
+#: The most RAM each kind of job holds, in GiB (``free`` sampled while one ran alone on a 24 GB machine): an
+#: integration tier's servers hold whole models (SDXL's UNet in fp32 alone is 9.6 GiB), so on that machine no two
+#: run at once.
+RAM_GIB = {"fixtures": 6.0, "core": 2.0, "integration": 16.0, "browser": 4.0}
 
 
 @dataclass(frozen=True)
-class Step:
-    """Commands run one after the other (each with settings of its own), under a label; the steps of a stage run
-    side by side."""
+class Job:
+    """One command of a run, with its settings, and what the scheduler weighs: how long it is expected to take
+    (minutes), the most RAM it holds (GiB), the labels of the jobs it must follow, and how much lower its CPU
+    priority is than the others' (``nice``: a job that only fills what the others leave of the cores)."""
 
     label: str
-    commands: tuple[tuple[dict[str, str], tuple[str, ...]], ...]
+    settings: dict[str, str]
+    command: tuple[str, ...]
+    minutes: float = 0.5
+    ram_gib: float = 0.5
+    after: tuple[str, ...] = ()
+    nice: int = 0
 
     @classmethod
-    def one(cls, command: list[str], version: str = "", **env: str) -> Step:
-        """One command, on ComfyUI ``version`` (none: no ComfyUI), with settings ``env``."""
+    def of(cls, command: list[str], version: str = "", *, env: dict[str, str] | None = None, **weights: Any) -> Job:
+        """``command`` on ComfyUI ``version`` (none: no ComfyUI), with settings ``env`` and the scheduler's
+        ``weights`` (``minutes``, ``ram_gib``, ``after``, ``nice``)."""
+        env = env or {}
         settings = {**({"DEVICE_CONTROL_COMFYUI": version} if version else {}), **env}
         label = " ".join(command[command.index("-m") + 1 :]) + (f" (ComfyUI {version})" if version else "")
         label += f" (simulated {env[PLATFORM_ENV]})" if PLATFORM_ENV in env else ""
-        return cls(label, ((settings, tuple(command)),))
+        return cls(label, settings, tuple(command), **weights)
 
 
-def full_run(python: Path, versions: list[str], pytest_args: list[str]) -> list[list[Step]]:
-    """The stages of a whole run on ``versions`` (the primary first)."""
+def full_run(python: Path, versions: list[str], pytest_args: list[str]) -> list[list[Job]]:
+    """The jobs of a whole run on ``versions`` (the primary first), in groups run one after the other: the lint
+    first (the commonest failure, found in seconds), then everything else."""
     pytest = [str(python), "-m", "pytest", *DURATIONS]
     ruff = [str(python), "-m", "ruff"]
-    lint = [Step.one([*ruff, "check", "."]), Step.one([*ruff, "format", "--check", "."])]
+    lint = [Job.of([*ruff, "check", "."]), Job.of([*ruff, "format", "--check", "."])]
     primary = versions[0]
-    if pytest_args:  # what was asked for, in each pass
-        return [[step] for step in lint] + [[Step.one([*pytest, *pytest_args], version)] for version in versions]
-    # The lint, the core tier (it does not import ComfyUI) and the synthetic models the other tiers load run side
-    # by side (they take little memory); then the tiers that run ComfyUI, on each version in turn.
-    fixtures = Step.one([str(python), "-m", "tools.make_fixtures"], primary)
-    stages = [[*lint, Step.one([*pytest, "tests/core"], primary), fixtures]]
-    # A pass's integration tier alone leaves a fifth to a quarter of a 2-core machine idle (its ComfyUI servers wait
-    # on each other and on the disk); the browser tier is light (the starter's models, one server at a time), so it
-    # runs beside it, and on the primary version the core tier under each simulated platform follows it in the same
-    # lane. Each pytest has a folder of its own: two in one folder would remove each other's.
-    # Two processes side by side on two cores: torch's threads that spin while they wait for work take the core the
-    # other process computes on. ComfyUI's tiers wait passively; the core tier beside them computes on one thread
-    # (its models are small). Measured side by side: docs/bench/ci_threads.txt.
+    if pytest_args:  # what was asked for, in each pass, one pass after the other
+        passes: list[Job] = []
+        for version in versions:
+            after = (passes[-1].label,) if passes else ()
+            passes.append(Job.of([*pytest, *pytest_args], version, after=after, ram_gib=RAM_GIB["integration"]))
+        return [lint, passes]
+    # The core tier (it does not import ComfyUI) and the synthetic models need nothing but the runtime; the tiers
+    # that run ComfyUI need the models. The core tier runs on this machine and again under each simulated platform.
+    # Each pytest has a folder of its own: two in one folder would remove each other's.
+    # The integration tiers, one at a time (their RAM), are the run's longest chain: the other jobs run beside them.
+    # Torch's threads that spin while they wait for work take the core another process computes on: ComfyUI's tiers
+    # wait passively, and the core tier computes on one thread, at a lower priority, in what the others leave of the
+    # two cores (its tests have no deadline; the browser's have). Measured side by side: docs/bench/ci_threads.txt.
+    fixtures = Job.of(
+        [str(python), "-m", "tools.make_fixtures"], primary, minutes=MINUTES["fixtures"], ram_gib=RAM_GIB["fixtures"]
+    )
+    jobs = [fixtures]
+    for name in (None, *PROFILES):
+        command = [*pytest, "tests/core", f"--basetemp={SCRATCH}-{name or 'core'}"]
+        env = {**({PLATFORM_ENV: name} if name else {}), **ONE}
+        jobs.append(Job.of(command, primary, env=env, minutes=MINUTES["core"], ram_gib=RAM_GIB["core"], nice=NICE))
     for version in versions:
-        platform = {PLATFORM_ENV: PASS_PLATFORMS[version]} if version in PASS_PLATFORMS else {}
-        integration, browser = (
-            Step.one(
-                [*pytest, f"tests/{tier}", f"--basetemp={SCRATCH}-{version}-{tier}"], version, **platform, **PASSIVE
-            )
-            for tier in ("integration", "browser")
-        )
-        if version == primary:
-            profiles = [
-                Step.one(
-                    [*pytest, "tests/core", f"--basetemp={SCRATCH}-{name}"], primary, **{PLATFORM_ENV: name}, **ONE
-                )
-                for name in PROFILES
-            ]
-            browser = Step(
-                f"{browser.label}, then the core tier under " + ", ".join(PROFILES),
-                browser.commands + tuple(c for step in profiles for c in step.commands),
-            )
-        stages.append([integration, browser])
-    return stages
+        kind = "primary" if version == primary else "newest" if version == versions[-1] else "middle"
+        env = {**({PLATFORM_ENV: PASS_PLATFORMS[version]} if version in PASS_PLATFORMS else {}), **PASSIVE}
+        for tier in ("integration", "browser"):
+            command = [*pytest, f"tests/{tier}", f"--basetemp={SCRATCH}-{version}-{tier}"]
+            weights = {"minutes": MINUTES[tier, kind], "ram_gib": RAM_GIB[tier], "after": (fixtures.label,)}
+            jobs.append(Job.of(command, version, env=env, **weights))
+    return [lint, jobs]
 
 
-def run_stages(stages: list[list[Step]], started: float) -> int:
-    """Run each stage in turn, the steps of a stage side by side; stop after the first stage with a step that
-    fails. A stage of several steps prints each one's output when it ends, whole, in the order given."""
+def machine_ram_gib() -> float:
+    """This machine's RAM, in GiB (where the OS does not say: 16, so that no two integration tiers run at once)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3
+    except (AttributeError, ValueError, OSError):
+        return 16.0
+
+
+def order(jobs: list[Job]) -> list[Job]:
+    """The jobs by their critical path, the longest first: a job's own minutes and the longest chain of jobs that
+    wait for it. (The models come first, as every ComfyUI tier waits for them; the primary integration tier, the
+    longest, then starts as soon as they are made; the short jobs fill the other lane.)"""
+    by_label = {job.label: job for job in jobs}
+    waiting = {job.label: [j for j in jobs if job.label in j.after] for job in jobs}
+    rank: dict[str, float] = {}
+
+    def path(label: str) -> float:
+        if label not in rank:
+            rank[label] = by_label[label].minutes + max((path(j.label) for j in waiting[label]), default=0.0)
+        return rank[label]
+
+    return sorted(jobs, key=lambda job: -path(job.label))
+
+
+def runnable(job: Job, done: set[str], running: list[Job], ram_gib: float) -> bool:
+    """Whether ``job`` may start now: the jobs it follows are done, a lane is free, and the RAM the running jobs hold
+    leaves room for it (a job alone always starts)."""
+    if not set(job.after) <= done or len(running) >= LANES:
+        return False
+    return not running or sum(j.ram_gib for j in running) + job.ram_gib <= ram_gib
+
+
+def run_jobs(jobs: list[Job], started: float, ram_gib: float | None = None) -> int:
+    """Run the jobs, at most :data:`LANES` at once, each as soon as it may (:func:`runnable`), in the order of their
+    critical paths; after a job fails, none starts. Each job's output is printed whole when it ends."""
+    ram_gib = machine_ram_gib() if ram_gib is None else ram_gib
     env = {**os.environ, "DEVICE_CONTROL_REQUIRE_ALL_TIERS": "1"}
-    for stage in stages:
-        failed = _run_one(stage[0], env) if len(stage) == 1 else _run_side_by_side(stage, env)
-        if failed:
-            log.error("[Device Control] FAILED: %s (after %.0f s)", failed, time.monotonic() - started)
-            if disk_free_gb() < 2:
-                log.error("[Device Control] The disk is full (%.1f GB free): %s", disk_free_gb(), ROOM)
-            return 1
-        log.info("[Device Control] step done after %.0f s", time.monotonic() - started)
-    log.info("[Device Control] all test tiers passed in %.0f s", time.monotonic() - started)
-    return 0
+    pending, running, done, failed = order(jobs), [], set(), []
+    index = {job.label: number for number, job in enumerate(pending)}
+    ended: queue.Queue[tuple[Job, int, Path | None]] = queue.Queue()
+    with tempfile.TemporaryDirectory(prefix="device-control-jobs-") as folder:
+        while pending or running:
+            for job in list(pending):
+                if not failed and runnable(job, done, running, ram_gib):
+                    pending.remove(job)
+                    running.append(job)
+                    # A job run alone prints as it goes; beside others, each job's output is kept until it ends.
+                    output = Path(folder) / f"{index[job.label]}.log" if len(jobs) > 1 else None
+                    log.info("[Device Control] $ %s (after %.0f s)", job.label, time.monotonic() - started)
+                    threading.Thread(target=_run_job, args=(job, env, output, ended), daemon=True).start()
+            if not running:  # a job failed and the rest will not start, or none can start (a missing dependency)
+                break
+            job, code, output = ended.get()
+            running.remove(job)
+            log.info("[Device Control] %s ended (exit %d, after %.0f s)", job.label, code, time.monotonic() - started)
+            if output is not None:
+                sys.stdout.flush()
+                sys.stdout.buffer.write(output.read_bytes())
+                sys.stdout.flush()
+            if code:
+                failed.append(job.label)
+            else:
+                done.add(job.label)
+    for label in failed:
+        log.error("[Device Control] FAILED: %s", label)
+    if pending and not failed:
+        log.error("[Device Control] FAILED: never started: %s", ", ".join(job.label for job in pending))
+    return 1 if failed or pending else 0
 
 
-def _commands(step: Step, env: dict[str, str], **output: Any) -> int:
-    """Run ``step``'s commands in turn until one fails; its exit status (0 when all passed)."""
-    for settings, command in step.commands:
-        done = subprocess.run(list(command), cwd=REPO, env={**env, **settings}, check=False, **output)
-        if done.returncode != 0:
-            return done.returncode
-    return 0
-
-
-def _run_one(step: Step, env: dict[str, str]) -> str | None:
-    """Run a step with its output going straight through; its label if it failed, else ``None``."""
-    log.info("[Device Control] $ %s", step.label)
-    return step.label if _commands(step, env) != 0 else None
-
-
-def _run_side_by_side(stage: list[Step], env: dict[str, str]) -> str | None:
-    """Start every step of ``stage`` at once (each in a thread of its own: a step may be several commands in turn),
-    then print each one's output in turn; the labels of those that failed, or ``None``."""
-    with tempfile.TemporaryDirectory(prefix="device-control-steps-") as folder:
-        outputs = [Path(folder) / f"{index}.log" for index in range(len(stage))]
-        codes: dict[int, int] = {}
-
-        def run(index: int, step: Step) -> None:
-            with open(outputs[index], "wb") as sink:
-                codes[index] = _commands(step, env, stdout=sink, stderr=subprocess.STDOUT)
-
-        threads = [threading.Thread(target=run, args=(index, step)) for index, step in enumerate(stage)]
-        for step, thread in zip(stage, threads, strict=True):
-            log.info("[Device Control] $ %s (side by side)", step.label)
-            thread.start()
-        for thread in threads:
-            thread.join()
-        failed = []
-        for index, step in enumerate(stage):
-            log.info("[Device Control] output of %s (exit %d):", step.label, codes[index])
-            sys.stdout.flush()
-            sys.stdout.buffer.write(outputs[index].read_bytes())
-            sys.stdout.flush()
-            if codes[index] != 0:
-                failed.append(step.label)
-    return ", ".join(failed) or None
+def _run_job(job: Job, env: dict[str, str], output: Path | None, ended: queue.Queue) -> None:
+    """Run ``job``'s command, its output to ``output`` (``None``: straight through), at its priority where the OS
+    has priorities; report its exit status."""
+    with contextlib.ExitStack() as stack:
+        sink = stack.enter_context(open(output, "wb")) if output is not None else None
+        process = subprocess.Popen(
+            list(job.command), cwd=REPO, env={**env, **job.settings}, stdout=sink, stderr=subprocess.STDOUT
+        )
+        if job.nice and hasattr(os, "setpriority"):
+            with contextlib.suppress(OSError):  # a process that already ended
+                os.setpriority(os.PRIO_PROCESS, process.pid, job.nice)
+        code = process.wait()
+    ended.put((job, code, output))
 
 
 if __name__ == "__main__":

@@ -78,33 +78,77 @@ def test_the_run_simulates_every_platform_the_pack_has():
     assert run_tests.PASS_PLATFORMS == {"0.33.0": "windows"}
 
 
-def test_each_pass_runs_its_tiers_side_by_side_in_folders_of_their_own():
-    """Every ComfyUI's pass runs the integration and browser tiers beside each other; the core tier runs under each
-    simulated platform in the primary pass; no two pytests share a folder (each would remove the other's)."""
+def test_a_run_is_every_tier_on_every_version_each_in_a_folder_of_its_own():
+    """The lint first; then the core tier on this machine and under each simulated platform, and each ComfyUI's
+    integration and browser tiers after the models; no two pytests share a folder (each would remove the other's);
+    the newest ComfyUI's servers run under the simulated Windows."""
     from tools import run_tests
 
-    stages = run_tests.full_run(Path("python"), ["0.3.75", "0.28.0", "0.33.0"], [])
-    commands = [c for stage in stages for step in stage for c in step.commands]
-    folders = [arg for _, command in commands for arg in command if arg.startswith("--basetemp=")]
-    assert len(folders) == len(set(folders)) == 3 * 2 + len(run_tests.PROFILES)
-    for version, stage in zip(["0.3.75", "0.28.0", "0.33.0"], stages[1:], strict=True):
-        tiers = [[arg for arg in command if arg.startswith("tests/")] for step in stage for _, command in step.commands]
-        assert tiers[:2] == [["tests/integration"], ["tests/browser"]], version
-        assert all(settings["DEVICE_CONTROL_COMFYUI"] == version for step in stage for settings, _ in step.commands)
-    simulated = {s.get(run_tests.PLATFORM_ENV) for s, command in commands if "tests/core" in command}
-    assert simulated == {None, *run_tests.PROFILES}
-    newest = [s for step in stages[-1] for s, _ in step.commands]
-    assert {s.get(run_tests.PLATFORM_ENV) for s in newest} == {"windows"}
+    lint, jobs = run_tests.full_run(Path("python"), ["0.3.75", "0.28.0", "0.33.0"], [])
+    assert [job.command[3:] for job in lint] == [("check", "."), ("format", "--check", ".")]
+    folders = [arg for job in jobs for arg in job.command if arg.startswith("--basetemp=")]
+    assert len(folders) == len(set(folders)) == 3 * 2 + 1 + len(run_tests.PROFILES)
+    fixtures = next(job for job in jobs if "tools.make_fixtures" in job.command)
+    tiers = {
+        (job.settings["DEVICE_CONTROL_COMFYUI"], job.command[4]): job
+        for job in jobs
+        if "tests/core" not in job.command and job is not fixtures
+    }
+    assert set(tiers) == {(v, f"tests/{t}") for v in ("0.3.75", "0.28.0", "0.33.0") for t in ("integration", "browser")}
+    assert all(job.after == (fixtures.label,) for job in tiers.values())
+    simulated = [job.settings.get(run_tests.PLATFORM_ENV) for job in jobs if "tests/core" in job.command]
+    assert simulated == [None, *run_tests.PROFILES]
+    newest = {job.settings.get(run_tests.PLATFORM_ENV) for (version, _), job in tiers.items() if version == "0.33.0"}
+    assert newest == {"windows"}
 
 
-def test_steps_that_run_beside_another_do_not_spin_torch_threads():
-    """ComfyUI's tiers wait passively; the core tier under the simulated platforms, beside the integration tier,
-    computes on one thread (docs/bench/ci_threads.txt: spinning threads took the other tier's core)."""
+def test_jobs_beside_another_do_not_spin_torch_threads_and_the_core_tier_fills_what_is_left():
+    """ComfyUI's tiers wait passively; the core tier computes on one thread at a lower priority (docs/bench/
+    ci_threads.txt: spinning threads took the other tier's core)."""
     from tools import run_tests
 
-    stages = run_tests.full_run(Path("python"), ["0.3.75", "0.33.0"], [])
-    for stage in stages[1:]:
-        for step in stage:
-            for settings, command in step.commands:
-                expected = run_tests.ONE if "tests/core" in command else run_tests.PASSIVE
-                assert expected.items() <= settings.items(), command
+    _, jobs = run_tests.full_run(Path("python"), ["0.3.75", "0.33.0"], [])
+    for job in jobs:
+        if "tests/core" in job.command:
+            assert run_tests.ONE.items() <= job.settings.items() and job.nice == run_tests.NICE, job.label
+        elif "pytest" in job.command:
+            assert run_tests.PASSIVE.items() <= job.settings.items() and job.nice == 0, job.label
+
+
+def test_the_models_come_first_then_the_longest_chain_and_no_two_integration_tiers_share_the_ram():
+    """On a 24 GB machine: the models first (every ComfyUI tier waits for them), the primary integration tier as
+    soon as they are made, the core tier beside the models; never two integration tiers at once."""
+    from tools import run_tests
+
+    _, jobs = run_tests.full_run(Path("python"), ["0.3.75", "0.28.0", "0.33.0"], [])
+    ordered = run_tests.order(jobs)
+    assert "tools.make_fixtures" in ordered[0].command
+    assert ordered[1].command[4] == "tests/integration" and ordered[1].settings["DEVICE_CONTROL_COMFYUI"] == "0.3.75"
+    integration = [job for job in jobs if "tests/integration" in job.command]
+    core = next(job for job in jobs if "tests/core" in job.command)
+    assert run_tests.runnable(core, set(), [ordered[0]], 23.5)
+    assert not run_tests.runnable(integration[0], set(), [], 23.5)  # the models are not made yet
+    done = {ordered[0].label}
+    assert run_tests.runnable(integration[0], done, [], 23.5)
+    assert not run_tests.runnable(integration[1], done, [integration[0]], 23.5)
+    assert run_tests.runnable(integration[1], done, [integration[0]], 64.0)  # a machine with room for two
+    assert not run_tests.runnable(core, done, integration[:2], 64.0)  # two lanes
+
+
+def test_the_scheduler_runs_what_it_may_side_by_side_and_starts_nothing_after_a_failure(tmp_path):
+    """Real processes: two at a time, a job after the one it follows, none started after a failure, and the
+    run's status is the failure's."""
+    from tools import run_tests
+
+    def job(name: str, seconds: float, code: int = 0, after: tuple[str, ...] = ()) -> run_tests.Job:
+        script = f"import pathlib,time; time.sleep({seconds}); pathlib.Path(r'{tmp_path}', '{name}').touch()"
+        script += f"; raise SystemExit({code})"
+        return run_tests.Job(name, {}, (sys.executable, "-c", script), minutes=seconds, after=after)
+
+    started = time.monotonic()
+    assert run_tests.run_jobs([job("a", 1.0), job("b", 1.0), job("c", 0.1, after=("a",))], started) == 0
+    assert {p.name for p in tmp_path.iterdir()} == {"a", "b", "c"} and time.monotonic() - started < 2.8
+    for made in tmp_path.iterdir():
+        made.unlink()
+    assert run_tests.run_jobs([job("bad", 0.1, code=3), job("d", 0.1, after=("bad",)), job("e", 2.0)], started) == 1
+    assert not (tmp_path / "d").exists()
