@@ -31,8 +31,9 @@ Key = tuple[tuple[tuple[str, str], ...], tuple[str, ...]]
 #: How many pooled servers may run at once: the one a module uses and one idle (the simulated 8 GiB GPU's server,
 #: asked for most, stays as the least used go first).
 KEEP = 2
-#: Idle servers are stopped before a new one starts while less RAM than this is available: on a machine already
-#: short of memory, the room the next module's models need comes before a faster start of a later module.
+#: Idle servers are stopped before a new one starts while less RAM than this is available, and a server given back
+#: then is not kept: on a machine already short of memory (another tier runs beside this one), the room the next
+#: module's models need comes before a faster start of a later module.
 FLOOR = 6 * 1024**3
 #: An idle server that still holds more RAM than this after its models were unloaded (the allocator keeps what
 #: they took, at times) is stopped rather than kept.
@@ -93,8 +94,8 @@ class ServerPool:
             log.warning("[Device Control] a shared test server could not be reset (%s); it is stopped", exc)
             server.stop()
             return
-        if key in self._idle or _resident(server) > IDLE_MAX:
-            server.stop()
+        if key in self._idle or _resident(server) > IDLE_MAX or psutil.virtual_memory().available < FLOOR:
+            server.stop()  # on a machine short of memory (another tier beside this one), RAM before a warm start
             return
         self._idle[key] = server
 

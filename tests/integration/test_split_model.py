@@ -72,7 +72,9 @@ def _prompt(split: dict | None, *, lora: bool = False, after: list[dict] | None 
 
 
 @pytest.fixture(scope="module")
-def server(servers):
+def server(servers, server_pool):
+    """The module's server; the pool's idle ones are stopped first: a full-size SDXL UNet is split here."""
+    server_pool.stop_idle()
     return servers("split-3gpu", SIMULATE_GPU="4GiB,4GiB,2GiB")
 
 
