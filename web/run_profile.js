@@ -23,6 +23,7 @@ const state = {
   decimal: false,
   showBadges: null, // the setting as its onChange last saw it (null: ask the store)
   views: [],
+  runs: 0, // runs started or ended since the page opened
 };
 
 function badgesShown() {
@@ -80,9 +81,11 @@ export function unmountRunView(view) {
 }
 
 async function loadLatest() {
+  const asked = state.runs; // a run that starts or ends while this request is out is newer than its answer
   try {
     const response = await api.fetchApi("/device_control/profile");
     const data = await response.json();
+    if (state.runs !== asked) return;
     if (response.ok) showProfile(data);
     else {
       state.message = data.error ?? state.message;
@@ -159,8 +162,12 @@ app.registerExtension({
       onDrawForeground?.apply(this, arguments);
       drawNodeBadges(ctx, this);
     };
-    api.addEventListener(PUSH_EVENT, (event) => showProfile(event.detail));
+    api.addEventListener(PUSH_EVENT, (event) => {
+      state.runs += 1;
+      showProfile(event.detail);
+    });
     api.addEventListener("execution_start", () => {
+      state.runs += 1;
       state.badges = new Map(); // a new run: the last one's figures would be read as this one's
       drawn.clear();
       app.graph?.setDirtyCanvas?.(true, true);
