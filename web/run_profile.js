@@ -172,6 +172,6 @@ app.registerExtension({
       drawn.clear();
       app.graph?.setDirtyCanvas?.(true, true);
     });
-    await loadLatest();
+    void loadLatest(); // the frontend's setup does not wait on a slow server
   },
 });

@@ -382,3 +382,20 @@ def test_copy_report_and_settings(frontend):
         }"""
     )
     assert frontend.our_errors() == []
+
+
+def test_a_run_pushed_before_the_pages_first_answer_keeps_its_badges(frontend):
+    """The page asks for the latest profile when it opens; where that answer comes after a run's push (a slow
+    server), the page keeps the run it was pushed: the badges are its figures, not the answer's older ones."""
+    held: list[Any] = []
+    frontend.page.route("**/device_control/profile", lambda route: held.append(route))  # the first GET waits here
+    page = open_panel(frontend)
+    run_workflow(frontend, PLACED)
+    pushed = page.evaluate("window.__dcProfile")
+    assert held, "the page did not ask for the latest profile when it opened"
+    older = {**pushed, "prompt_id": "an-older-run", "nodes": [{**n, "wall": n["wall"] + 5} for n in pushed["nodes"]]}
+    held[0].fulfill(status=200, content_type="application/json", body=json.dumps(older))
+    page.wait_for_timeout(500)
+    assert_badges_show_the_profile(
+        page, frontend.server.get(f"/device_control/profile?prompt_id={pushed['prompt_id']}")
+    )
