@@ -144,18 +144,18 @@ SCRATCH = Path(tempfile.gettempdir()) / f"device-control-{os.getpid()}"
 #: How many jobs run at once: the CI machine's two cores (each job's ComfyUI servers and browser use more than one
 #: at times, and wait on each other at others).
 LANES = 2
-#: What each job is expected to take, in minutes, by tier and pass (beside another job, in the last fresh-clone
-#: run: ``docs/bench/ci_fresh_clone.txt``): the primary pass runs every test, the newest the version checks and the
-#: long checks, a middle one a part of the version checks.
+#: What each job is expected to take, in minutes, by tier and pass (in the last fresh-clone run, the integration
+#: tiers of 0.33.0 and 0.28.0 alone, every other job beside another: ``docs/bench/ci_fresh_clone.txt``): the
+#: primary pass runs every test, the newest the version checks and the long checks, a middle one a part of them.
 MINUTES = {
     "fixtures": 1.5,
     "core": 4.0,
-    ("integration", "primary"): 28.0,
-    ("integration", "newest"): 16.0,
-    ("integration", "middle"): 5.0,
-    ("browser", "primary"): 10.0,
-    ("browser", "newest"): 5.0,
-    ("browser", "middle"): 3.0,
+    ("integration", "primary"): 29.0,
+    ("integration", "newest"): 14.0,
+    ("integration", "middle"): 3.5,
+    ("browser", "primary"): 8.0,
+    ("browser", "newest"): 4.5,
+    ("browser", "middle"): 2.5,
 }
 #: The most RAM each kind of job holds, in GiB (``ps`` and ``free`` while one ran, on a 24 GB machine): the primary
 #: integration tier's families module holds SDXL's UNet in fp32 (12.6 GB in its server, 2.8 in pytest), so on that
