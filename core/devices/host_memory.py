@@ -26,6 +26,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
+from types import SimpleNamespace
 from typing import Any
 
 import psutil
@@ -328,3 +329,63 @@ class CudaRuntime:
 def _code(result: Any) -> int:
     """A runtime call's result as a number (torch's binding returns its ``cudaError`` enum)."""
     return int(getattr(result, "value", result))
+
+
+# -- the OS surfaces the simulated platforms (``core.devices.sim.platforms``) give the pack, built over this
+# machine's own ``mmap``: here, as every call to the OS is ------------------------------------------------------
+
+KiB = 1024
+
+
+def _aligned_anonymous(length: int, granularity: int) -> memoryview:
+    """``length`` bytes of a private anonymous mapping starting at a multiple of ``granularity`` (over-mapped and
+    narrowed: this machine's mappings start on its own, smaller pages)."""
+    private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    whole = mmap.mmap(-1, length + granularity, flags=private)
+    start = -_address(whole) % granularity
+    return memoryview(whole)[start : start + length]
+
+
+def _address(mapping: Any) -> int:
+    return torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()
+
+
+def windows_mmap(granularity: int = 64 * KiB) -> SimpleNamespace:
+    """Windows' ``mmap`` module as far as the pack uses it: its signature ``mmap(fileno, length, tagname=None,
+    access=ACCESS_DEFAULT, offset=0)``, its constants (no ``MAP_*``, ``PROT_*`` or ``MADV_*``, and mappings
+    without ``madvise``: a mapped file's pages cannot be given back), 4 KiB pages and mappings at 64 KiB
+    boundaries."""
+
+    def mapped(
+        fileno: int, length: int, tagname: str | None = None, access: int = mmap.ACCESS_DEFAULT, offset: int = 0
+    ) -> Any:
+        if offset % granularity:
+            raise OSError(87, "The parameter is incorrect (offset is not a multiple of the allocation granularity)")
+        if fileno == -1:  # memory of the paging file, the process's own
+            return _aligned_anonymous(length, granularity)
+        return mmap.mmap(fileno, length, access=access, offset=offset)
+
+    return SimpleNamespace(
+        mmap=mapped,
+        PAGESIZE=4 * KiB,
+        ALLOCATIONGRANULARITY=granularity,
+        ACCESS_DEFAULT=mmap.ACCESS_DEFAULT,
+        ACCESS_READ=mmap.ACCESS_READ,
+        ACCESS_WRITE=mmap.ACCESS_WRITE,
+        ACCESS_COPY=mmap.ACCESS_COPY,
+        error=OSError,
+    )
+
+
+def unix_mmap(page: int) -> SimpleNamespace:
+    """A Unix ``mmap`` module whose pages are ``page`` bytes: this machine's signature and constants (``MAP_ANON``
+    beside ``MAP_ANONYMOUS``, as macOS's and Linux's have them), its mappings starting on such pages."""
+
+    def mapped(fileno: int, length: int, flags: int = mmap.MAP_SHARED, **keywords: Any) -> Any:
+        if fileno == -1 and flags & mmap.MAP_ANONYMOUS:
+            return _aligned_anonymous(length, page)
+        return mmap.mmap(fileno, length, flags=flags, **keywords)
+
+    names = [name for name in dir(mmap) if name.isupper() and name not in ("PAGESIZE", "ALLOCATIONGRANULARITY")]
+    constants = {name: getattr(mmap, name) for name in names}
+    return SimpleNamespace(mmap=mapped, PAGESIZE=page, ALLOCATIONGRANULARITY=page, error=OSError, **constants)

@@ -22,74 +22,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from types import SimpleNamespace
 from typing import Any
 
-import torch
-
-from ..host_memory import Platform, loaded_libraries, open_library, os_platform
-
-#: This machine's own ``mmap`` module, as the host-memory module hands it out (the only module that speaks to the OS):
-#: the simulated platforms' stand-ins are built over it.
-_os_mmap = os_platform().mmap
+from ..host_memory import KiB, Platform, loaded_libraries, open_library, unix_mmap, windows_mmap
 
 PLATFORM_ENV = "DEVICE_CONTROL_SIMULATE_PLATFORM"
-
-KiB = 1024
-
-
-def _aligned_anonymous(length: int, granularity: int) -> memoryview:
-    """``length`` bytes of a private anonymous mapping starting at a multiple of ``granularity`` (over-mapped and
-    narrowed: this machine's mappings start on its own, smaller pages)."""
-    private = _os_mmap.MAP_PRIVATE | _os_mmap.MAP_ANONYMOUS
-    whole = _os_mmap.mmap(-1, length + granularity, flags=private)
-    start = -_address(whole) % granularity
-    return memoryview(whole)[start : start + length]
-
-
-def _address(mapping: Any) -> int:
-    return torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()
-
-
-def windows_mmap(granularity: int = 64 * KiB) -> SimpleNamespace:
-    """Windows' ``mmap`` module as far as the pack uses it: its signature ``mmap(fileno, length, tagname=None,
-    access=ACCESS_DEFAULT, offset=0)``, its constants (no ``MAP_*``, ``PROT_*`` or ``MADV_*``, and mappings
-    without ``madvise``: a mapped file's pages cannot be given back), 4 KiB pages and mappings at 64 KiB
-    boundaries."""
-
-    def mmap(
-        fileno: int, length: int, tagname: str | None = None, access: int = _os_mmap.ACCESS_DEFAULT, offset: int = 0
-    ) -> Any:
-        if offset % granularity:
-            raise OSError(87, "The parameter is incorrect (offset is not a multiple of the allocation granularity)")
-        if fileno == -1:  # memory of the paging file, the process's own
-            return _aligned_anonymous(length, granularity)
-        return _os_mmap.mmap(fileno, length, access=access, offset=offset)
-
-    return SimpleNamespace(
-        mmap=mmap,
-        PAGESIZE=4 * KiB,
-        ALLOCATIONGRANULARITY=granularity,
-        ACCESS_DEFAULT=_os_mmap.ACCESS_DEFAULT,
-        ACCESS_READ=_os_mmap.ACCESS_READ,
-        ACCESS_WRITE=_os_mmap.ACCESS_WRITE,
-        ACCESS_COPY=_os_mmap.ACCESS_COPY,
-        error=OSError,
-    )
-
-
-def unix_mmap(page: int) -> SimpleNamespace:
-    """A Unix ``mmap`` module whose pages are ``page`` bytes: this machine's signature and constants (``MAP_ANON``
-    beside ``MAP_ANONYMOUS``, as macOS's and Linux's have them), its mappings starting on such pages."""
-
-    def mmap(fileno: int, length: int, flags: int = _os_mmap.MAP_SHARED, **keywords: Any) -> Any:
-        if fileno == -1 and flags & _os_mmap.MAP_ANONYMOUS:
-            return _aligned_anonymous(length, page)
-        return _os_mmap.mmap(fileno, length, flags=flags, **keywords)
-
-    names = [name for name in dir(_os_mmap) if name.isupper() and name not in ("PAGESIZE", "ALLOCATIONGRANULARITY")]
-    constants = {name: getattr(_os_mmap, name) for name in names}
-    return SimpleNamespace(mmap=mmap, PAGESIZE=page, ALLOCATIONGRANULARITY=page, error=OSError, **constants)
 
 
 def simulated_platform(name: str, *, ram: int | None = None, libraries: Mapping[str, Any] | None = None) -> Platform:
