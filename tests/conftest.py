@@ -7,6 +7,8 @@ a green run must mean every tier ran.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 import json
 import os
@@ -200,6 +202,30 @@ def unavailable(reason: str) -> None:
     if STRICT:
         pytest.fail(f"{reason} (every test tier is required in this run)")
     pytest.skip(reason)
+
+
+def _heap_trimmer() -> Callable[[int], int] | None:
+    """The C library's ``malloc_trim`` where it has one (glibc), else None (macOS, Windows, musl)."""
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        return None
+
+
+_TRIM_HEAP = _heap_trimmer()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def heap_given_back() -> Iterator[None]:
+    """After each module, give the memory its tests freed back to the OS. Modules that build models in this
+    process (ComfyUI's loaders as the oracle) leave 1-4.5 GB in the C allocator's free lists once the models are
+    gone (measured on 0.3.75: 5.5 GB to 1.0 GB after ``test_split_loaders``); kept, it is RAM the servers of the
+    next modules, and a tier running beside this one, do not have."""
+    yield
+    if _TRIM_HEAP is not None:
+        gc.collect()
+        _TRIM_HEAP(0)
 
 
 @pytest.fixture(scope="session")

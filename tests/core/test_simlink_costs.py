@@ -152,8 +152,9 @@ def test_a_blocking_copy_and_a_wait_on_an_event_count_as_host_time():
     _on_side(link).copy(8 * KiB, "to_device", host_waits=False)
     link.wait(link.main, link.record(link.side))  # the main stream is the host's computation: the host waits
     # Booked: the blocking copy's 10 ms and the wait for the queued copy, less the host's own time between the
-    # two calls, so at most the 20 ms and, on a busy machine, somewhat less.
-    assert 0.015 < link.host_wait_seconds <= 0.02 + 1e-9
+    # two calls, so at least the 10 ms the host was made to wait and at most the 20 ms (a busy machine that
+    # holds the thread back between the calls shortens what is left to wait for).
+    assert 0.01 * 0.999 < link.host_wait_seconds <= 0.02 + 1e-9
 
 
 def test_each_copy_costs_the_host_its_issue_so_one_grouped_copy_beats_many_small_ones():
@@ -195,8 +196,9 @@ def test_the_host_runs_ahead_only_by_the_queue():
     elapsed = time.monotonic() - started
     assert 0.02 * 0.999 <= elapsed < 0.02 + SLACK
     # Booked: the waits for the device, less the host's own time between the calls (and any late wake-up beyond
-    # the credit a sleep's overshoot gets), so at most the 20 ms and, on a busy machine, somewhat less.
-    assert 0.015 < bounded.host_wait_seconds <= 0.02 + 1e-9
+    # the credit a sleep's overshoot gets), so at most the 20 ms; on a busy machine that holds the thread back
+    # between the calls, less (seen: 10 ms beside a ComfyUI test run), but never nothing.
+    assert 0.0 < bounded.host_wait_seconds <= 0.02 + 1e-9
 
     deep = _on_side(Link(LinkCost(bandwidth=nbytes / 0.01, issue_seconds=0.0)))
     started = time.monotonic()

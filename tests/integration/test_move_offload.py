@@ -44,7 +44,10 @@ def text(entry: dict, node: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(servers):
+def server(servers, server_pool):
+    """The module's server; the pool's idle ones are stopped first: several tests hold two full-size SD1.5
+    checkpoints in fp32 at once (3.74 GiB each, the pack refuses a load that does not fit in the RAM available)."""
+    server_pool.stop_idle()
     return servers("move-8g", SIMULATE_GPU="8GiB")
 
 
