@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from tests.browser.panel_clicks import click_and_confirm
 from tests.browser.profile_checks import (
     BADGES_SETTING,
     assert_badges_show_the_profile,
@@ -189,8 +190,7 @@ def _offload_the_unet(page: Any) -> None:
     unet = page.locator(f"{PANEL} .dc-model", has_text="MODEL SD15 diffusion model")
     assert int(unet.get_attribute("data-resident")) >= UNET_BYTES * 0.95
     own_before = int(page.locator(GPU_ROW).get_attribute("data-own"))
-    unet.locator(".dc-offload").click()
-    page.get_by_role("button", name="Confirm").click()
+    click_and_confirm(page, unet.locator(".dc-offload"))
     page.wait_for_function(
         "([row, most]) => Number(document.querySelector(row).dataset.own) <= most",
         arg=[GPU_ROW, own_before - UNET_BYTES * 0.95],

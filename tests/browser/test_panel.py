@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from tests.browser.conftest import OUR_EXTENSION_PATH, PINNED, FrontendPage
+from tests.browser.panel_clicks import click_and_confirm
 from tests.browser.profile_checks import (
     assert_badges_show_the_profile,
     assert_labels_readable,
@@ -322,8 +323,7 @@ def test_offload_button_moves_a_model_back_to_ram(frontend, artifacts, frontend_
     page.set_viewport_size({"width": 1800, "height": 1100})
     page.screenshot(path=str(artifacts / f"panel_with_placed_unet_{frontend_version}.png"))
 
-    unet.locator(".dc-offload").click()
-    page.get_by_role("button", name="Confirm").click()
+    click_and_confirm(page, unet.locator(".dc-offload"))
     page.wait_for_function(
         """() => [...document.querySelectorAll('.device-control-panel .dc-model')]
             .filter((m) => m.textContent.startsWith('MODEL')).every((m) => Number(m.dataset.resident) === 0)""",

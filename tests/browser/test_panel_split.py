@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tests.browser.panel_clicks import click_and_confirm
 from tests.browser.test_panel import PANEL, open_panel, run_workflow
 from tests.passes import ONCE
 
@@ -46,8 +47,7 @@ def test_a_split_model_shows_its_parts_per_device_and_offload_gives_both_gpus_ba
     assert _own(page, "gpu:1") - before["gpu:1"] >= parts["gpu:1"]  # the device row counts the part there
     page.locator(PANEL).screenshot(path=str(artifacts / "panel_with_split_model.png"))
 
-    row.locator(".dc-offload").click()
-    page.get_by_role("button", name="Confirm").click()
+    click_and_confirm(page, row.locator(".dc-offload"))
     page.wait_for_function(
         """() => ![...document.querySelectorAll('.device-control-panel .dc-model')]
             .some((m) => m.textContent.startsWith('MODEL') && m.dataset.parts !== '{}')""",
