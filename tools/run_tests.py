@@ -159,9 +159,10 @@ MINUTES = {
     ("browser", "middle"): 2.5,
 }
 #: The most RAM each kind of job holds, in GiB (``ps`` and ``free`` while one ran, on a 24 GB machine): the primary
-#: integration tier's families module holds SDXL's UNet in fp32 (12.6 GB in its server, 2.8 in pytest), so on that
-#: machine a browser tier (its server holds the starter's models, 4.3 GB) fits beside it and no other integration
-#: tier does; more, and the page cache goes and the machine stalls on reads.
+#: integration tier's families module holds SDXL's UNet in fp32 (13.7 GB in its server, 1 GB in pytest once each
+#: module's freed memory is given back), so on that machine a browser tier (its server holds the starter's models,
+#: 4.3 GB) fits beside it and no other integration tier does; more, and the page cache goes and the machine stalls on
+#: reads.
 RAM_GIB = {"fixtures": 6.0, "core": 2.0, "integration": 16.0, "browser": 4.5}
 
 
