@@ -40,10 +40,16 @@ class FrontendPage:
         page.on("pageerror", lambda e: self.console.append({"type": "pageerror", "text": f"{e}\n{e.stack}", "url": ""}))
 
     def open(self) -> None:
-        """Load the frontend and wait until its app and our extension are ready."""
+        """Load the frontend and wait until it has started: its app and our extension ready, and its first workflow
+        loaded. The frontend shows ``window.app`` before it loads that workflow (after a request to the server), so
+        a test that built a graph at once could have it replaced, on a loaded machine, by the default workflow
+        (links then refused from nodes no longer in the graph). Every frontend we test keeps a workspace store with
+        a startup spinner and the active workflow."""
         self.page.goto(self.server.url + "/")
         self.page.wait_for_function(
-            "window.app && window.app.graph && window.app.extensions && window.app.extensions.length > 0",
+            """() => { const app = window.app, workspace = app && app.extensionManager;
+                return !!(app && app.graph && app.extensions && app.extensions.length > 0 && workspace
+                          && !workspace.spinner && workspace.workflow && workspace.workflow.activeWorkflow); }""",
             timeout=90_000,
         )
 

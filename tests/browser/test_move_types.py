@@ -29,6 +29,7 @@ pytestmark = pytest.mark.parametrize("frontend_version", sorted(FRONTENDS), indi
 WIRE = """async ([loaderType, outputName, linkFirst]) => {
     const graph = window.app.graph;
     graph.clear();
+    const graphId = graph.id;
     const add = (type) => { const node = window.LiteGraph.createNode(type); graph.add(node); return node; };
     const loader = add(loaderType), move = add("DeviceControl_MoveToGPU");
     const sampler = add("KSampler"), encode = add("CLIPTextEncode");
@@ -54,7 +55,11 @@ WIRE = """async ([loaderType, outputName, linkFirst]) => {
     const toEncoder = !!move.connect(0, encode, clipIn);
     const valid = window.LiteGraph.isValidConnection(typeAfter, sampler.inputs[modelIn].type);
     return {typeBefore, inputType, early, fed, typeAfter, keptEarly, toSampler, toEncoder, valid, modelIn, clipIn,
-            samplerLinked: sampler.inputs[modelIn].link != null, encoderLinked: encode.inputs[clipIn].link != null};
+            samplerLinked: sampler.inputs[modelIn].link != null, encoderLinked: encode.inputs[clipIn].link != null,
+            // Whether the page replaced this graph meanwhile (a workflow of its own loading late, say).
+            attached: [loader, move, sampler, encode].every((node) => node.graph === window.app.graph
+                && window.app.graph.getNodeById(node.id) === node), sameGraph: window.app.graph.id === graphId,
+            nodes: window.app.graph._nodes.length};
 }"""
 
 #: After a workflow was loaded: Move To GPU's output type and how many links leave it.
@@ -65,7 +70,10 @@ MOVED_OUTPUT = """() => {
 
 
 def _wire(frontend: Any, loader: str, output: str, link_first: bool = False) -> dict[str, Any]:
-    return frontend.page.evaluate(WIRE, [loader, output, link_first])
+    wired = frontend.page.evaluate(WIRE, [loader, output, link_first])
+    # With what the page printed: the frontend says why it refused a link.
+    wired["console"] = [m["text"][:300] for m in frontend.console if m["type"] in ("error", "warning", "pageerror")]
+    return wired
 
 
 @pytest.fixture
@@ -76,24 +84,24 @@ def editor(frontend):
 
 def test_a_moved_clip_is_a_clip_and_cannot_feed_a_sampler(editor):
     wired = _wire(editor, "CLIPLoader", "CLIP")
-    assert wired["typeBefore"] == wired["inputType"] == "MODEL,CLIP,VAE", wired  # readable, as the Info shows it
-    assert wired["fed"] and wired["typeAfter"] == "CLIP", wired
-    assert wired["valid"] is False and wired["toSampler"] is False and not wired["samplerLinked"], wired
-    assert wired["toEncoder"] and wired["encoderLinked"], str(wired)  # whole: pytest shortens a long dict
+    assert wired["typeBefore"] == wired["inputType"] == "MODEL,CLIP,VAE", str(wired)  # readable, as the Info shows it
+    assert wired["fed"] and wired["typeAfter"] == "CLIP", str(wired)
+    assert wired["valid"] is False and wired["toSampler"] is False and not wired["samplerLinked"], str(wired)
+    assert wired["toEncoder"] and wired["encoderLinked"], str(wired)
     assert editor.our_errors() == []
 
 
 def test_a_link_to_a_sampler_made_before_a_clip_is_connected_is_dropped(editor):
     wired = _wire(editor, "CLIPLoader", "CLIP", link_first=True)
-    assert wired["early"] is True, wired  # nothing connected yet: the output takes any of the three
-    assert wired["typeAfter"] == "CLIP" and wired["keptEarly"] is False, wired
+    assert wired["early"] is True, str(wired)  # nothing connected yet: the output takes any of the three
+    assert wired["typeAfter"] == "CLIP" and wired["keptEarly"] is False, str(wired)
 
 
 def test_a_moved_model_still_feeds_a_sampler(editor):
     wired = _wire(editor, "CheckpointLoaderSimple", "MODEL")
-    assert wired["fed"] and wired["typeAfter"] == "MODEL", wired
-    assert wired["valid"] and wired["toSampler"] and wired["samplerLinked"], wired
-    assert wired["toEncoder"] is False and not wired["encoderLinked"], wired
+    assert wired["fed"] and wired["typeAfter"] == "MODEL", str(wired)
+    assert wired["valid"] and wired["toSampler"] and wired["samplerLinked"], str(wired)
+    assert wired["toEncoder"] is False and not wired["encoderLinked"], str(wired)
 
 
 @pytest.mark.parametrize("saved_as", ["MODEL,CLIP,VAE", "COMFY_MATCHTYPE_V3"])
