@@ -17,8 +17,11 @@ its module is done is stopped.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import logging
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -39,6 +42,30 @@ FLOOR = 6 * 1024**3
 #: An idle server that still holds more RAM than this after its models were unloaded (the allocator keeps what
 #: they took, at times: 3.9 GB seen) is stopped rather than kept; one that gave it back holds about 0.8 GB.
 IDLE_MAX = 2 * 1024**3
+
+
+#: The lock two test processes side by side share (``tools/run_tests.py`` runs two ComfyUIs' integration tiers at
+#: once where the RAM holds them): a module that holds several full-size models at once takes it alone, every other
+#: module shares it, so that no other tier's module holds models while a heavy one runs (the pack refuses a load
+#: that does not fit in the RAM available, and did, with a second SD1.5 checkpoint beside the other tier).
+RAM_LOCK = Path(tempfile.gettempdir()) / "device-control-tests-ram.lock"
+
+
+@contextlib.contextmanager
+def machine_ram(alone: bool, lock: Path = RAM_LOCK) -> Iterator[None]:
+    """Hold ``lock`` for a module: ``alone`` for one that loads several full-size models, shared for the others.
+    Where the OS has no ``flock`` (Windows) nothing is held: the tiers run there one at a time."""
+    if importlib.util.find_spec("fcntl") is None:
+        yield
+        return
+    import fcntl
+
+    with open(lock, "a+b") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
 def key_of(env: dict[str, str], extra_args: tuple[str, ...]) -> Key:

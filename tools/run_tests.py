@@ -3,9 +3,10 @@ ComfyUI 0.3.75, then the version checks (integration and browser tiers, ``tests/
 them) and on 0.33.0, the newest, whose pass also runs the long reliability checks.
 
 Each tier of each ComfyUI is a job, and two jobs run at a time (:func:`run_jobs`), as soon as what they need is
-there: the synthetic models first (every ComfyUI tier loads them), then the primary integration tier, the longest;
-the core tier, the browser tiers and the other versions' integration tiers beside it and after it, never two
-integration tiers at once where the machine's RAM holds one. The platforms users run are simulated
+there and the machine's RAM holds them: the synthetic models first (every ComfyUI tier loads them), then the primary
+integration tier, the longest, and the other jobs beside it and after it. The primary integration tier's modules
+that load SDXL's full-size UNet are a job of their own, which runs beside no other integration tier; the rest of
+that tier and the other versions' integration tiers fit two at a time. The platforms users run are simulated
 (``core.devices.sim.platforms``): the core tier runs on this machine and again under each simulated platform
 (Windows, 64 KiB-page arm64 Linux, macOS); the 0.33.0 pass runs its ComfyUI servers under the Windows profile, so
 every streamed Move To GPU there goes through Windows' surface.
@@ -144,26 +145,41 @@ SCRATCH = Path(tempfile.gettempdir()) / f"device-control-{os.getpid()}"
 #: How many jobs run at once: the CI machine's two cores (each job's ComfyUI servers and browser use more than one
 #: at times, and wait on each other at others).
 LANES = 2
-#: What each job is expected to take, in minutes, by tier and pass (in the last fresh-clone run, the integration
-#: tiers of 0.33.0 and 0.28.0 alone, every other job beside another: ``docs/bench/ci_fresh_clone.txt``; the core
-#: tier's from four runs beside the 0.3.75 integration tier, 41-63 s each): the primary pass runs every test, the
-#: newest the version checks and the long checks, a middle one a part of them.
+#: The primary integration tier's modules that load SDXL's full-size UNet: a job of their own (see RAM_GIB).
+SDXL_MODULES = ("tests/integration/test_families.py", "tests/integration/test_split_model.py")
+#: What each job is expected to take, in minutes, by tier and pass (the integration tiers from a run of the primary
+#: tier without its SDXL modules beside the 0.33.0 tier, 24.6 and 21.3 min, and those modules' times alone; the
+#: other jobs from the last fresh-clone run, each beside another: ``docs/bench/ci_fresh_clone.txt``): the primary
+#: pass runs every test, the newest the version checks and the long checks, a middle one a part of them.
 MINUTES = {
     "fixtures": 1.5,
     "core": 1.5,
-    ("integration", "primary"): 29.0,
-    ("integration", "newest"): 14.0,
+    "sdxl": 8.0,
+    ("integration", "primary"): 22.0,
+    ("integration", "newest"): 19.0,
     ("integration", "middle"): 3.5,
     ("browser", "primary"): 8.0,
     ("browser", "newest"): 4.5,
     ("browser", "middle"): 2.5,
 }
-#: The most RAM each kind of job holds, in GiB (``ps`` and ``free`` while one ran, on a 24 GB machine): the primary
-#: integration tier's families module holds SDXL's UNet in fp32 (13.7 GB in its server, 1 GB in pytest once each
-#: module's freed memory is given back), so on that machine a browser tier (its server holds the starter's models,
-#: 4.3 GB) fits beside it and no other integration tier does; more, and the page cache goes and the machine stalls on
-#: reads.
-RAM_GIB = {"fixtures": 6.0, "core": 2.0, "integration": 16.0, "browser": 4.5}
+#: The most RAM each kind of job holds, in GiB, on the 24 GB CI machine (``ps`` and ``free`` every 5 s while they
+#: ran): the SDXL modules hold SDXL's UNet in fp32 (13.7 GB in their server, 1 GB in pytest once each module's freed
+#: memory is given back), so a browser tier (its server holds the starter's models, 4.3 GB) fits beside them and no
+#: integration tier does; the primary tier's other modules and the newest's fit side by side (9 GiB each: their
+#: servers held 4-9 GB, pytest 1-4 GB), their modules that hold several full-size models at once taking turns
+#: (``tests/server_pool.py``'s RAM lock); the middle tier's is counted so that it does not wait beside the SDXL
+#: modules (which hold that lock). More, and the page cache goes and the machine stalls on reads.
+RAM_GIB = {
+    "fixtures": 6.0,
+    "core": 2.0,
+    "sdxl": 16.0,
+    ("integration", "primary"): 9.0,
+    ("integration", "newest"): 9.0,
+    ("integration", "middle"): 8.0,
+    ("browser", "primary"): 4.5,
+    ("browser", "newest"): 4.5,
+    ("browser", "middle"): 4.5,
+}
 
 
 @dataclass(frozen=True)
@@ -202,12 +218,12 @@ def full_run(python: Path, versions: list[str], pytest_args: list[str]) -> list[
         passes: list[Job] = []
         for version in versions:
             after = (passes[-1].label,) if passes else ()
-            passes.append(Job.of([*pytest, *pytest_args], version, after=after, ram_gib=RAM_GIB["integration"]))
+            passes.append(Job.of([*pytest, *pytest_args], version, after=after, ram_gib=RAM_GIB["sdxl"]))
         return [lint, passes]
     # The core tier (it does not import ComfyUI) and the synthetic models need nothing but the runtime; the tiers
     # that run ComfyUI need the models. The core tier runs on this machine and again under each simulated platform.
     # Each pytest has a folder of its own: two in one folder would remove each other's.
-    # The integration tiers, one at a time (their RAM), are the run's longest chain: the other jobs run beside them.
+    # The integration tiers are the run's longest chain; SDXL's modules hold the most RAM and run beside no other.
     # Torch's threads that spin while they wait for work take the core another process computes on: ComfyUI's tiers
     # wait passively, and the core tier computes on one thread, at a lower priority, in what the others leave of the
     # two cores (its tests have no deadline; the browser's have). Measured side by side: docs/bench/ci_threads.txt.
@@ -223,8 +239,14 @@ def full_run(python: Path, versions: list[str], pytest_args: list[str]) -> list[
         kind = "primary" if version == primary else "newest" if version == versions[-1] else "middle"
         env = {**({PLATFORM_ENV: PASS_PLATFORMS[version]} if version in PASS_PLATFORMS else {}), **PASSIVE}
         for tier in ("integration", "browser"):
-            command = [*pytest, f"tests/{tier}", f"--basetemp={SCRATCH}-{version}-{tier}"]
-            weights = {"minutes": MINUTES[tier, kind], "ram_gib": RAM_GIB[tier], "after": (fixtures.label,)}
+            paths = [f"tests/{tier}"]
+            if (tier, kind) == ("integration", "primary"):  # SDXL's modules apart: the rest fits beside another tier
+                paths += [f"--ignore={module}" for module in SDXL_MODULES]
+                command = [*pytest, *SDXL_MODULES, f"--basetemp={SCRATCH}-{version}-sdxl"]
+                weights = {"minutes": MINUTES["sdxl"], "ram_gib": RAM_GIB["sdxl"], "after": (fixtures.label,)}
+                jobs.append(Job.of(command, version, env=env, **weights))
+            command = [*pytest, *paths, f"--basetemp={SCRATCH}-{version}-{tier}"]
+            weights = {"minutes": MINUTES[tier, kind], "ram_gib": RAM_GIB[tier, kind], "after": (fixtures.label,)}
             jobs.append(Job.of(command, version, env=env, **weights))
     return [lint, jobs]
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -87,14 +90,21 @@ def test_a_run_is_every_tier_on_every_version_each_in_a_folder_of_its_own():
     lint, jobs = run_tests.full_run(Path("python"), ["0.3.75", "0.28.0", "0.33.0"], [])
     assert [job.command[3:] for job in lint] == [("check", "."), ("format", "--check", ".")]
     folders = [arg for job in jobs for arg in job.command if arg.startswith("--basetemp=")]
-    assert len(folders) == len(set(folders)) == 3 * 2 + 1 + len(run_tests.PROFILES)
+    assert len(folders) == len(set(folders)) == 3 * 2 + 1 + 1 + len(run_tests.PROFILES)  # + the SDXL modules' job
     fixtures = next(job for job in jobs if "tools.make_fixtures" in job.command)
     tiers = {
         (job.settings["DEVICE_CONTROL_COMFYUI"], job.command[4]): job
         for job in jobs
         if "tests/core" not in job.command and job is not fixtures
     }
+    sdxl = tiers.pop(("0.3.75", run_tests.SDXL_MODULES[0]))
     assert set(tiers) == {(v, f"tests/{t}") for v in ("0.3.75", "0.28.0", "0.33.0") for t in ("integration", "browser")}
+    # The primary integration tier is every module once: the SDXL modules in their job, the rest in the tier's.
+    rest = tiers["0.3.75", "tests/integration"].command
+    assert [f"--ignore={m}" for m in run_tests.SDXL_MODULES] == [a for a in rest if a.startswith("--ignore=")]
+    assert [a for a in sdxl.command if a.startswith("tests/")] == list(run_tests.SDXL_MODULES)
+    assert all(Path(REPO, module).is_file() for module in run_tests.SDXL_MODULES)
+    assert sdxl.after == (fixtures.label,)
     assert all(job.after == (fixtures.label,) for job in tiers.values())
     simulated = [job.settings.get(run_tests.PLATFORM_ENV) for job in jobs if "tests/core" in job.command]
     assert simulated == [None, *run_tests.PROFILES]
@@ -115,9 +125,10 @@ def test_jobs_beside_another_do_not_spin_torch_threads_and_the_core_tier_fills_w
             assert run_tests.PASSIVE.items() <= job.settings.items() and job.nice == 0, job.label
 
 
-def test_the_models_come_first_then_the_longest_chain_and_no_two_integration_tiers_share_the_ram():
+def test_the_models_come_first_then_the_longest_chain_and_sdxl_runs_beside_no_integration_tier():
     """On a 24 GB machine: the models first (every ComfyUI tier waits for them), the primary integration tier as
-    soon as they are made, the core tier beside the models; never two integration tiers at once."""
+    soon as they are made, the core tier beside the models; two integration tiers side by side, but never the SDXL
+    modules beside another (their server holds 13.7 GB); a browser tier beside the SDXL modules."""
     from tools import run_tests
 
     _, jobs = run_tests.full_run(Path("python"), ["0.3.75", "0.28.0", "0.33.0"], [])
@@ -130,9 +141,13 @@ def test_the_models_come_first_then_the_longest_chain_and_no_two_integration_tie
     assert not run_tests.runnable(integration[0], set(), [], 23.5)  # the models are not made yet
     done = {ordered[0].label}
     assert run_tests.runnable(integration[0], done, [], 23.5)
-    assert not run_tests.runnable(integration[1], done, [integration[0]], 23.5)
-    assert run_tests.runnable(integration[1], done, [integration[0]], 64.0)  # a machine with room for two
+    assert all(run_tests.runnable(other, done, [integration[0]], 23.5) for other in integration[1:])
     assert not run_tests.runnable(core, done, integration[:2], 64.0)  # two lanes
+    sdxl = next(job for job in jobs if run_tests.SDXL_MODULES[0] in job.command)
+    assert not any(run_tests.runnable(sdxl, done, [other], 23.5) for other in integration)
+    assert run_tests.runnable(sdxl, done, [integration[0]], 64.0)  # a machine with room for both
+    browser = [job for job in jobs if "tests/browser" in job.command]
+    assert all(run_tests.runnable(sdxl, done, [job], 23.5) for job in browser)
 
 
 def test_the_scheduler_runs_what_it_may_side_by_side_and_starts_nothing_after_a_failure(tmp_path):
@@ -152,3 +167,30 @@ def test_the_scheduler_runs_what_it_may_side_by_side_and_starts_nothing_after_a_
         made.unlink()
     assert run_tests.run_jobs([job("bad", 0.1, code=3), job("d", 0.1, after=("bad",)), job("e", 2.0)], started) == 1
     assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("fcntl") is None, reason="no flock here: the tiers run one at a time")
+def test_a_module_that_holds_several_models_waits_for_the_other_tiers_modules(tmp_path):
+    """Two integration tiers side by side (tools/run_tests.py): a module that holds several full-size models
+    (``HOLDS_MODELS``) starts only once the other process's module, which shares the RAM lock, has ended; modules
+    that share it run at once."""
+    from tests.server_pool import machine_ram
+
+    lock, mark = tmp_path / "ram.lock", tmp_path / "shared-ended"
+    holder = (
+        f"import pathlib, time; from tests.server_pool import machine_ram\n"
+        f"with machine_ram(False, pathlib.Path(r'{lock}')):\n"
+        f"    pathlib.Path(r'{tmp_path}', 'shared-holds').touch(); time.sleep(1.5)\n"
+        f"    pathlib.Path(r'{mark}').touch()\n"
+    )
+    other = subprocess.Popen([sys.executable, "-c", holder], cwd=REPO)
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "shared-holds").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with machine_ram(False, lock):
+            assert not mark.exists()  # shared beside shared
+        with machine_ram(True, lock):
+            assert mark.exists()  # alone: after the other module ended
+    finally:
+        assert other.wait(timeout=30) == 0

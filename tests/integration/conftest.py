@@ -18,6 +18,7 @@ from PIL import Image
 
 from core.units import format_bytes
 from tests.server_pool import ServerPool
+from tests.server_pool import machine_ram as share_machine_ram
 from tools.comfy_server import ComfyServer
 from tools.workflow_api import load_workflow, ui_to_api
 
@@ -144,6 +145,14 @@ def stock_equivalent(prompt: dict[str, Any]) -> dict[str, Any]:
             if isinstance(value, list) and len(value) == 2 and value[0] in stock:
                 node["inputs"][name] = resolve(value)
     return {key: node for key, node in stock.items() if node["class_type"] not in PASSTHROUGH}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def machine_ram(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Each module shares the machine's RAM with the other tier's (:func:`tests.server_pool.machine_ram`); one that
+    sets ``HOLDS_MODELS = True`` (several full-size models at once) runs while no other tier's module does."""
+    with share_machine_ram(alone=getattr(request.module, "HOLDS_MODELS", False)):
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -44,6 +44,8 @@ from tools.make_family_fixtures import DIFFUSION_FIXTURES
 from tools.stress import run_coroutine
 
 REPO = Path(__file__).resolve().parents[2]
+#: Several full-size models at once: runs while no other tier's module does (tests/server_pool.py).
+HOLDS_MODELS = True
 MiB = 1024**2
 #: The family's diffusion-model fixture (its ``make_all()`` key) and the LoRA made for it, by workflow.
 FIXTURE_OF = {

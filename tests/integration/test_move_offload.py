@@ -17,6 +17,8 @@ from tools.comfy_server import ComfyError
 from tools.make_fixtures import SD15_CHECKPOINT
 
 REPO = Path(__file__).resolve().parents[2]
+#: Several full-size models at once: runs while no other tier's module does (tests/server_pool.py).
+HOLDS_MODELS = True
 MOVE = REPO / "workflows" / "01_start_here_sd15_move_to_gpu_and_offload.json"
 LOW_VRAM = REPO / "workflows" / "04_sd15_low_vram_lora_budget.json"
 TWO = REPO / "workflows" / "07_two_checkpoints_offload_between.json"

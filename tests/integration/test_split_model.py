@@ -18,6 +18,8 @@ GiB = 1024**3
 #: Tests of what the node decides before ComfyUI loads anything (the allocation's text, its devices, the input's
 #: kind): the same code in every ComfyUI version, so they run once, in the primary version's pass.
 WORKFLOWS = Path(__file__).resolve().parents[2] / "workflows"
+#: Several full-size models at once: runs while no other tier's module does (tests/server_pool.py).
+HOLDS_MODELS = True
 EXAMPLE = WORKFLOWS / "12_flux_split_across_two_gpus.json"
 ALLOCATION = "gpu:0=40%, gpu:1=30%, gpu:2=*"
 

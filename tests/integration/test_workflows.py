@@ -15,6 +15,8 @@ from tests.integration.executions import watch
 from tools.family_workflows import FAMILIES, FLUX_GGUF_EXAMPLE
 
 REPO = Path(__file__).resolve().parents[2]
+#: Several full-size models at once: runs while no other tier's module does (tests/server_pool.py).
+HOLDS_MODELS = True
 #: The family workflows (and the GGUF one) run in ``test_families.py``, on a simulated GPU against ComfyUI's stock
 #: loaders.
 ELSEWHERE = {f.stem for f in (*FAMILIES, FLUX_GGUF_EXAMPLE)}
