@@ -18,17 +18,6 @@ import torch
 from .backends import Target, backend_of, target_of
 from .tensors import HOST, count_copy, same_target, tensor_bytes
 
-
-def compute_target(tensor: torch.Tensor) -> Target:
-    """Where a computation on ``tensor`` happens."""
-    return target_of(tensor)
-
-
-def side_stream(target: Target) -> object | None:
-    """The copy stream of ``target`` (created once), or ``None`` where the backend has no streams."""
-    return backend_of(target).side_stream(target)
-
-
 #: True on a layer class whose cast copies its weights through the device's backend (:func:`to_target`), so they
 #: may live on any device: a ring carries its weights, and a split model's donor streams only such layers
 #: (``core.placement.donors``).

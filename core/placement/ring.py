@@ -395,5 +395,3 @@ class Ring:
                 "streaming with fewer" if buffers else "each streamed layer copies its own weights",
             )
         return buffers
-
-    # -- host slabs -----------------------------------------------------------------------------------

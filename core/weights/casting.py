@@ -27,7 +27,7 @@ import torch
 from ..devices.backends import backend_of, target_of
 from ..devices.slices import SLICES, RowSlices
 from ..devices.tensors import Target
-from ..devices.transfer import GROUPED, compute_target, to_target
+from ..devices.transfer import GROUPED, to_target
 from .quantized import QUANTIZED, QuantizedLayout, layout_of, weight_shape
 
 #: ``compute(input, weight, bias)`` of one layer (``F.linear``, a convolution) on a weight and bias ready to use.
@@ -157,7 +157,7 @@ def forward_in_slices(layer: torch.nn.Module, input: torch.Tensor, compute: Comp
     if slices is None:
         return None
     weight, functions = layer.weight, getattr(layer, "weight_function", ())
-    dtype, target = input.dtype, compute_target(input)
+    dtype, target = input.dtype, target_of(input)
     shape, layout = weight_shape(layer), layout_of(layer, "weight")
     if backend_of(target).holds(weight, target) or not _take_slices(functions, shape, slices):
         return None  # computing where the weight is (the host, for a host input): nothing crosses

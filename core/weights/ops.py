@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn import functional as F  # noqa: N812 - the name every torch user knows
 
+from ..devices.backends import target_of
 from ..devices.slices import SLICES
-from ..devices.transfer import CASTS_ANYWHERE, compute_target
+from ..devices.transfer import CASTS_ANYWHERE
 from ..progress import ProgressCallback
 from .casting import cast_weight_bias, forward_in_slices
 from .quantized import QUANTIZED
@@ -172,7 +173,7 @@ class Embedding(CastLayer, torch.nn.Embedding):
             return super().forward(input)
         # A half-precision table is looked up as stored; only the rows taken are converted afterwards.
         table_dtype = None if self.weight.dtype in (torch.float16, torch.bfloat16) else out_dtype
-        weight, _ = cast_weight_bias(self, dtype=table_dtype, target=compute_target(input))
+        weight, _ = cast_weight_bias(self, dtype=table_dtype, target=target_of(input))
         out = F.embedding(
             input, weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse
         )

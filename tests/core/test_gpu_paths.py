@@ -19,7 +19,7 @@ from core.detection.headers import read_header
 from core.devices.backends import backend_of
 from core.devices.memory import capacity_bytes, empty_cache, free_bytes
 from core.devices.pinned import PinnedMemory
-from core.devices.transfer import side_stream, to_target
+from core.devices.transfer import to_target
 from core.files.reader import WeightReader
 from core.files.skeleton import materialize, weights_on_meta
 from core.placement.engine import partial_model_of
@@ -32,7 +32,7 @@ CUDA = torch.device("cuda", 0)
 @pytest.mark.gpu(proves="a copy on the side stream is complete before the compute stream uses it, pinned or not")
 def test_side_stream_copies_are_ordered_before_use():
     host = torch.randn(4096, 4096)
-    assert side_stream(CUDA) is not None
+    assert backend_of(CUDA).side_stream(CUDA) is not None
     moved = to_target(host, CUDA)
     assert torch.equal((moved * 2).cpu(), host * 2)
     pinned = PinnedMemory()
