@@ -145,41 +145,37 @@ SCRATCH = Path(tempfile.gettempdir()) / f"device-control-{os.getpid()}"
 #: How many jobs run at once: the CI machine's two cores (each job's ComfyUI servers and browser use more than one
 #: at times, and wait on each other at others).
 LANES = 2
-#: The primary integration tier's modules that load SDXL's full-size UNet: a job of their own (see RAM_GIB).
+#: The primary integration tier's modules that load SDXL's full-size UNet: a job of their own (see WEIGHTS).
 SDXL_MODULES = ("tests/integration/test_families.py", "tests/integration/test_split_model.py")
-#: What each job is expected to take, in minutes, by tier and pass (the integration tiers from a run of the primary
-#: tier without its SDXL modules beside the 0.33.0 tier, 24.6 and 21.3 min, and those modules' times alone; the
-#: other jobs from the last fresh-clone run, each beside another: ``docs/bench/ci_fresh_clone.txt``): the primary
-#: pass runs every test, the newest the version checks and the long checks, a middle one a part of them.
-MINUTES = {
-    "fixtures": 1.5,
-    "core": 1.5,
-    "sdxl": 8.0,
-    ("integration", "primary"): 22.0,
-    ("integration", "newest"): 19.0,
-    ("integration", "middle"): 3.5,
-    ("browser", "primary"): 8.0,
-    ("browser", "newest"): 4.5,
-    ("browser", "middle"): 2.5,
+#: What each kind of job weighs for the scheduler, by tier and pass: (minutes, most RAM in GiB).
+#:
+#: Minutes: the last fresh-clone run, each job beside another (``docs/bench/ci_fresh_clone.txt``); the primary pass
+#: runs every test, the newest the version checks and the long checks, a middle one a part of them.
+#:
+#: RAM: ``ps`` and ``free`` every 5 s while they ran, on the 24 GB CI machine. The SDXL modules hold SDXL's UNet in
+#: fp32 (13.7 GB in their server, 1 GB in pytest once each module's freed memory is given back), so a browser tier
+#: (its server holds the starter's models, 4.3 GB) fits beside them and no integration tier does; the primary tier's
+#: other modules and the newest's fit side by side (their servers held 4-9 GB, pytest 1-4 GB), their modules that
+#: hold several full-size models at once taking turns (``tests/server_pool.py``'s RAM lock); the middle tier's is
+#: counted so that it does not wait beside the SDXL modules (which hold that lock). More, and the page cache goes and
+#: the machine stalls on reads.
+WEIGHTS: dict[str | tuple[str, str], tuple[float, float]] = {
+    "fixtures": (1.0, 6.0),
+    "core": (1.1, 2.0),
+    "sdxl": (12.6, 16.0),
+    ("integration", "primary"): (28.7, 9.0),
+    ("integration", "newest"): (21.3, 9.0),
+    ("integration", "middle"): (4.4, 8.0),
+    ("browser", "primary"): (9.5, 4.5),
+    ("browser", "newest"): (6.0, 4.5),
+    ("browser", "middle"): (3.7, 4.5),
 }
-#: The most RAM each kind of job holds, in GiB, on the 24 GB CI machine (``ps`` and ``free`` every 5 s while they
-#: ran): the SDXL modules hold SDXL's UNet in fp32 (13.7 GB in their server, 1 GB in pytest once each module's freed
-#: memory is given back), so a browser tier (its server holds the starter's models, 4.3 GB) fits beside them and no
-#: integration tier does; the primary tier's other modules and the newest's fit side by side (9 GiB each: their
-#: servers held 4-9 GB, pytest 1-4 GB), their modules that hold several full-size models at once taking turns
-#: (``tests/server_pool.py``'s RAM lock); the middle tier's is counted so that it does not wait beside the SDXL
-#: modules (which hold that lock). More, and the page cache goes and the machine stalls on reads.
-RAM_GIB = {
-    "fixtures": 6.0,
-    "core": 2.0,
-    "sdxl": 16.0,
-    ("integration", "primary"): 9.0,
-    ("integration", "newest"): 9.0,
-    ("integration", "middle"): 8.0,
-    ("browser", "primary"): 4.5,
-    ("browser", "newest"): 4.5,
-    ("browser", "middle"): 4.5,
-}
+
+
+def weights(kind: str | tuple[str, str]) -> dict[str, float]:
+    """The scheduler's weights of a kind of job (:data:`WEIGHTS`), as :meth:`Job.of` takes them."""
+    minutes, ram_gib = WEIGHTS[kind]
+    return {"minutes": minutes, "ram_gib": ram_gib}
 
 
 @dataclass(frozen=True)
@@ -218,7 +214,7 @@ def full_run(python: Path, versions: list[str], pytest_args: list[str]) -> list[
         passes: list[Job] = []
         for version in versions:
             after = (passes[-1].label,) if passes else ()
-            passes.append(Job.of([*pytest, *pytest_args], version, after=after, ram_gib=RAM_GIB["sdxl"]))
+            passes.append(Job.of([*pytest, *pytest_args], version, after=after, ram_gib=WEIGHTS["sdxl"][1]))
         return [lint, passes]
     # The core tier (it does not import ComfyUI) and the synthetic models need nothing but the runtime; the tiers
     # that run ComfyUI need the models. The core tier runs on this machine and again under each simulated platform.
@@ -227,14 +223,12 @@ def full_run(python: Path, versions: list[str], pytest_args: list[str]) -> list[
     # Torch's threads that spin while they wait for work take the core another process computes on: ComfyUI's tiers
     # wait passively, and the core tier computes on one thread, at a lower priority, in what the others leave of the
     # two cores (its tests have no deadline; the browser's have). Measured side by side: docs/bench/ci_threads.txt.
-    fixtures = Job.of(
-        [str(python), "-m", "tools.make_fixtures"], primary, minutes=MINUTES["fixtures"], ram_gib=RAM_GIB["fixtures"]
-    )
+    fixtures = Job.of([str(python), "-m", "tools.make_fixtures"], primary, **weights("fixtures"))
     jobs = [fixtures]
     for name in (None, *PROFILES):
         command = [*pytest, "tests/core", f"--basetemp={SCRATCH}-{name or 'core'}"]
         env = {**({PLATFORM_ENV: name} if name else {}), **ONE}
-        jobs.append(Job.of(command, primary, env=env, minutes=MINUTES["core"], ram_gib=RAM_GIB["core"], nice=NICE))
+        jobs.append(Job.of(command, primary, env=env, **weights("core"), nice=NICE))
     for version in versions:
         kind = "primary" if version == primary else "newest" if version == versions[-1] else "middle"
         env = {**({PLATFORM_ENV: PASS_PLATFORMS[version]} if version in PASS_PLATFORMS else {}), **PASSIVE}
@@ -243,11 +237,9 @@ def full_run(python: Path, versions: list[str], pytest_args: list[str]) -> list[
             if (tier, kind) == ("integration", "primary"):  # SDXL's modules apart: the rest fits beside another tier
                 paths += [f"--ignore={module}" for module in SDXL_MODULES]
                 command = [*pytest, *SDXL_MODULES, f"--basetemp={SCRATCH}-{version}-sdxl"]
-                weights = {"minutes": MINUTES["sdxl"], "ram_gib": RAM_GIB["sdxl"], "after": (fixtures.label,)}
-                jobs.append(Job.of(command, version, env=env, **weights))
+                jobs.append(Job.of(command, version, env=env, **weights("sdxl"), after=(fixtures.label,)))
             command = [*pytest, *paths, f"--basetemp={SCRATCH}-{version}-{tier}"]
-            weights = {"minutes": MINUTES[tier, kind], "ram_gib": RAM_GIB[tier, kind], "after": (fixtures.label,)}
-            jobs.append(Job.of(command, version, env=env, **weights))
+            jobs.append(Job.of(command, version, env=env, **weights((tier, kind)), after=(fixtures.label,)))
     return [lint, jobs]
 
 
