@@ -218,7 +218,7 @@ def full_run(python: Path, versions: list[str], pytest_args: list[str]) -> list[
     # The core tier (it does not import ComfyUI) and the synthetic models need nothing but the runtime; the tiers
     # that run ComfyUI need the models. The core tier runs on this machine and again under each simulated platform.
     # Each pytest has a folder of its own: two in one folder would remove each other's.
-    # The integration tiers are the run's longest chain; SDXL's modules hold the most RAM and run beside no other.
+    # The integration tiers are the run's longest chain; on the CI machine they run one at a time (see WEIGHTS).
     # Torch's threads that spin while they wait for work take the core another process computes on: ComfyUI's tiers
     # wait passively, and the core tier computes on one thread, at a lower priority, in what the others leave of the
     # two cores (its tests have no deadline; the browser's have). Measured side by side: docs/bench/ci_threads.txt.
@@ -233,7 +233,7 @@ def full_run(python: Path, versions: list[str], pytest_args: list[str]) -> list[
         env = {**({PLATFORM_ENV: PASS_PLATFORMS[version]} if version in PASS_PLATFORMS else {}), **PASSIVE}
         for tier in ("integration", "browser"):
             paths = [f"tests/{tier}"]
-            if (tier, kind) == ("integration", "primary"):  # SDXL's modules apart: the rest fits beside another tier
+            if (tier, kind) == ("integration", "primary"):  # SDXL's modules apart (see WEIGHTS)
                 paths += [f"--ignore={module}" for module in SDXL_MODULES]
                 command = [*pytest, *SDXL_MODULES, f"--basetemp={SCRATCH}-{version}-sdxl"]
                 jobs.append(Job.of(command, version, env=env, **weights("sdxl"), after=(fixtures.label,)))
