@@ -36,6 +36,9 @@ ARTIFACTS = REPO / "tests" / "artifacts"
 #: Cycles of the soak test in a normal run (sized for CI; it runs in the long checks' pass only);
 #: ``--soak-cycles 200`` runs the long soak.
 SOAK_CYCLES = 10
+#: The available RAM below which a test server's ComfyUI drops cached outputs, where its cache works by RAM pressure
+#: (0.28 and later): its own headroom is 10 % of the machine's RAM, and a test job shares the machine with another.
+CACHE_HEADROOM_GIB = 0.5
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -295,9 +298,10 @@ def _forget_model_folders(folder: Path) -> None:
 
 
 def start_server(base: Path, env: dict[str, str] | None = None, extra_args: tuple[str, ...] = ()) -> ComfyServer:
-    """Start a ComfyUI server with the pack in ``base``; fail with its log if it does not come up."""
+    """Start a ComfyUI server with the pack in ``base``; fail with its log if it does not come up. Its cache keeps
+    what it caches while :data:`CACHE_HEADROOM_GIB` of RAM is available (unless ``extra_args`` choose a cache)."""
     try:
-        return ComfyServer(base, env=env, extra_args=extra_args).start()
+        return ComfyServer(base, env=env, extra_args=extra_args, cache_headroom_gib=CACHE_HEADROOM_GIB).start()
     except RuntimeError as exc:
         pytest.fail(str(exc))
 

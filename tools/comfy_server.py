@@ -48,6 +48,28 @@ class PortTakenError(RuntimeError):
     """ComfyUI exited because another process holds its port."""
 
 
+#: The words of ComfyUI's ``--cache-ram`` help where its RAM-pressure cache is the default (0.28 and later; 0.3.x
+#: caches classically unless asked).
+RAM_PRESSURE_DEFAULT = "This is the default caching mode"
+#: The flags that choose how ComfyUI caches node outputs: a command that names one keeps its own.
+CACHE_FLAGS = ("--cache-classic", "--cache-lru", "--cache-ram", "--cache-none")
+
+
+def caches_by_ram_pressure(version: str = DEFAULT_VERSION) -> bool:
+    """Whether this ComfyUI's default cache drops node outputs (loaded models first) when the machine's available
+    RAM falls below a headroom: 10 % of RAM, 2-10 GB (read from its ``--cache-ram`` help)."""
+    cli_args = comfyui_dir(version) / "comfy" / "cli_args.py"
+    return cli_args.is_file() and RAM_PRESSURE_DEFAULT in cli_args.read_text(encoding="utf-8")
+
+
+def cache_headroom_args(gib: float, version: str = DEFAULT_VERSION) -> tuple[str, ...]:
+    """ComfyUI flags that keep its default cache as it is but drop cached outputs only below ``gib`` of available
+    RAM, where the default cache works by RAM pressure; none elsewhere. A test server shares the machine with other
+    jobs: with ComfyUI's own headroom (2.35 GiB on a 24 GB machine) whether a model stays cached would depend on
+    what else runs, not on the pack."""
+    return ("--cache-ram", f"{gib:g}") if caches_by_ram_pressure(version) else ()
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as sock:
@@ -65,6 +87,8 @@ class ComfyServer:
         version: which provisioned ComfyUI to run.
         extra_args: more ComfyUI command-line flags.
         cpu: run ComfyUI with ``--cpu`` (required on machines without a GPU).
+        cache_headroom_gib: drop cached outputs only below this much available RAM, where ComfyUI's default cache
+            works by RAM pressure and ``extra_args`` choose no cache (:func:`cache_headroom_args`); ``None``: its own.
     """
 
     def __init__(
@@ -75,6 +99,7 @@ class ComfyServer:
         version: str = DEFAULT_VERSION,
         extra_args: tuple[str, ...] = (),
         cpu: bool = True,
+        cache_headroom_gib: float | None = None,
     ) -> None:
         self.base = make_base_directory(Path(base), version)
         self.env = env or {}
@@ -83,6 +108,7 @@ class ComfyServer:
         self.version = version
         self.extra_args = extra_args
         self.cpu = cpu
+        self.cache_headroom_gib = cache_headroom_gib
         self.process: subprocess.Popen | None = None
         self.log_path = self.base / "server.log"
 
@@ -123,6 +149,8 @@ class ComfyServer:
             *self._directories(),
             *self.extra_args,
         ]
+        if self.cache_headroom_gib is not None and not any(flag in self.extra_args for flag in CACHE_FLAGS):
+            cmd += cache_headroom_args(self.cache_headroom_gib, self.version)
         frontend = served_frontend(self.version)
         if frontend is not None and "--front-end-root" not in self.extra_args:
             cmd += ["--front-end-root", str(frontend)]

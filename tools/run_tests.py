@@ -4,8 +4,9 @@ them) and on 0.33.0, the newest, whose pass also runs the long reliability check
 
 Each tier of each ComfyUI is a job, and two jobs run at a time (:func:`run_jobs`), as soon as what they need is
 there and the machine's RAM holds them: the synthetic models first (every ComfyUI tier loads them), then the primary
-integration tier, the longest, and the other jobs beside it and after it, one integration tier at a time (the
-primary tier's modules that load SDXL's full-size UNet are a job of their own). The platforms users run are
+integration tier, the longest, and the other jobs beside it and after it. The primary integration tier's modules
+that load SDXL's full-size UNet are a job of their own, which runs beside no other integration tier; the rest of
+that tier and the other versions' integration tiers fit two at a time. The platforms users run are
 simulated (``core.devices.sim.platforms``): the core tier runs on this machine and again under each simulated platform
 (Windows, 64 KiB-page arm64 Linux, macOS); the 0.33.0 pass runs its ComfyUI servers under the Windows profile, so
 every streamed Move To GPU there goes through Windows' surface.
@@ -153,18 +154,20 @@ SDXL_MODULES = ("tests/integration/test_families.py", "tests/integration/test_sp
 #:
 #: RAM: ``ps`` and ``free`` every 5 s while they ran, on the 24 GB CI machine. The SDXL modules hold SDXL's UNet in
 #: fp32 (13.7 GB in their server, 1 GB in pytest once each module's freed memory is given back), so a browser tier
-#: (its server holds the starter's models, 4.3 GB) fits beside them and no integration tier does. The other
-#: integration tiers held 4-9 GB in a server and 1-4 GB in pytest, and two of them fit side by side (as little as
-#: 2.7 GiB left available), but there ComfyUI's own memory management behaved otherwise than with room (a cached
-#: model not loaded again by the sampler, once, in the 0.33.0 tier): each counts as much as the SDXL job, so that
-#: integration tiers run one at a time. More, and the page cache goes and the machine stalls on reads.
+#: (its server holds the starter's models, 4.3 GB) fits beside them and no integration tier does; the primary tier's
+#: other modules and the newest's fit side by side (their servers held 4-9 GB, pytest 1-4 GB; as little as 2.7 GiB
+#: left available), their modules that hold several full-size models at once taking turns (``tests/server_pool.py``'s
+#: RAM lock), and the test servers' cache keeping what it cached down to 0.5 GiB available (``tests/conftest.py``:
+#: ComfyUI 0.28 and later drop cached models below 10 % of RAM by default). The middle tier's is counted so that it
+#: does not wait beside the SDXL modules (which hold that lock). More, and the page cache goes and the machine stalls
+#: on reads.
 WEIGHTS: dict[str | tuple[str, str], tuple[float, float]] = {
     "fixtures": (1.0, 6.0),
     "core": (1.1, 2.0),
     "sdxl": (12.6, 16.0),
-    ("integration", "primary"): (28.7, 16.0),
-    ("integration", "newest"): (21.3, 16.0),
-    ("integration", "middle"): (4.4, 16.0),
+    ("integration", "primary"): (28.7, 9.0),
+    ("integration", "newest"): (21.3, 9.0),
+    ("integration", "middle"): (4.4, 8.0),
     ("browser", "primary"): (9.5, 4.5),
     ("browser", "newest"): (6.0, 4.5),
     ("browser", "middle"): (3.7, 4.5),
@@ -218,7 +221,6 @@ def full_run(python: Path, versions: list[str], pytest_args: list[str]) -> list[
     # The core tier (it does not import ComfyUI) and the synthetic models need nothing but the runtime; the tiers
     # that run ComfyUI need the models. The core tier runs on this machine and again under each simulated platform.
     # Each pytest has a folder of its own: two in one folder would remove each other's.
-    # The integration tiers are the run's longest chain; on the CI machine they run one at a time (see WEIGHTS).
     # Torch's threads that spin while they wait for work take the core another process computes on: ComfyUI's tiers
     # wait passively, and the core tier computes on one thread, at a lower priority, in what the others leave of the
     # two cores (its tests have no deadline; the browser's have). Measured side by side: docs/bench/ci_threads.txt.
