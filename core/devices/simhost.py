@@ -15,8 +15,9 @@ fails the same way here, on a CPU machine, in every test:
   memory queued without the host waiting reads the host memory later, on a real GPU; the host must wait for its
   event (or for a stream that waited for it, or for the whole device) before it writes to that memory or frees it.
   Here the bytes are copied at once, so a write or a free in between would go unnoticed: instead a sample of the
-  source is kept and compared when the host's wait comes, and a source freed before is a fault raised at the next
-  operation on the device (a finalizer cannot raise).
+  source is kept and compared when the host's wait comes, and a source freed or unlocked (unregistered) before is
+  a fault raised at the next operation on the device (a finalizer cannot raise). Every copy the host does not wait
+  for is booked, whichever path queued it: a ring's slot fill, a tensor moved on its own, a LoRA factor.
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ class HostRegistry:
 
     def unregister(self, pointer: int) -> bool:
         """Unlock the range registered at ``pointer``; its pages may be registered again. A pointer that starts no
-        range leaves an error pending, as CUDA does, and gives ``False``."""
+        range leaves an error pending, as CUDA does, and gives ``False``. A copy still queued from the range is a
+        fault of the device it was queued on (:meth:`HostReads.unlocked`)."""
         with self._lock:
             size = self._ranges.pop(pointer, None)
             if size is not None:
@@ -109,7 +111,10 @@ class HostRegistry:
                 self._bytes -= size
         if size is None:
             self._fail(NOT_REGISTERED)
-        return size is not None
+            return False
+        for reads in list(_EVERY_READS):
+            reads.unlocked(pointer, size)
+        return True
 
     def holds(self, pointer: int, nbytes: int) -> bool:
         """Whether the ``nbytes`` at ``pointer`` lie in one registered range (a copy from them needs no staging)."""
@@ -161,6 +166,7 @@ class _Read:
     stream: Any
     position: int
     storage: weakref.ref
+    pointer: int
     offset: int
     nbytes: int
     sample: torch.Tensor
@@ -175,13 +181,15 @@ class HostReads:
         self.label = label
         self._reads: list[_Read] = []
         self._faults: deque[str] = deque()  # appended to by finalizers, in any thread
+        _EVERY_READS.add(self)
 
     def add(self, source: torch.Tensor, stream: Any, position: int) -> None:
         """A copy of ``source`` (host memory, contiguous) was queued at ``position`` of ``stream``."""
         storage = source.untyped_storage()
         offset = source.data_ptr() - storage.data_ptr()
         nbytes = source.numel() * source.element_size()
-        read = _Read(stream, position, weakref.ref(storage), offset, nbytes, _sample(storage, offset, nbytes))
+        sample = _sample(storage, offset, nbytes)
+        read = _Read(stream, position, weakref.ref(storage), source.data_ptr(), offset, nbytes, sample)
         read.finalizer = weakref.finalize(storage, self._freed, read)
         self._reads.append(read)
 
@@ -191,6 +199,16 @@ class HostReads:
             f"{self.label}: host memory a queued copy still read was freed before the host waited for the copy "
             "(wait for the copy's event on the host before freeing or unlocking its source)"
         )
+
+    def unlocked(self, pointer: int, size: int) -> None:
+        """The ``size`` bytes at ``pointer`` were unlocked: a fault if a copy queued here still reads from them (on
+        a real GPU the copy engine reads pages the OS may now move)."""
+        reads = (read for read in self._reads if not read.freed)  # a freed source was reported as such
+        if any(read.pointer < pointer + size and pointer < read.pointer + read.nbytes for read in reads):
+            self._faults.append(
+                f"{self.label}: host memory a queued copy still read was unlocked before the host waited for the "
+                "copy (wait for the copy's event on the host before unlocking its source)"
+            )
 
     def retire(self, done: Callable[[Any, int], bool]) -> None:
         """The host now knows the copies ``done`` names ended: forget their sources, after checking that none was
@@ -227,6 +245,10 @@ class HostReads:
             first = self._faults[0]
             self._faults.clear()
             raise MissingWaitError(first)
+
+
+#: Every device's :class:`HostReads`, for the process's registry to tell of an unlocked range.
+_EVERY_READS: weakref.WeakSet[HostReads] = weakref.WeakSet()
 
 
 def _sample(storage: torch.UntypedStorage, offset: int, nbytes: int) -> torch.Tensor:

@@ -98,6 +98,7 @@ class Ring:
         self._current: int | None = None
         self._released: object | None = None  # compute-stream event when the current group began
         self._failed = False  # no slot fitted: the layers copy their own tensors until the next settle
+        self._own_copies = False  # a layer copied its own tensors from a slab (not waited for by the fills)
 
     @property
     def wraps(self) -> bool:
@@ -166,10 +167,12 @@ class Ring:
         """Sampling ended (or host weights are about to be rewritten): wait for the copies in flight, free the
         ring's device memory, and forget what its slots held. The groups and the learned order are kept; a ring
         that found no room may try again."""
-        if self._buffers and self.target is not None:
+        if self.target is not None:
             backend = backend_of(self.target)
             for event in self._filled:
                 backend.wait_host(event)
+            if self._own_copies:  # layers copied their tensors from the slabs, on the compute stream
+                backend.wait_host(backend.record(backend.current_stream(self.target)))
         for _module, member in self._members:
             member.views = []
         self._reset_ring()
@@ -198,9 +201,9 @@ class Ring:
             if member is None:
                 return None
         group = member.pieces[index].group
-        if member.left or (group != self._current and not self._start(group, target)):
-            return None
-        if member.left:  # its weight changed shape or dtype: it left the ring as its group was copied
+        # Not served (it left the ring, maybe as its group was copied; no room): it copies its own, settle waits.
+        if member.left or (group != self._current and not self._start(group, target)) or member.left:
+            self._own_copies = True
             return None
         return member.views[self._slot_of[group]][index]
 

@@ -206,6 +206,7 @@ def test_copies_take_the_links_time_and_side_stream_copies_overlap_the_host():
         event = backend.record(backend.side_stream(device))
         backend.wait(backend.current_stream(device), event)  # the compute stream (the host) waits here
         waited = time.monotonic() - started
+        backend.wait_host(event)  # before its source is unlocked: the host knows the copy ended
     finally:
         pinned_memory().unlock(data)
     assert queued < 0.05 <= 0.09 <= waited  # queued at once, usable only when the copy is done

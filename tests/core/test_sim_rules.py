@@ -287,14 +287,16 @@ def test_freeing_memory_a_queued_copy_still_reads_raises_at_the_next_operation_o
     weight = device.place(torch.ones(8))
     slot = backend.empty(device, torch.Size([page_size()]), torch.uint8)
     memory = pages(1)
+    pointer = memory.data_ptr()
     assert pin(backend, memory)
     fill(device, slot, memory)
-    backend.unpin(memory.data_ptr())
     del memory
     gc.collect()  # freed: a real GPU's copy may still be reading it
     with pytest.raises(MissingWaitError, match="was freed before the host waited"):
         weight * 2
     assert torch.equal(weight * 2, torch.full((8,), 2.0))  # reported once
+    backend.unpin(pointer)  # what was freed is not reported again as unlocked
+    assert torch.equal(weight * 2, torch.full((8,), 2.0))
     memory = pages(1)
     assert pin(backend, memory)
     backend.wait_host(fill(device, slot, memory))
@@ -322,3 +324,29 @@ def test_a_weight_that_is_a_view_of_a_slab_is_booked_for_its_own_bytes_when_move
         backend_of(HOST).adopt(tensor, HOST)
     gc.collect()
     assert device.allocated() == 0
+
+
+@STREAMS_AND_PINNING
+@pytest.mark.parametrize("path", ["slot", "tensor"])
+def test_unlocking_memory_a_queued_copy_still_reads_raises_at_the_next_operation_on_the_device(device, path):
+    """Unlocked, the pages a queued copy reads may move (on every path that queues one: a ring's slot, a tensor
+    moved on its own, a LoRA factor); once the host waited for the copy, unlocking is free."""
+    backend = backend_of(device)
+    weight = device.place(torch.ones(8))
+    slot = backend.empty(device, torch.Size([page_size()]), torch.uint8)
+    memory = pages(1)
+    assert pin(backend, memory)
+    with backend.on_stream(backend.side_stream(device)):
+        if path == "slot":
+            fill(device, slot, memory)
+        else:
+            backend.copy_to(memory, device, non_blocking=True)
+    backend.unpin(memory.data_ptr())
+    with pytest.raises(MissingWaitError, match="was unlocked before the host waited"):
+        weight * 2
+    assert pin(backend, memory)
+    with backend.on_stream(backend.side_stream(device)):
+        backend.copy_to(memory, device, non_blocking=True)
+    backend.synchronize(device)
+    backend.unpin(memory.data_ptr())
+    assert torch.equal(weight * 2, torch.full((8,), 2.0))

@@ -118,7 +118,9 @@ class SimulatedBackend(DeviceBackend):
                 tensor = tensor.cpu()
         pinned = from_device or self.is_pinned(tensor)  # from another device: no staging
         source = tensor.detach().clone() if copy else own_storage(tensor.detach())
+        stream = target.link.current
         placed = target.place(source, host_waits=not non_blocking, pinned=pinned)
+        _reads_until_waited(target, tensor, stream, queued=non_blocking, pinned=pinned, from_device=from_device)
         if not copy and placed is not tensor:  # shares the source's memory: a write to it must not be missed
             take_snapshot(placed)
         return placed
@@ -231,3 +233,13 @@ def _listed(value: str) -> list[int]:
         if int(item) not in listed:
             listed.append(int(item))
     return listed
+
+
+def _reads_until_waited(
+    target: SimulatedDevice, source: torch.Tensor, stream: SimStream, *, queued: bool, pinned: bool, from_device: bool
+) -> None:
+    """A copy from ``source`` was just put on ``stream``: one ``queued`` (the host did not wait) from ``pinned`` host
+    memory (not ``from_device``) reads that memory until the host waits for it, as a ring's fill does
+    (``core.devices.simhost``), whatever path queued it (a tensor moved on its own, a LoRA factor)."""
+    if queued and pinned and not from_device and source.is_contiguous():
+        target.link.reads.add(source, stream, stream.queued)

@@ -1,0 +1,67 @@
+"""Each rule of the simulated GPU keeps a deliberately wrong engine that must fail it: the real engine with one
+step left out. A rule that stops failing its wrong engine no longer guards anything, and this module says so.
+
+Rules here: the host memory a queued copy reads is neither unlocked nor freed before the host waited for the copy
+(``core.devices.simhost``), on every path that queues one.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from core.devices.simhost import MissingWaitError
+from core.devices.simlink import LinkCost
+from core.placement.engine import partial_model_of
+from core.placement.ring import Ring
+from tests.core.order_net import streamed_net
+from tests.core.platform_marks import STREAMS_AND_PINNING
+
+#: A link whose copies take time, so that the ring's last fills are still in flight when a pass ends.
+SLOW_LINK = LinkCost(bandwidth=2e9, latency=1e-4)
+
+
+def _settle_without_waiting(ring: Ring) -> None:
+    """The wrong engine: sampling ended, and the ring frees its slots without waiting for the copies in flight."""
+    for _module, member in ring._members:
+        member.views = []
+    ring._reset_ring()
+
+
+@STREAMS_AND_PINNING
+@pytest.mark.parametrize("engine", ["right", "unlocks before its copies end"])
+def test_unlocking_slabs_before_the_copies_that_read_them_end_fails(monkeypatch, engine):
+    net, device, x = streamed_net(link=SLOW_LINK)
+    ring = partial_model_of(net).ring
+    if engine != "right":
+        monkeypatch.setattr(Ring, "settle", _settle_without_waiting)
+    with torch.no_grad():
+        out = net(device.place(x))
+    assert any(slab.pinned for slab in ring._slabs)  # locked slabs, read by queued copies
+    ring.detach()  # the model leaves the device: its slabs are unlocked
+    gc.collect()
+    if engine == "right":
+        assert torch.isfinite(out * 1).all()
+    else:
+        with pytest.raises(MissingWaitError, match="unlocked before the host waited"):
+            out * 1
+
+
+@STREAMS_AND_PINNING
+def test_slabs_are_unlocked_only_after_the_copies_of_layers_that_copy_their_own_tensors_end():
+    """A ring without room: each streamed layer copies its own tensors from the locked slabs (the per-tensor path);
+    the model then leaves the device, and its slabs are unlocked only once those copies ended."""
+    net, device, x = streamed_net(link=SLOW_LINK)
+    engine = partial_model_of(net)
+    x = device.place(x)
+    slot = max(group.nbytes for group in engine.ring._groups)
+    blocker = device.place(torch.empty(device.free() - slot + 512, dtype=torch.uint8))  # no room for a slot
+    with torch.no_grad():
+        out = net(x)
+    assert engine.ring.ring_bytes == 0 and any(slab.pinned for slab in engine.ring._slabs)
+    engine.ring.detach()
+    del blocker
+    gc.collect()
+    assert torch.isfinite(out * 1).all()
