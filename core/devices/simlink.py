@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from ..errors import InvalidSizeError
 from ..units import parse_size
 from .simhost import HostReads, MissingWaitError
-from .simstreams import Pending, SimEvent, SimStream
+from .simstreams import ComputeClock, Pending, SimEvent, SimStream
 
 LINK_ENV = "DEVICE_CONTROL_SIMULATE_LINK"
 
@@ -249,6 +249,7 @@ class Link:
         self.pageable_copies = 0
         #: Host memory that copies queued without the host waiting still read (``core.devices.simhost``).
         self.reads = HostReads()
+        self.compute = ComputeClock(self.main, cost.queue_depth)  # the host runs ahead of its computations
 
     @property
     def host_seconds(self) -> float:
@@ -281,6 +282,7 @@ class Link:
         """
         stream = self.current
         cost = self.cost
+        self.compute.before_copy(stream, host_waits=host_waits, pinned=pinned)
         self.synchronizations += host_waits
         self.pageable_copies += not pinned
         if cost.free:
@@ -331,6 +333,7 @@ class Link:
         copies up to it read is then free (:attr:`reads`: raises if the host wrote to it before)."""
         if event is None:
             return
+        self.compute.wait_for(event)
         self._wait_until(event.ready_at)
         self.reads.retire(event.done)
 
@@ -358,6 +361,7 @@ class Link:
         with self._lock:
             end = max(self._engines.values())
             self.synchronizations += 1
+        self.compute.wait()
         self._wait_until(end)
         self.reads.retire_all()
 

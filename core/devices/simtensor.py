@@ -24,6 +24,7 @@ The device is any object with ``label``, ``link``, ``raise_pending()`` and ``_re
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +55,27 @@ def _is_stranded_weight(tensor: torch.Tensor) -> bool:
 
 #: Functions that move data between the host and a device, where mixing devices is the point.
 _TRANSFERS = {torch.Tensor.copy_, torch.Tensor.to, torch.Tensor.cpu}
+#: Functions that give the host a value computed on the device: the host waits for the device's computations.
+_VALUE_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__bool__}
+
+
+def _read_on_host(device: SimulatedDevice | None) -> None:
+    """The host reads a value from ``device`` (or copies a tensor to host memory): it waits for the computations
+    queued before (``core.devices.simstreams.ComputeClock``), as a real host waits for its GPU."""
+    if device is not None:
+        device.link.compute.wait()
+
+
+def _computed(func: Any, args: tuple, kwargs: dict, device: SimulatedDevice | None) -> Any:
+    """``func``'s result, computed on the host; where it is work on ``device``'s compute stream, the time it took is
+    the device's (the host goes on as a real one would), and a value read waits for that work first."""
+    if func in _VALUE_READS:
+        _read_on_host(device)
+    started = time.monotonic()
+    result = func(*args, **kwargs)
+    if device is not None and device.link.current is device.link.main:
+        device.link.compute.computed(time.monotonic() - started)
+    return result
 
 
 class SimTensor(torch.Tensor):
@@ -85,9 +107,10 @@ class SimTensor(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             device = _common_device(func, args, kwargs)
             if func is torch.Tensor.cpu or (func is torch.Tensor.to and _to_names_a_device(args, kwargs)):
+                _read_on_host(device)
                 source = args[0].as_subclass(torch.Tensor)
                 return func(source, *args[1:], **kwargs).clone()
-            result = func(*args, **kwargs)
+            result = _computed(func, args, kwargs, device)
             if kwargs.get("device") is not None:  # e.g. empty_like(x, device="cpu"): the caller named a torch device
                 return result
             return _wrap(result, device)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -350,3 +351,27 @@ def test_unlocking_memory_a_queued_copy_still_reads_raises_at_the_next_operation
     backend.synchronize(device)
     backend.unpin(memory.data_ptr())
     assert torch.equal(weight * 2, torch.full((8,), 2.0))
+
+
+# -- the device's clock: the host runs ahead of the computations, and a wait for them is counted and charged ------
+
+
+def test_a_host_wait_for_computations_is_counted_and_charged_what_they_had_left_to_run():
+    """The simulated GPU computes on the host; its clock counts that time as the device's, so a host that waits
+    right after issuing a computation is charged about its time, one that did as much work of its own first is not,
+    and a wait that covers no new computation is not counted."""
+    device = SimulatedDevice(256 * MiB)
+    clock = device.link.compute
+    a = device.place(torch.randn(768, 768))
+    started = time.monotonic()
+    b = a @ a @ a @ a
+    took = time.monotonic() - started
+    device.link.synchronize()
+    assert clock.waits == 1 and 0.25 * took <= clock.wait_seconds <= took + 0.01
+    device.link.synchronize()
+    assert clock.waits == 1  # nothing new to wait for
+    c = b @ a
+    time.sleep(2 * took + 0.01)  # the host's own work: the device ended meanwhile
+    charged = clock.wait_seconds
+    assert math.isfinite(c.sum().item())  # a value read: counted, charged the sum's time only
+    assert clock.waits == 2 and clock.wait_seconds - charged < 0.3 * took

@@ -2,7 +2,9 @@
 step left out. A rule that stops failing its wrong engine no longer guards anything, and this module says so.
 
 Rules here: the host memory a queued copy reads is neither unlocked nor freed before the host waited for the copy
-(``core.devices.simhost``), on every path that queues one.
+(``core.devices.simhost``), on every path that queues one; a steady streamed pass never makes the host wait for the
+device's computations (``core.devices.simstreams.ComputeClock``: the host runs ahead of a real GPU, and each such
+wait costs it its lead).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import gc
 import pytest
 import torch
 
+from core.devices.backends import backend_of
+from core.devices.pinned import pinned_memory
 from core.devices.simhost import MissingWaitError
 from core.devices.simlink import LinkCost
 from core.placement.engine import partial_model_of
@@ -65,3 +69,51 @@ def test_slabs_are_unlocked_only_after_the_copies_of_layers_that_copy_their_own_
     del blocker
     gc.collect()
     assert torch.isfinite(out * 1).all()
+
+
+def _enter_after_synchronising(enter):
+    """The wrong engine: each group entered after a synchronisation of the whole device."""
+
+    def enter_after(ring: Ring, group: int) -> None:
+        backend_of(ring.target).synchronize(ring.target)
+        enter(ring, group)
+
+    return enter_after
+
+
+def _steady_compute_waits(slabs: str) -> tuple[int, int]:
+    """Host waits for the device's computations in three steady passes of a streamed net (after a first pass that
+    learns the order and a second that allocates the ring), and the groups those passes entered."""
+    net, device, x = streamed_net(resident_layers=0, link=SLOW_LINK)
+    ring = partial_model_of(net).ring
+    x = device.place(x)
+    with torch.no_grad():
+        net(x), net(x)
+        before = device.link.compute.waits
+        for _pass in range(3):
+            out = net(x)
+    waits = device.link.compute.waits - before
+    assert ring.stats.staged == (ring.stats.copies if slabs == "staged" else 0)
+    assert torch.isfinite(out.cpu()).all()  # a value read: the host waits for the device (after the count)
+    return waits, 3 * len(ring._groups)
+
+
+@STREAMS_AND_PINNING
+@pytest.mark.parametrize("engine", ["right", "synchronises at every group"])
+def test_a_steady_streamed_pass_from_locked_slabs_never_waits_for_the_devices_computations(monkeypatch, engine):
+    """Locked slabs cross on the side stream, ordered by events: the host runs ahead of the device's computations
+    and never waits for them; an engine that synchronises the device at every group waits at every group."""
+    if engine != "right":
+        monkeypatch.setattr(Ring, "_enter", _enter_after_synchronising(Ring._enter))
+    waits, groups = _steady_compute_waits("locked")
+    assert waits == 0 if engine == "right" else waits >= groups, waits
+
+
+@STREAMS_AND_PINNING
+def test_a_steady_streamed_pass_from_pageable_slabs_waits_at_most_once_a_group(monkeypatch):
+    """Pageable slabs cross through the ring's page-locked staging buffers: before it writes a buffer again the
+    host waits for the copy that last read it, which followed the computations before it, so the host runs about
+    two groups ahead (issue 57, item 6): one wait a group, today's bound."""
+    monkeypatch.setattr(pinned_memory(), "max_bytes", 0)
+    waits, groups = _steady_compute_waits("staged")
+    assert waits <= groups, waits
