@@ -22,6 +22,9 @@ from tools.make_fixtures import SD15_CHECKPOINT
 from tools.workflow_api import load_workflow, ui_to_api
 
 REPO = Path(__file__).resolve().parents[2]
+#: Several full-size models at once (the hook LoRA's stock graph held 11.7 GB in its server, killed for memory
+#: beside another tier's module): runs while no other tier's module does (tests/server_pool.py).
+HOLDS_MODELS = True
 LORA_WORKFLOW = REPO / "workflows" / "06_sd15_lora_unet_on_gpu.json"
 
 
