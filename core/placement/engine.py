@@ -107,8 +107,10 @@ class PartialModel:
         return self._layers
 
     def refresh(self) -> None:
-        """Forget the layer list (modules were added, removed or replaced)."""
+        """Forget the layer list (modules were added, removed or replaced, or their tensors rewritten), and the
+        slabs kept for a next plan that the weights no longer lie in."""
         self._layers = self._total = self._left = None
+        self.ring.forget_moved()
 
     def total_bytes(self) -> int:
         """Bytes of all the model's tensors (computed with the layer list)."""

@@ -23,7 +23,7 @@ from ..devices.backends import Target
 from ..devices.slices import SLICES
 from ..devices.transfer import GROUPED
 from .members import Group, Member, Piece
-from .slabs import Part, Slab, aligned, bias_first, carried_bytes, pack, parts_of, tensors_of
+from .slabs import Part, Slab, aligned, bias_first, carried_bytes, in_slab_tensor, pack, parts_of, tensors_of
 
 if TYPE_CHECKING:
     from .ring import Ring
@@ -31,6 +31,23 @@ if TYPE_CHECKING:
 Members = list[tuple[torch.nn.Module, Member]]
 #: The slabs the last plan left, by the id of each layer they hold.
 Kept = dict[int, Slab]
+
+
+def still_held(kept: Kept, *, any_left: bool = True) -> Kept:
+    """The kept slabs that stay; each other one is unlocked and let go (freed once nothing else holds it).
+    ``any_left``: those whose every layer still has its weight and bias in them (a conversion in place gives a
+    layer new tensors, and the old slab would hold the old bytes in RAM beside the new ones until the next plan);
+    else none (nothing streams: none is kept, or kept page-locked, for a plan that may not come)."""
+    slabs = {id(slab): slab for slab in kept.values()}
+    held = {key for key, slab in slabs.items() if any_left and _holds(slab)}
+    for key in slabs.keys() - held:
+        slabs[key].unlock()
+    return {module: slab for module, slab in kept.items() if id(slab) in held}
+
+
+def _holds(slab: Slab) -> bool:
+    """Whether every layer ``slab`` was packed for still has its tensors in it."""
+    return all(in_slab_tensor(tensor, slab.block) for module in slab.modules for _name, tensor in tensors_of(module))
 
 
 class _Layout:

@@ -18,6 +18,8 @@ from ..devices.transfer import GROUPED
 from ..errors import InvalidSizeError
 
 PREFETCH_ENV = "DEVICE_CONTROL_PREFETCH"
+#: Slots of a ring while prefetching: the group computing and the one crossing meanwhile.
+PREFETCH_SLOTS = 2
 
 _enabled = True
 

@@ -47,18 +47,15 @@ from ..devices.backends import Target, backend_of, label_of, same_target, target
 from ..devices.memory import is_out_of_memory
 from ..devices.tensors import Route
 from ..devices.transfer import GROUPED
-from .layout import Kept, lay_out
+from .layout import Kept, lay_out, still_held
 from .members import Group, Member, RingStats, slot_views
-from .prefetch import prefetching
+from .prefetch import PREFETCH_SLOTS, prefetching
 from .run_order import RunOrder
 from .slabs import Slab, in_slab_tensor, piece_bytes, tensors_of
 from .staging import Staging
 from .uses import UseWatch
 
 log = logging.getLogger("device_control")
-
-#: Slots of the ring while prefetching: the group computing and the one crossing meanwhile.
-PREFETCH_SLOTS = 2
 
 
 class Ring:
@@ -122,10 +119,8 @@ class Ring:
         streaming reserve for copies: the rest is for the piece computing once made ready), grouped in the order
         the model runs in where it is known."""
         self.detach(unlock=False)
-        if not modules:  # nothing streams: no slab is kept, or kept page-locked, for a plan that may not come
-            for slab in {id(slab): slab for slab in self._kept.values()}.values():
-                slab.unlock()
-            self._kept = {}
+        if not modules:
+            self._kept = still_held(self._kept, any_left=False)
             return
         self._build(self._order.sort(modules), target, reserve)
         if self.root is not None:
@@ -162,6 +157,10 @@ class Ring:
         self._members, self._groups, self._slabs, self._next = [], [], [], []
         self._order.stop()
         self.target = None
+
+    def forget_moved(self) -> None:
+        """The model's layers changed (their tensors rewritten in place): let go of the kept slabs they left."""
+        self._kept = still_held(self._kept)
 
     def settle(self) -> None:
         """Sampling ended (or host weights are about to be rewritten): wait for the copies in flight, free the

@@ -14,7 +14,9 @@ Decisions:
   float16 model computes in float32 on a CPU, as ComfyUI computes any float16 model there.
 * The conversion is **in place**, on the weights every clone shares, after every clone is unloaded from ComfyUI
   (so no LoRA is baked into what is converted): a copy would keep the float32 weights in RAM beside it for as long
-  as ComfyUI caches the loader's output. The clones keep working: they compute from the converted weights.
+  as ComfyUI caches the loader's output. The clones keep working: they compute from the converted weights. The
+  slabs a streamed model's weights were packed into are let go with the old weights (the engine is told its layers
+  changed), not kept in RAM beside the new ones until the next plan.
 * ComfyUI's ``ModelPatcher.size`` is set once and copied to clones; the sizes of every clone in ComfyUI's list,
   the input and the moved clone are corrected, and every clone made afterwards measures its model again (the
   loader's cached output, cloned by a LoRA loader on the next run). A clone made before and held outside ComfyUI's

@@ -9,6 +9,7 @@ needs: a read waits for the copy that filled its slot, and a copy waits for the 
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 import torch
@@ -203,6 +204,29 @@ def test_a_weight_given_another_dtype_leaves_the_ring_and_still_computes_right()
     out = net(device.place(x))
     assert GROUPED not in layer.__dict__  # its layer copies its own tensors now
     assert torch.equal(out.cpu(), on_host(net, x))
+
+
+def test_weights_converted_in_place_after_an_offload_let_their_old_slabs_go():
+    """A model loaded with dtype ``auto`` and moved to a GPU is converted in place after its clones are unloaded
+    (``nodes/bridge/auto_dtype.py``): the slabs its weights were packed into, kept for a next plan, would hold
+    the old dtype's bytes in RAM beside the new ones until that plan. Once the engine is told its layers changed,
+    nothing holds them; a slab whose weights did not change is kept."""
+    net, device, x = streamed_net()
+    engine = partial_model_of(net)
+    net(device.place(x))
+    engine.unload_all()
+    blocks = {id(slab): weakref.ref(slab.block) for slab in engine.ring._kept.values()}
+    assert len(blocks) > 1
+    unchanged = next(iter(engine.ring._kept.values()))
+    with torch.no_grad():
+        for layer in net.layers:
+            if engine.ring._kept.get(id(layer)) is not unchanged:
+                layer.weight.data = layer.weight.data.half()
+                layer.bias.data = layer.bias.data.half()
+    engine.refresh()
+    gc.collect()
+    assert [id(slab) for slab in engine.ring._kept.values()] == [id(unchanged)] * len(unchanged.modules)
+    assert sum(ref() is None for ref in blocks.values()) == len(blocks) - 1  # every other slab freed
 
 
 def test_loading_again_with_the_same_groups_keeps_their_slabs():
