@@ -14,7 +14,7 @@ kept the old ones').
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,16 +33,20 @@ Members = list[tuple[torch.nn.Module, Member]]
 Kept = dict[int, Slab]
 
 
-def still_held(kept: Kept, *, any_left: bool = True) -> Kept:
-    """The kept slabs that stay; each other one is unlocked and let go (freed once nothing else holds it).
-    ``any_left``: those whose every layer still has its weight and bias in them (a conversion in place gives a
-    layer new tensors, and the old slab would hold the old bytes in RAM beside the new ones until the next plan);
-    else none (nothing streams: none is kept, or kept page-locked, for a plan that may not come)."""
-    slabs = {id(slab): slab for slab in kept.values()}
-    held = {key for key, slab in slabs.items() if any_left and _holds(slab)}
-    for key in slabs.keys() - held:
-        slabs[key].unlock()
+def still_held(kept: Kept) -> Kept:
+    """The kept slabs whose every layer still has its weight and bias in them; the others are let go (a conversion
+    in place gives a layer new tensors, and its old slab would hold the old bytes in RAM beside the new ones until
+    the next plan)."""
+    held = {id(slab) for slab in kept.values() if _holds(slab)}
+    let_go(slab for slab in kept.values() if id(slab) not in held)
     return {module: slab for module, slab in kept.items() if id(slab) in held}
+
+
+def let_go(slabs: Iterable[Slab]) -> None:
+    """Unlock each of ``slabs`` once (a slab is kept under the id of each layer it holds): it is freed once
+    nothing else holds it."""
+    for slab in {id(slab): slab for slab in slabs}.values():
+        slab.unlock()
 
 
 def _holds(slab: Slab) -> bool:

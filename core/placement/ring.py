@@ -47,7 +47,7 @@ from ..devices.backends import Target, backend_of, label_of, same_target, target
 from ..devices.memory import is_out_of_memory
 from ..devices.tensors import Route
 from ..devices.transfer import GROUPED
-from .layout import Kept, lay_out, still_held
+from .layout import Kept, lay_out, let_go, still_held
 from .members import Group, Member, RingStats, slot_views
 from .prefetch import PREFETCH_SLOTS, prefetching
 from .run_order import RunOrder
@@ -119,8 +119,9 @@ class Ring:
         streaming reserve for copies: the rest is for the piece computing once made ready), grouped in the order
         the model runs in where it is known."""
         self.detach(unlock=False)
-        if not modules:
-            self._kept = still_held(self._kept, any_left=False)
+        if not modules:  # nothing streams: no slab is kept, or kept page-locked, for a plan that may not come
+            let_go(self._kept.values())
+            self._kept = {}
             return
         self._build(self._order.sort(modules), target, reserve)
         if self.root is not None:
