@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..devices.backends import Target
+from ..devices.backends import Target, same_target, target_of
 from ..devices.slices import SLICES
 from ..devices.transfer import GROUPED
 from .members import Group, Member, Piece
@@ -47,6 +47,29 @@ def let_go(slabs: Iterable[Slab]) -> None:
     nothing else holds it."""
     for slab in {id(slab): slab for slab in slabs}.values():
         slab.unlock()
+
+
+def repack_replaced(group: Group) -> None:
+    """Before ``group`` is copied, a tensor of it replaced since it was packed: a weight replaced by another tensor
+    (not written in place) is copied into the slab where it fits the same place, or leaves the ring (its layer then
+    copies its tensors itself), as does one another loader moved to a device."""
+    home = target_of(group.slab.block)
+    for module in group.modules:
+        member = module.__dict__.get(GROUPED)
+        if member is None:  # it left the ring already (a layer in slices: at an earlier slice's group)
+            continue
+        for name, tensor in tensors_of(module):
+            part = member.weight if name == "weight" else member.bias
+            moved = not same_target(target_of(tensor), home)  # another loader moved it: never pulled back
+            if moved or part is None or (tensor.dtype, tensor.size()) != (part.dtype, part.shape):
+                module.__dict__.pop(GROUPED, None)
+                member.left = True
+                break
+            if not in_slab_tensor(tensor, group.slab.block):
+                view = part.view(group.slab.block)
+                view.copy_(tensor.data)
+                tensor.data = view
+    group.note_places()
 
 
 def _holds(slab: Slab) -> bool:
@@ -157,7 +180,6 @@ def lay_out(
             size += nbytes
     if batch:
         layout.add(batch)
-    slabs = list(layout.slabs.values())
-    for slab in slabs:
-        slab.note_places()
-    return layout.groups, slabs, layout.members
+    for group in layout.groups:
+        group.note_places()
+    return layout.groups, list(layout.slabs.values()), layout.members

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .slabs import Part, Slab
+from .slabs import Part, Slab, tensors_of
 
 if TYPE_CHECKING:
     from .ring import Ring
@@ -25,7 +25,7 @@ class Piece:
     bias: Part | None
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class Group:
     """A range of a slab that crosses in one copy: layers streamed whole, or one row slice of a layer (its bias
     with the first)."""
@@ -35,6 +35,18 @@ class Group:
     nbytes: int
     block: torch.Tensor  # the range, as a view of the slab's block
     modules: list[torch.nn.Module]  # the layers it carries, in order
+    #: Each of its layers' tensors' parameter table, name and data pointer when packed: what a replaced weight
+    #: changes, checked before each copy. The group's own, not its slab's: a slab kept from a larger budget holds
+    #: several groups, and each copy would check them all.
+    places: list[tuple[dict, str, int]] = field(default_factory=list)
+
+    def note_places(self) -> None:
+        """Record where each of the group's tensors is now (after packing, or after a replaced one came back)."""
+        self.places = [
+            (module._parameters, name, tensor.data_ptr())
+            for module in self.modules
+            for name, tensor in tensors_of(module)
+        ]
 
 
 @dataclass(eq=False)
@@ -87,8 +99,9 @@ def slot_views(members: list[tuple[torch.nn.Module, Member]], buffers: list[torc
 @dataclass
 class RingStats:
     """What the ring did: groups copied (``copies``), of which ahead of use (``ahead``) and through a staging
-    buffer (``staged``), bytes copied, groups found in a slot already when reached (``hits``), and times the groups
-    were packed again in the order the model runs in (``reordered``)."""
+    buffer (``staged``), bytes copied, groups found in a slot already when reached (``hits``), times the groups
+    were packed again in the order the model runs in (``reordered``), and tensors whose place was checked before a
+    copy (``checked``: the host work of finding a weight replaced since it was packed)."""
 
     copies: int = 0
     ahead: int = 0
@@ -96,3 +109,4 @@ class RingStats:
     hits: int = 0
     staged: int = 0
     reordered: int = 0
+    checked: int = 0

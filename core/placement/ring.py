@@ -47,11 +47,11 @@ from ..devices.backends import Target, backend_of, label_of, same_target, target
 from ..devices.memory import is_out_of_memory
 from ..devices.tensors import Route
 from ..devices.transfer import GROUPED
-from .layout import Kept, lay_out, let_go, still_held
+from .layout import Kept, lay_out, let_go, repack_replaced, still_held
 from .members import Group, Member, RingStats, slot_views
 from .prefetch import PREFETCH_SLOTS, prefetching
 from .run_order import RunOrder
-from .slabs import Slab, in_slab_tensor, piece_bytes, tensors_of
+from .slabs import Slab, piece_bytes
 from .staging import Staging
 from .uses import UseWatch
 
@@ -301,9 +301,10 @@ class Ring:
         backend = self._backend
         side = backend.side_stream(self.target)
         source = self._groups[group]
-        for params, name, pointer in source.slab.places:  # a pointer compared per tensor and copy, not per use
+        for params, name, pointer in source.places:  # a pointer compared per tensor and copy, not per use
+            self.stats.checked += 1
             if params[name].data_ptr() != pointer:
-                self._refresh(group)
+                repack_replaced(source)
                 break
         if side is None:  # a backend without streams: a plain copy, in order with the computation
             backend.copy_into(self._buffers[slot].narrow(0, 0, source.nbytes), source.block, non_blocking=False)
@@ -340,27 +341,6 @@ class Ring:
         """The traffic books of ``slab``'s copies into the ring, found once."""
         self._routes[id(slab)] = Route(target_of(slab.block), self.target)
         return self._routes[id(slab)]
-
-    def _refresh(self, group: int) -> None:
-        """Before ``group``'s slab is copied, a tensor of it replaced since it was packed: a weight replaced by
-        another tensor (not written in place) is copied into the slab where it fits the same place, or leaves the
-        ring (its layer then copies its tensors itself), as does one another loader moved to a device."""
-        source = self._groups[group].slab
-        home = target_of(source.block)
-        for module in source.modules:
-            member = module.__dict__.get(GROUPED)
-            for name, tensor in tensors_of(module):
-                part = member.weight if name == "weight" else member.bias
-                moved = not same_target(target_of(tensor), home)  # another loader moved it: never pulled back
-                if moved or part is None or (tensor.dtype, tensor.size()) != (part.dtype, part.shape):
-                    module.__dict__.pop(GROUPED, None)
-                    member.left = True
-                    break
-                if not in_slab_tensor(tensor, source.block):
-                    view = part.view(source.block)
-                    view.copy_(tensor.data)
-                    tensor.data = view
-        source.note_places()
 
     def _allocate(self) -> bool:
         """The ring's slots on the device, and every member's views of its tensors in each. Where the device has

@@ -16,7 +16,7 @@ of loads and offloads would otherwise pay in RAM the allocator keeps.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -52,8 +52,6 @@ class Slab:
     block: torch.Tensor
     nbytes: int
     pinned: bool  # copies from it need no host work: page-locked host memory, or a donor device's memory
-    #: Each tensor's parameter table, name and data pointer when packed: what a replaced weight changes.
-    places: list[tuple[dict, str, int]] = field(default_factory=list)
     #: Tensors start at multiples of this many bytes (0: the host's page, ``core.devices.host_memory``).
     align: int = 0
 
@@ -67,14 +65,6 @@ class Slab:
         if self.pinned and backend_of(target_of(self.block)).is_host:
             pinned_memory().unlock(self.block)
             self.pinned = False
-
-    def note_places(self) -> None:
-        """Record where each of the slab's tensors is now (after packing, or after a replaced one came back)."""
-        self.places = [
-            (module._parameters, name, tensor.data_ptr())
-            for module in self.modules
-            for name, tensor in tensors_of(module)
-        ]
 
 
 def groupable(module: torch.nn.Module) -> bool:

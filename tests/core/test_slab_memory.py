@@ -14,7 +14,10 @@ import torch
 
 from core.devices.pinned import pinned_memory
 from core.devices.simulated import SimulatedDevice
+from core.devices.slices import SLICES, RowSlices
+from core.devices.transfer import GROUPED
 from core.placement.engine import partial_model_of
+from core.placement.prefetch import PREFETCH_SLOTS
 from core.placement.ring import Ring
 from core.placement.slabs import layer_bytes
 from core.weights import ops
@@ -38,7 +41,53 @@ def test_a_smaller_reserve_streams_from_the_slabs_it_has():
     torch.manual_seed(0)
     layers = [ops.Linear(64, 64) for _ in range(8)]
     device, ring, size = SimulatedDevice(64 * MiB), Ring(), layer_bytes(layers[0])
-    ring.attach(layers, device, 3 * 4 * size)  # groups of four layers
+    ring.attach(layers, device, PREFETCH_SLOTS * 4 * size)  # groups of four layers
     homes = [layer.weight.data_ptr() for layer in layers]
-    ring.attach(layers, device, 3 * 2 * size)  # groups of two: each within one of four
+    ring.attach(layers, device, PREFETCH_SLOTS * 2 * size)  # groups of two: each within one of four
     assert [layer.weight.data_ptr() for layer in layers] == homes, "the streamed layers were packed again"
+
+
+def test_a_group_in_a_larger_kept_slab_checks_only_its_own_tensors_before_each_copy():
+    """Before a group crosses, the ring checks that its tensors still lie where they were packed (a weight replaced
+    since is packed again first). A smaller budget streams from the slabs a larger one left, several groups to a
+    slab: each copy checks its group's tensors, not the whole slab's once per group (issue 57, item 5)."""
+    torch.manual_seed(0)
+    layers = [ops.Linear(64, 64) for _ in range(8)]
+    device, ring, size = SimulatedDevice(64 * MiB), Ring(), layer_bytes(layers[0])
+    ring.attach(layers, device, PREFETCH_SLOTS * 4 * size)  # groups of four layers
+    ring.attach(layers, device, PREFETCH_SLOTS * 2 * size)  # groups of two: two in each slab
+    assert len(ring._groups) == 2 * len(ring._slabs)
+    x = torch.randn(2, 64)
+    for layer in layers:
+        layer.comfy_cast_weights = True  # as the engine marks the layers it streams
+    expected = x
+    for layer in layers:
+        expected = torch.nn.functional.linear(expected, layer.weight, layer.bias)
+    out = device.place(x)
+    with torch.no_grad():
+        for layer in layers:
+            out = layer(out)
+    ring.settle()
+    assert ring.stats.copies >= len(ring._groups)
+    assert ring.stats.checked == 2 * 2 * ring.stats.copies  # two layers a group, a weight and a bias each
+    assert torch.allclose(out.cpu(), expected, atol=1e-5)
+
+
+def test_a_layer_in_slices_given_another_dtype_leaves_the_ring_at_its_first_slice_and_computes_right():
+    """Each slice of a layer streamed in row slices is a group of its own; the first one copied finds the weight
+    replaced by one of another dtype and the layer leaves the ring: the next slices' groups, copied ahead, find
+    it gone, and the layer computes from its own copies."""
+    torch.manual_seed(0)
+    layer = ops.Linear(96, 256)
+    layer.comfy_cast_weights = True
+    layer.__dict__[SLICES] = RowSlices((0, 128, 192, 256))
+    device, ring = SimulatedDevice(64 * MiB), Ring()
+    ring.attach([layer], device, PREFETCH_SLOTS * layer_bytes(layer))
+    assert len(ring._groups) == 3
+    layer.weight.data = layer.weight.data.half()  # another tensor, fp16
+    x = torch.randn(5, 96)
+    with torch.no_grad():
+        out = layer(device.place(x)).cpu()
+    ring.settle()
+    assert GROUPED not in layer.__dict__
+    assert torch.equal(out, torch.nn.functional.linear(x, layer.weight.float(), layer.bias))
