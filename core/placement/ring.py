@@ -137,7 +137,7 @@ class Ring:
         self._groups, self._slabs, self._members = lay_out(self, modules, self.group_bytes, kept, target)
         self._next = [*range(1, len(self._groups)), 0 if self._wraps else None]  # a sampler's next step: group 0
         self._group_max = max(group.nbytes for group in self._groups)
-        self._windows, self._routes = {}, {}  # kept across sampling calls, for this plan's groups and slabs
+        self._windows, self._routes, self._once = {}, {}, {}  # kept across sampling calls, for this plan's groups
 
     def detach(self, *, unlock: bool = True) -> None:
         """Stop streaming through the ring (layers move, the model is unloaded, or another loader took it): the
@@ -226,6 +226,8 @@ class Ring:
         previous = self._current
         if previous is not None and self._next[previous] != group:
             self._learn(previous, group)
+        elif self._once and previous in self._once:  # the order expected came back: the move seen once was not it
+            del self._once[previous]
         # Every read of the slots so far is before this event; so is all earlier work on memory a slot was
         # allocated from (a fresh ring's first fills wait for it too).
         self._released = backend.record(compute)
@@ -283,11 +285,19 @@ class Ring:
         return window
 
     def _learn(self, previous: int, group: int) -> None:
-        """``group`` followed ``previous``: remember it, unless it starts a new pass of a model that does not
-        wrap (then nothing follows a pass's last group)."""
-        if self.wraps or group > previous:
-            self._next[previous] = group
-            self._windows.clear()
+        """``group`` followed ``previous`` where another group was expected: learned when it does so twice in a row,
+        unless it starts a new pass of a model that does not wrap (then nothing follows a pass's last group). A
+        move seen once is not the new order: skip-layer guidance leaves blocks out in one of a step's two calls, and
+        learning each call's order in turn made both copy a group when reached. Only the windows through
+        ``previous`` change."""
+        if not (self.wraps or group > previous):
+            return
+        if self._once.get(previous) != group:
+            self._once[previous] = group
+            return
+        del self._once[previous]
+        self._next[previous] = group
+        self._windows = {first: window for first, window in self._windows.items() if previous not in window[:-1]}
 
     def _fill(self, group: int, window: list[int], *, ahead: bool) -> None:
         """Copy ``group``'s slab into a slot no group of ``window`` holds, on the side stream, after the compute

@@ -16,18 +16,26 @@ LAYERS = 8
 
 
 class Net(torch.nn.Module):
-    """Eight cast linears, run forwards or (``reverse``) backwards: a model whose order can change."""
+    """Eight cast linears, run forwards or (``reverse``) backwards, leaving out the layers numbered in ``skipped``
+    (as skip-layer guidance leaves out blocks in one of its calls): a model whose order can change."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.layers = torch.nn.ModuleList(ops.Linear(width(), width()) for _ in range(LAYERS))
         self.reverse = False
+        self.skipped: frozenset[int] = frozenset()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in reversed(self.layers) if self.reverse else self.layers:
+        for layer in _running(self):
             x = layer(x)
         return x
+
+
+def _running(net: Net) -> list[torch.nn.Module]:
+    """The layers ``net`` runs, in the order it runs them."""
+    layers = [layer for number, layer in enumerate(net.layers) if number not in net.skipped]
+    return layers[::-1] if net.reverse else layers
 
 
 def streamed_net(
@@ -45,6 +53,6 @@ def streamed_net(
 def on_host(net: Net, x: torch.Tensor) -> torch.Tensor:
     """What the net gives with every weight on the host (the reference)."""
     with torch.no_grad():
-        for layer in reversed(net.layers) if net.reverse else net.layers:
+        for layer in _running(net):
             x = torch.nn.functional.linear(x, layer.weight.cpu().to(x.dtype), layer.bias.cpu().to(x.dtype))
     return x
