@@ -100,8 +100,9 @@ def slot_views(members: list[tuple[torch.nn.Module, Member]], buffers: list[torc
 class RingStats:
     """What the ring did: groups copied (``copies``), of which ahead of use (``ahead``) and through a staging
     buffer (``staged``), bytes copied, groups found in a slot already when reached (``hits``), times the groups
-    were packed again in the order the model runs in (``reordered``), and tensors whose place was checked before a
-    copy (``checked``: the host work of finding a weight replaced since it was packed)."""
+    were packed again in the order the model runs in (``reordered``), tensors whose place was checked before a
+    copy (``checked``: the host work of finding a weight replaced since it was packed), and times its slots were
+    allocated (``allocations``: once a sampling call, or a use of a model run once per use)."""
 
     copies: int = 0
     ahead: int = 0
@@ -110,3 +111,4 @@ class RingStats:
     staged: int = 0
     reordered: int = 0
     checked: int = 0
+    allocations: int = 0

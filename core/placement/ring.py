@@ -245,11 +245,14 @@ class Ring:
 
     def _end_of_use(self) -> None:
         """The model's computation ended (``core.placement.uses``): a model run once per use gives its ring back
-        (nothing settles it otherwise), the order of its first pass learned."""
+        (nothing settles it otherwise), the order of its first pass learned, or that nothing follows its last group
+        (a VAE's decode leaves its encoder's groups out: none is copied ahead for it)."""
         if self.wraps:
             return
         if self._order.learning and self._order.watched:
             self._relearn()
+        elif self._current is not None and self._next[self._current] is not None:
+            self._learn(self._current, None)
         self.settle()
 
     def _relearn(self) -> bool:
@@ -284,20 +287,18 @@ class Ring:
         self._windows[group] = window
         return window
 
-    def _learn(self, previous: int, group: int) -> None:
-        """``group`` followed ``previous`` where another group was expected: learned when it does so twice in a row,
-        unless it starts a new pass of a model that does not wrap (then nothing follows a pass's last group). A
-        move seen once is not the new order: skip-layer guidance leaves blocks out in one of a step's two calls, and
-        learning each call's order in turn made both copy a group when reached. Only the windows through
-        ``previous`` change."""
-        if not (self.wraps or group > previous):
-            return
-        if self._once.get(previous) != group:
+    def _learn(self, previous: int, group: int | None) -> None:
+        """``group`` followed ``previous`` where another group was expected (``None``: the use ended there):
+        learned when it does so twice in a row. A move seen once is not the new order: skip-layer guidance leaves
+        blocks out in one of a step's two calls, and learning each call's order in turn made both copy a group when
+        reached. Only the windows through ``previous`` change. (A model run once per use starts each use with no
+        group before, so a move back within a use is learned as any other.)"""
+        if previous not in self._once or self._once[previous] != group:
             self._once[previous] = group
             return
         del self._once[previous]
         self._next[previous] = group
-        self._windows = {first: window for first, window in self._windows.items() if previous not in window[:-1]}
+        self._windows = {first: window for first, window in self._windows.items() if previous not in window}
 
     def _fill(self, group: int, window: list[int], *, ahead: bool) -> None:
         """Copy ``group``'s slab into a slot no group of ``window`` holds, on the side stream, after the compute
@@ -360,6 +361,7 @@ class Ring:
         self._buffers = self._slots(size)
         if not self._buffers:
             return False
+        self.stats.allocations += 1
         if [slab for slab in self._slabs if not slab.pinned]:
             self._staging.prepare(self.target, len(self._buffers), size)
         if self.slots != len(self._buffers):  # fewer slots than the windows were made for

@@ -286,3 +286,21 @@ def test_two_orders_that_alternate_keep_the_full_pass_prefetched():
             reached[skipped] = reached.get(skipped, 0) + (ring.stats.copies - copies) - (ring.stats.ahead - ahead)
             assert torch.equal(out.cpu(), on_host(net, x))
     assert reached == {frozenset(): 0, skip: 2}, reached  # copied when reached: once a skipping call
+
+
+def test_a_model_run_once_per_use_learns_a_changed_order_moving_back_too():
+    """A model run once per use starts each use with no group before it, so a move back within a use is its order,
+    learned as a move forward is: each group after the first copied ahead (a ring that took every move back for
+    the start of a use copied each group only when reached)."""
+    net, device, x = streamed_net()
+    ring = partial_model_of(net).ring
+    ring.wraps = False  # a text encoder, a VAE
+    net(device.place(x))
+    net.reverse = True
+    for _use in range(3):  # each move seen twice, then the end of a use after its last group
+        net(device.place(x))
+    copies, ahead = ring.stats.copies, ring.stats.ahead
+    out = net(device.place(x))
+    assert ring.stats.copies - copies == len(ring._groups)  # every group once, none for a use that does not come
+    assert ring.stats.ahead - ahead == len(ring._groups) - 1
+    assert torch.equal(out.cpu(), on_host(net, x))

@@ -19,7 +19,9 @@ from core.devices.simlink import LinkCost
 from core.devices.simulated import SimulatedDevice
 from core.placement import prefetch
 from core.placement.engine import partial_model_of
-from core.placement.slabs import tensors_of
+from core.placement.prefetch import PREFETCH_SLOTS
+from core.placement.ring import Ring
+from core.placement.slabs import layer_bytes, tensors_of
 from core.weights import ops
 from tests.core.order_net import on_host, streamed_net
 from tests.core.platform_marks import STREAMS_AND_PINNING
@@ -42,19 +44,41 @@ def test_slabs_start_on_a_page_hold_whole_pages_and_give_each_tensor_pages_of_it
         assert all(offset % page_size() == 0 for offset in offsets)
 
 
+class Decoder(torch.nn.Module):
+    """A VAE decoder's shape: its up blocks run in the reverse of their registration, after ``conv_in``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv_in = ops.Linear(width(), width())
+        self.up = torch.nn.ModuleList(ops.Linear(width(), width()) for _ in range(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.run_order():
+            x = layer(x)
+        return x
+
+    def run_order(self) -> list[torch.nn.Module]:
+        return [self.conv_in, *reversed(self.up)]
+
+
 class Vae(torch.nn.Module):
     """A VAE's shape: an encoder and a decoder, and ``post_quant_conv`` registered last but run first by
-    ``decode`` (not ``forward``)."""
+    ``decode`` (not ``forward``), as ComfyUI's ``AutoencoderKL`` has them."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.encoder = torch.nn.Sequential(*(ops.Linear(width(), width()) for _ in range(3)))
-        self.decoder = torch.nn.Sequential(*(ops.Linear(width(), width()) for _ in range(4)))
+        self.decoder = Decoder()
         self.post_quant_conv = ops.Linear(width(), width())
 
     def decode(self, x: torch.Tensor) -> torch.Tensor:
         return self.decoder(self.post_quant_conv(x))
+
+    def decoded_on_host(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in (self.post_quant_conv, *self.decoder.run_order()):
+            x = torch.nn.functional.linear(x, layer.weight, layer.bias)
+        return x
 
 
 def test_a_model_run_once_per_use_gives_its_ring_back_whatever_order_its_layers_run_in():
@@ -64,16 +88,39 @@ def test_a_model_run_once_per_use_gives_its_ring_back_whatever_order_its_layers_
     engine.load(device, reserve_of(engine.layers()[:1]))  # everything streams
     engine.ring.wraps = False
     x = torch.randn(2, width(), generator=torch.Generator().manual_seed(1))
-    expected = x
     with torch.no_grad():
-        for layer in (vae.post_quant_conv, *vae.decoder):
-            expected = torch.nn.functional.linear(expected, layer.weight, layer.bias)
+        expected = vae.decoded_on_host(x)
         for _use in range(3):
             out = vae.decode(device.place(x)).cpu()
             gc.collect()
             assert engine.ring.ring_bytes == 0 and device.allocated() == 0  # nothing streamed stays after a use
             assert torch.equal(out, expected)
     assert engine.ring.stats.copies > 0
+
+
+def test_a_vae_decode_is_one_use_with_its_decoders_whole_order_learned():
+    """ComfyUI decodes with ``post_quant_conv``, then the decoder: one use, whose end gives the ring back. The ring
+    is allocated once a decode, the order it learns is the whole decode's (not ``post_quant_conv``'s alone, with
+    the decoder in registration order), and once learned each group crosses once a decode and none is copied
+    ahead for the encoder, which a decode does not run (issue 57, item 1)."""
+    vae, device = Vae(), SimulatedDevice(64 * MiB)
+    layers = [module for module in vae.modules() if isinstance(module, ops.Linear)]  # registration order
+    for layer in layers:
+        layer.comfy_cast_weights = True  # as the engine marks the layers it streams
+    ring = Ring(vae)
+    ring.wraps = False
+    ring.attach(layers, device, PREFETCH_SLOTS * 3 * layer_bytes(layers[0]))  # groups of three layers
+    x = torch.randn(2, width(), generator=torch.Generator().manual_seed(1))
+    copies = []
+    with torch.no_grad():
+        for decode in range(5):
+            before = ring.stats.copies
+            out = vae.decode(device.place(x)).cpu()
+            copies.append(ring.stats.copies - before)
+            assert ring.stats.allocations == decode + 1 and ring.ring_bytes == 0
+            assert torch.equal(out, vae.decoded_on_host(x))
+    # Eight layers run, three a group: three groups a decode, once the end of a decode was seen twice.
+    assert copies[-2:] == [3, 3], copies
 
 
 def test_a_ring_without_room_tries_again_only_after_sampling_settles(caplog):
