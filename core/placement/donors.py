@@ -81,13 +81,14 @@ def place_streamed(
     hooks: LayerHooks = NO_HOOKS,
     keep_free: int = ACTIVATIONS,
     *,
-    root: torch.nn.Module | None = None,
+    root: torch.nn.Module,
     wraps: bool = True,
 ) -> Streamed:
     """Put each part of ``split`` on its device (``targets`` by device name) and stream the donors' layers to
     ``compute`` (the name of the computing device), through rings within ``DONOR_COPIES`` of the largest where
     the device has them free beside ``keep_free`` bytes for the computation (``STREAM_COPIES`` at least). ``root``:
-    the model, watched for the end of a use when it does not ``wraps`` (see :class:`Ring`).
+    the model, whose rings the end of sampling gives back (``core.placement.rings``), watched for the end of a use
+    when it does not ``wraps`` (see :class:`Ring`).
 
     Raises:
         torch.OutOfMemoryError: a device had no room (the layers moved so far stay where they went).

@@ -1,4 +1,4 @@
-"""Prefetch: how many groups of streamed weights cross ahead of the one computing, and the end of sampling.
+"""Prefetch: how many groups of streamed weights cross ahead of the one computing.
 
 Prefetch is a property of a model's ring (``core.placement.ring``): the next group in the order the model runs in
 is copied while the current one computes, on the device's side stream; a step then takes about the longer of its
@@ -12,9 +12,6 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-import torch
-
-from ..devices.transfer import GROUPED
 from ..errors import InvalidSizeError
 
 PREFETCH_ENV = "DEVICE_CONTROL_PREFETCH"
@@ -47,16 +44,3 @@ def use_prefetch(enabled: bool) -> None:
 def prefetching() -> bool:
     """Whether models loaded from now on prefetch (:func:`use_prefetch`)."""
     return _enabled
-
-
-def settle(root: torch.nn.Module) -> int:
-    """Sampling with ``root`` ended: every ring over its layers (a model's own, a split model's donors') waits for its
-    copies and frees its slots (``core.placement.ring``). Bytes freed on devices."""
-    rings = {}
-    for module in root.modules():
-        if (member := module.__dict__.get(GROUPED)) is not None:
-            rings[id(member.ring)] = member.ring
-    freed = sum(ring.ring_bytes for ring in rings.values())
-    for ring in rings.values():
-        ring.settle()
-    return freed

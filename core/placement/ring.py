@@ -32,8 +32,9 @@ lookup, and everything else happens once per *group*:
 * **A slab that could not be page-locked** crosses through a page-locked staging buffer of its slot
   (``core.placement.staging``), so the host does not wait for the device at every group.
 
-The host never writes to or frees a slab a copy may still read: :meth:`Ring.settle` (end of sampling, and
-before ComfyUI rewrites weights in place for its hooks) and :meth:`Ring.detach` wait for the copies in flight.
+The host never writes to or frees a slab a copy may still read: :meth:`Ring.settle` (end of sampling),
+:meth:`Ring.forget_slots` (before ComfyUI rewrites weights in place for its hooks, keeping the slots) and
+:meth:`Ring.detach` wait for the copies in flight.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ from ..devices.transfer import GROUPED
 from .layout import Kept, lay_out, let_go, repack_replaced, still_held
 from .members import Group, Member, RingStats, slot_views
 from .prefetch import PREFETCH_SLOTS, prefetching
-from .run_order import RunOrder
+from .rings import register
+from .run_order import RunOrder, Successors
 from .slabs import Slab, piece_bytes
 from .staging import Staging
 from .uses import UseWatch
@@ -67,6 +69,8 @@ class Ring:
 
     def __init__(self, root: torch.nn.Module | None = None) -> None:
         self.root = root
+        if root is not None:
+            register(root, self)
         self._wraps = True
         self.stats = RingStats()
         self.target: Target | None = None
@@ -76,12 +80,11 @@ class Ring:
         self._groups: list[Group] = []
         self._slabs: list[Slab] = []
         self._members: list[tuple[torch.nn.Module, Member]] = []
-        self._next: list[int | None] = []
         self._kept: Kept = {}
         self._order = RunOrder()
         self._staging = Staging()
         self._uses = UseWatch(self._end_of_use)
-        self._windows: dict[int, list[int]] = {}  # each group's window (:meth:`_window`), until the order changes
+        self._after = Successors()  # what follows each group: its prefetch window
         self._routes: dict[int, Route] = {}  # the traffic books of each slab's copies, by the slab's id
         self._reset_ring()
 
@@ -107,9 +110,7 @@ class Ring:
     @wraps.setter
     def wraps(self, wraps: bool) -> None:
         self._wraps = wraps
-        if self._next:
-            self._next[-1] = 0 if wraps else None
-            self._windows.clear()
+        self._after.wrap(wraps)
 
     # -- set up by the engine ---------------------------------------------------------------------
 
@@ -135,9 +136,9 @@ class Ring:
         self.target, self._reserve, self._backend = target, reserve, backend_of(target)
         kept, self._kept = self._kept, {}
         self._groups, self._slabs, self._members = lay_out(self, modules, self.group_bytes, kept, target)
-        self._next = [*range(1, len(self._groups)), 0 if self._wraps else None]  # a sampler's next step: group 0
+        self._after.reset(len(self._groups), self._wraps)
         self._group_max = max(group.nbytes for group in self._groups)
-        self._windows, self._routes, self._once = {}, {}, {}  # kept across sampling calls, for this plan's groups
+        self._routes = {}  # kept across sampling calls, for this plan's slabs
 
     def detach(self, *, unlock: bool = True) -> None:
         """Stop streaming through the ring (layers move, the model is unloaded, or another loader took it): the
@@ -155,7 +156,7 @@ class Ring:
                 self._kept.update((id(module), slab) for module in slab.modules)
         if unlock:
             self._staging.release()
-        self._members, self._groups, self._slabs, self._next = [], [], [], []
+        self._members, self._groups, self._slabs = [], [], []
         self._order.stop()
         self.target = None
 
@@ -164,18 +165,34 @@ class Ring:
         self._kept = still_held(self._kept)
 
     def settle(self) -> None:
-        """Sampling ended (or host weights are about to be rewritten): wait for the copies in flight, free the
-        ring's device memory, and forget what its slots held. The groups and the learned order are kept; a ring
-        that found no room may try again."""
-        if self.target is not None:
-            backend = backend_of(self.target)
-            for event in self._filled:
-                backend.wait_host(event)
-            if self._own_copies:  # layers copied their tensors from the slabs, on the compute stream
-                backend.wait_host(backend.record(backend.current_stream(self.target)))
+        """Sampling ended (or the ring is detached): wait for the copies in flight, free the ring's device memory,
+        and forget what its slots held. The groups and the learned order are kept; a ring that found no room may
+        try again."""
+        self._wait_for_copies()
         for _module, member in self._members:
             member.views = []
         self._reset_ring()
+
+    def forget_slots(self) -> None:
+        """The host weights are about to be rewritten in place (ComfyUI's hooks, between two calls of one step):
+        wait for the copies that read them and forget what the slots hold, so that each group crosses again as it
+        is then. The slots, and every layer's views of them, are kept for the next call (settling freed them and
+        made every view again, twice a step)."""
+        self._wait_for_copies()
+        slots = len(self._buffers)
+        self._holding, self._filled, self._waited = [None] * slots, [None] * slots, [True] * slots
+        self._slot_of, self._current, self._own_copies = {}, None, False
+
+    def _wait_for_copies(self) -> None:
+        """The host waits for every copy that may still read host memory: the slots' fills, and the copies layers
+        made of their own tensors on the compute stream."""
+        if self.target is None:
+            return
+        backend = backend_of(self.target)
+        for event in self._filled:
+            backend.wait_host(event)
+        if self._own_copies:
+            backend.wait_host(backend.record(backend.current_stream(self.target)))
 
     @property
     def ring_bytes(self) -> int:
@@ -224,15 +241,13 @@ class Ring:
         backend = self._backend
         compute = backend.current_stream(self.target)
         previous = self._current
-        if previous is not None and self._next[previous] != group:
-            self._learn(previous, group)
-        elif self._once and previous in self._once:  # the order expected came back: the move seen once was not it
-            del self._once[previous]
+        if previous is not None:
+            self._after.followed(previous, group)
         # Every read of the slots so far is before this event; so is all earlier work on memory a slot was
         # allocated from (a fresh ring's first fills wait for it too).
         self._released = backend.record(compute)
         self._current = group
-        window = self._windows.get(group) or self._window(group)
+        window = self._after.window(group, self.slots)
         for ahead, wanted in enumerate(window):
             if wanted not in self._slot_of:
                 self._fill(wanted, window, ahead=ahead > 0)
@@ -251,8 +266,8 @@ class Ring:
             return
         if self._order.learning and self._order.watched:
             self._relearn()
-        elif self._current is not None and self._next[self._current] is not None:
-            self._learn(self._current, None)
+        elif self._current is not None:
+            self._after.followed(self._current, None)
         self.settle()
 
     def _relearn(self) -> bool:
@@ -275,30 +290,6 @@ class Ring:
         self._members, self._groups, self._slabs, self._kept = [], [], [], {}
         self._build(order, self.target, self._reserve)
         self.stats.reordered += 1
-
-    def _window(self, group: int) -> list[int]:
-        """``group`` and the groups expected after it, as many as the ring has slots (kept until the order
-        changes: a group's entry then takes a lookup)."""
-        window = [group]
-        following = self._next[group]
-        while following is not None and len(window) < self.slots and following not in window:
-            window.append(following)
-            following = self._next[following]
-        self._windows[group] = window
-        return window
-
-    def _learn(self, previous: int, group: int | None) -> None:
-        """``group`` followed ``previous`` where another group was expected (``None``: the use ended there):
-        learned when it does so twice in a row. A move seen once is not the new order: skip-layer guidance leaves
-        blocks out in one of a step's two calls, and learning each call's order in turn made both copy a group when
-        reached. Only the windows through ``previous`` change. (A model run once per use starts each use with no
-        group before, so a move back within a use is learned as any other.)"""
-        if previous not in self._once or self._once[previous] != group:
-            self._once[previous] = group
-            return
-        del self._once[previous]
-        self._next[previous] = group
-        self._windows = {first: window for first, window in self._windows.items() if previous not in window}
 
     def _fill(self, group: int, window: list[int], *, ahead: bool) -> None:
         """Copy ``group``'s slab into a slot no group of ``window`` holds, on the side stream, after the compute
@@ -365,7 +356,7 @@ class Ring:
         if [slab for slab in self._slabs if not slab.pinned]:
             self._staging.prepare(self.target, len(self._buffers), size)
         if self.slots != len(self._buffers):  # fewer slots than the windows were made for
-            self._windows.clear()
+            self._after.new_slots()
         self.slots = len(self._buffers)
         self._holding = [None] * self.slots
         self._filled = [None] * self.slots

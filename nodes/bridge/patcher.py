@@ -34,7 +34,7 @@ from ...core.devices.tensors import Target, label_of, same_target
 from ...core.placement.budget import Placement
 from ...core.placement.engine import LoadReport, partial_model_of
 from ...core.placement.plan import RESIDENT_MARK
-from ...core.placement.prefetch import settle
+from ...core.placement.rings import before_rewrite, settle
 from ...core.units import format_bytes
 from ...core.weights.patch_math import calculate_weight
 from ...core.weights.patching import OnTheFlyPatch, get_weight, key_seed, round_to, set_weight
@@ -133,7 +133,7 @@ class DeviceControlPatcher(surface.model_patcher_class()):
 
     def cleanup(self) -> None:
         """ComfyUI's, at the end of each sampling; then the prefetch drops the copies it queued for a next step
-        (``core.placement.prefetch.settle``), so nothing streamed stays on a device between runs."""
+        (``core.placement.rings.settle``), so nothing streamed stays on a device between runs."""
         super().cleanup()
         dropped = settle(self.model)
         if dropped:
@@ -141,14 +141,14 @@ class DeviceControlPatcher(surface.model_patcher_class()):
 
     def patch_hooks(self, hooks: Any) -> None:
         """ComfyUI's, which writes a hook's weights into the model in place, between two calls of one sampling step
-        when the conds carry different hooks; the copies queued ahead are dropped first, since a copy of a weight
-        made before it was rewritten in place cannot be told from one made after."""
-        settle(self.model)
+        when the conds carry different hooks; the copies queued ahead are waited for and forgotten first, since a
+        copy of a weight made before it was rewritten in place cannot be told from one made after."""
+        before_rewrite(self.model)
         super().patch_hooks(hooks)
 
     def unpatch_hooks(self, *args: Any, **kwargs: Any) -> None:
         """ComfyUI's, which writes the weights a hook replaced back in place: as :meth:`patch_hooks`."""
-        settle(self.model)
+        before_rewrite(self.model)
         super().unpatch_hooks(*args, **kwargs)
 
     # -- loading -----------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from core.devices.simulated import SimulatedDevice
 from core.devices.tensors import HOST, traffic
 from core.placement.donors import DONOR_COPIES, place_streamed, stream_room
 from core.placement.plan import STREAM_COPIES
-from core.placement.prefetch import settle
+from core.placement.rings import settle
 from core.placement.slabs import carried_bytes
 from core.placement.split import ACTIVATIONS
 from tests.core.split_net import FluxShaped, inputs, split_of
@@ -33,7 +33,7 @@ def test_the_first_gpu_computes_and_the_donors_stream_their_parts_to_it_ahead_of
         expected = net(img, t)
     compute, donor, targets = _devices()
     split = split_of(net, "gpu:0=30%, gpu:1=30%, cpu=*")
-    streamed = place_streamed(split, targets, "gpu:0")
+    streamed = place_streamed(split, targets, "gpu:0", root=net)
     own, lent, rest = (part.nbytes for part in split.parts)
     assert compute.allocated() == own and donor.allocated() == lent and rest > 0  # each part where it was put
     assert {layer.name for layer in streamed.layers} == {
@@ -80,7 +80,9 @@ def test_a_computing_gpu_short_of_room_copies_ahead_within_what_it_has_and_never
     split = split_of(net, "gpu:0=30%, cpu=*")
     largest = stream_room(split) // DONOR_COPIES
     compute = SimulatedDevice(split.parts[0].nbytes + ACTIVATIONS + spare * largest, ordinal=0)
-    streamed = place_streamed(split, {"gpu:0": compute, "cpu": HOST}, "gpu:0", keep_free=ACTIVATIONS + kept * largest)
+    streamed = place_streamed(
+        split, {"gpu:0": compute, "cpu": HOST}, "gpu:0", keep_free=ACTIVATIONS + kept * largest, root=net
+    )
     assert streamed.reserve_bytes == copies * largest
     for _ in range(3):
         with torch.no_grad():

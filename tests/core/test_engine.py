@@ -16,7 +16,7 @@ from core.devices.tensors import move_own, own_tensors
 from core.errors import DeviceControlError, first_line
 from core.placement.engine import partial_model_of
 from core.placement.plan import layers_of
-from core.placement.prefetch import settle
+from core.placement.rings import settle
 from core.placement.streaming import LayerHooks
 from core.weights import ops
 from tests.core.faults import NOT_OUT_OF_MEMORY, OUT_OF_MEMORY, fail_moves

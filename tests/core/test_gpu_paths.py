@@ -23,7 +23,7 @@ from core.devices.transfer import to_target
 from core.files.reader import WeightReader
 from core.files.skeleton import materialize, weights_on_meta
 from core.placement.engine import partial_model_of
-from core.placement.prefetch import settle
+from core.placement.rings import settle
 from core.weights import ops
 
 CUDA = torch.device("cuda", 0)

@@ -18,7 +18,7 @@ from core.devices.simlink import MissingWaitError
 from core.devices.simulated import SimulatedDevice
 from core.devices.transfer import GROUPED
 from core.errors import InvalidSizeError
-from core.placement import prefetch
+from core.placement import prefetch, rings
 from core.placement.engine import partial_model_of
 from core.weights import ops
 from tests.core.order_net import MiB, on_host, streamed_net
@@ -129,7 +129,7 @@ def test_slices_are_groups_of_the_ring_copied_ahead_one_after_another_within_the
     del first, second, third, out
     gc.collect()
     held = ring.ring_bytes
-    assert held > 0 and prefetch.settle(net) == held
+    assert held > 0 and rings.settle(net) == held
     assert ring.ring_bytes == 0 and device.allocated() == engine.resident_bytes()
 
 

@@ -24,7 +24,7 @@ from core.devices.slices import RowSlices, ready_bytes
 from core.errors import ModelFileError
 from core.placement.engine import partial_model_of
 from core.placement.plan import Layer, layers_of, plan_layers, stream_reserve
-from core.placement.prefetch import settle
+from core.placement.rings import settle
 from core.placement.slabs import layer_bytes
 from core.placement.streaming import NO_HOOKS, reset_flags, stream
 from core.weights import ops

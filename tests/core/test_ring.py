@@ -18,7 +18,7 @@ from core.devices.pinned import pinned_memory
 from core.devices.simlink import LinkCost
 from core.devices.tensors import traffic
 from core.devices.transfer import GROUPED, to_target
-from core.placement import prefetch
+from core.placement import prefetch, rings
 from core.placement.engine import partial_model_of
 from tests.core.order_net import LAYERS, on_host, streamed_net
 from tests.core.platform_marks import STREAMS_AND_PINNING
@@ -50,7 +50,7 @@ def test_a_sampled_model_copies_the_next_steps_first_group_ahead_and_settling_fr
     # last pass's too, for a step that does not come, which settling drops.
     assert engine.ring.stats.copies == 3 * groups + 1 and engine.ring.stats.ahead == 3 * groups
     assert 0 < engine.ring.ring_bytes <= engine.plan.reserve_bytes
-    assert prefetch.settle(net) > 0 and device.allocated() == resident  # nothing streamed stays after sampling
+    assert rings.settle(net) > 0 and device.allocated() == resident  # nothing streamed stays after sampling
     assert torch.equal(out.cpu(), on_host(net, x))
 
 
@@ -101,18 +101,37 @@ def test_a_weight_replaced_by_another_tensor_is_packed_before_its_next_copy():
     net(device.place(x))
     layer = next(layer for layer in net.layers if GROUPED in layer.__dict__)
     layer.weight.data = torch.full_like(layer.weight, 0.01)  # replaced, not written in place
-    prefetch.settle(net)
+    rings.settle(net)
     assert torch.equal(net(device.place(x)).cpu(), on_host(net, x))
 
 
 def test_a_weight_written_in_place_after_settling_is_copied_as_it_is_now():
     net, device, x = streamed_net()
     net(device.place(x))
-    prefetch.settle(net)  # what the patcher does before ComfyUI's hooks rewrite weights in place
+    rings.settle(net)  # what the patcher does before ComfyUI's hooks rewrite weights in place
     for layer in net.layers:
         if GROUPED in layer.__dict__:
             layer.weight.data.mul_(0.5)
     assert torch.equal(net(device.place(x)).cpu(), on_host(net, x))
+
+
+@pytest.mark.parametrize("between", ["rewrite", "settle"])
+def test_weights_rewritten_in_place_between_two_calls_of_a_step_are_copied_as_they_are_now(between):
+    """ComfyUI's hooks rewrite weights in place between two calls of one step: the patcher has the rings wait for
+    the copies reading them and forget what their slots hold, keeping the slots for the next call (settling, which
+    the end of sampling does, frees them and makes every layer's views again: twice a step; issue 57, item 2)."""
+    net, device, x = streamed_net()
+    ring = partial_model_of(net).ring
+    net(device.place(x))
+    held = ring.ring_bytes
+    (rings.before_rewrite if between == "rewrite" else rings.settle)(net)
+    for layer in net.layers:
+        if GROUPED in layer.__dict__:
+            layer.weight.data.mul_(0.5)
+    out = net(device.place(x))
+    assert torch.equal(out.cpu(), on_host(net, x))
+    assert ring.ring_bytes == held > 0
+    assert ring.stats.allocations == (1 if between == "rewrite" else 2)
 
 
 def test_a_patch_function_never_changes_the_slot_or_the_stored_weight():
@@ -201,7 +220,7 @@ def test_a_weight_given_another_dtype_leaves_the_ring_and_still_computes_right()
     net(device.place(x))
     layer = next(layer for layer in net.layers if GROUPED in layer.__dict__)
     layer.weight.data = layer.weight.data.to(torch.float64).to(torch.float32).half()  # another tensor, fp16
-    prefetch.settle(net)
+    rings.settle(net)
     out = net(device.place(x))
     assert GROUPED not in layer.__dict__  # its layer copies its own tensors now
     assert torch.equal(out.cpu(), on_host(net, x))

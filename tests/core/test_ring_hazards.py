@@ -17,7 +17,7 @@ from core.devices.host_memory import page_size
 from core.devices.pinned import pinned_memory
 from core.devices.simlink import LinkCost
 from core.devices.simulated import SimulatedDevice
-from core.placement import prefetch
+from core.placement import rings
 from core.placement.engine import partial_model_of
 from core.placement.prefetch import PREFETCH_SLOTS
 from core.placement.ring import Ring
@@ -138,7 +138,7 @@ def test_a_ring_without_room_tries_again_only_after_sampling_settles(caplog):
     assert engine.ring.ring_bytes == 0 and engine.ring.stats.copies == 0
     assert torch.equal(out.cpu(), on_host(net, x.cpu()))
     del blocker
-    prefetch.settle(net)  # sampling ended: the next one tries again, and finds room
+    rings.settle(net)  # sampling ended: the next one tries again, and finds room
     net(x)
     assert engine.ring.ring_bytes > 0
 

@@ -88,7 +88,7 @@ def test_a_comfyui_model_split_over_two_gpus_and_the_cpu_computes_the_one_device
         module("core.placement.pipeline").attach_hops(net, split, targets, home=gpus[0])
         moved_in = 0
     else:
-        streamed = module("core.placement.donors").place_streamed(split, targets, "gpu:0")
+        streamed = module("core.placement.donors").place_streamed(split, targets, "gpu:0", root=net)
         moved_in = sum(layer.nbytes for layer in streamed.moved_in if layer.module in _modules(split, 1))
     assert gpus[1].allocated() == split.parts[1].nbytes - moved_in  # the second GPU holds its part
     assert gpus[0].allocated() >= split.parts[0].nbytes
