@@ -10,12 +10,22 @@ in one lookup, not by walking every module of the model (thousands in a large UN
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from .ring import Ring
+
+class Ring(Protocol):
+    """What is asked here of a ring (``core.placement.ring.Ring``; named by what it does, so that this module,
+    which the ring imports, imports nothing of it)."""
+
+    @property
+    def ring_bytes(self) -> int: ...
+
+    def settle(self) -> None: ...
+
+    def forget_slots(self) -> None: ...
+
 
 #: The attribute of a model's root that holds its rings (weakly: a ring a split left behind goes with its split).
 RINGS = "device_control_rings"
