@@ -248,6 +248,9 @@ def ours(unet: Unet, runs: int, inventory: Any, pack: str) -> dict[float, dict[s
         inputs = unet.inputs(lambda tensor, target=engine.target: transfer.to_target(tensor, target))
         with BackendTime().watching(simulated.SimulatedBackend) as backend:
             figures = _forward_figures(unet, pack_calls, runs, inputs, learns=True, backend=backend)
+        copies = engine.ring.stats.copies
+        unet.forward(inputs)  # a steady forward's group copies: each group once, the next step's first ahead
+        figures.update(group_copies=engine.ring.stats.copies - copies, groups=engine.ring.groups)
         figures.update(_sampling_figures(unet, patcher, runs))
         figures["layers"] = sum(layer.streamable for layer in engine.layers())
         figures["streamed"] = len(engine.streamed_layers())

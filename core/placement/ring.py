@@ -195,6 +195,11 @@ class Ring:
             backend.wait_host(backend.record(backend.current_stream(self.target)))
 
     @property
+    def groups(self) -> int:
+        """How many groups the ring streams: a pass's copies, once the order the model runs in is learned."""
+        return len(self._groups)
+
+    @property
     def ring_bytes(self) -> int:
         """Device bytes the ring holds now."""
         return len(self._buffers) * self._slot_bytes
@@ -368,8 +373,9 @@ class Ring:
         """As many of the planned slots of ``size`` bytes as the device has room for, said once when fewer."""
         backend, buffers = backend_of(self.target), []
         try:
-            for _ in range(self._planned_slots):
-                buffers.append(backend.empty(self.target, torch.Size([size]), torch.uint8))
+            for _ in range(self._planned_slots):  # plain tensors, filled in place whether or not in inference mode
+                with torch.inference_mode(False):
+                    buffers.append(backend.empty(self.target, torch.Size([size]), torch.uint8))
         except Exception as error:
             if not is_out_of_memory(error):
                 raise

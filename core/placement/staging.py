@@ -33,7 +33,8 @@ class Staging:
             return True
         self.release()
         for _ in range(slots):
-            block = page_block(nbytes)
+            with torch.inference_mode(False):  # a plain tensor, written in place whether or not in inference mode
+                block = page_block(nbytes)
             if not pinned_memory().lock(block, target, capped=False):
                 self.release()
                 return False

@@ -134,6 +134,23 @@ def test_weights_rewritten_in_place_between_two_calls_of_a_step_are_copied_as_th
     assert ring.stats.allocations == (1 if between == "rewrite" else 2)
 
 
+@pytest.mark.parametrize("pinned", [True, False], ids=["locked slabs", "staged slabs"])
+def test_slots_kept_from_a_call_in_inference_mode_are_filled_in_a_call_outside_it(pinned, monkeypatch):
+    """ComfyUI runs its nodes in inference mode, a training node or a script outside it; the slots (and staging
+    buffers) a ring keeps between calls are plain tensors, filled in place in either."""
+    if not pinned:
+        monkeypatch.setattr(pinned_memory(), "max_bytes", 0)  # no slab locked: the groups cross through staging
+    net, device, x = streamed_net()
+    ring = partial_model_of(net).ring
+    with torch.inference_mode():
+        net(device.place(x))
+    rings.before_rewrite(net)
+    with torch.no_grad():
+        out = net(device.place(x))
+    assert torch.equal(out.cpu(), on_host(net, x)) and ring.stats.allocations == 1
+    assert ring.host_bytes[0 if pinned else 1] > 0
+
+
 def test_a_patch_function_never_changes_the_slot_or_the_stored_weight():
     net, device, x = streamed_net()
     layer = next(layer for layer in net.layers if GROUPED in layer.__dict__)

@@ -18,6 +18,10 @@ def test_the_host_benchmark_counts_both_sides_on_the_same_unet_and_makes_its_tab
     assert results["ours"][0.25]["streamed"] > 0 and results["comfy"][0.25]["streamed"] > 0  # both stream
     assert results["per_layer"][0.25]["ours_calls"] > 0 and results["per_layer"][0.25]["comfy_calls"] > 0
     assert results["ours"][0.25]["once_calls"] > 0
+    # A steady forward copies each group once (the last copies the next step's first, ahead): issue 57, item 10.
+    for share in (0.0, 0.25, 0.5):
+        ours = results["ours"][share]
+        assert ours["groups"] > 0 and ours["group_copies"] == ours["groups"], (share, ours)
     text, _misses = table(from_json(raw))
     rows = [line for line in text.splitlines() if line.startswith("| quick |")]
     assert len(rows) == 4 and all(row.endswith(" |") for row in rows)
