@@ -134,6 +134,7 @@ def test_weights_rewritten_in_place_between_two_calls_of_a_step_are_copied_as_th
     assert ring.stats.allocations == (1 if between == "rewrite" else 2)
 
 
+@STREAMS_AND_PINNING
 @pytest.mark.parametrize("pinned", [True, False], ids=["locked slabs", "staged slabs"])
 def test_slots_kept_from_a_call_in_inference_mode_are_filled_in_a_call_outside_it(pinned, monkeypatch):
     """ComfyUI runs its nodes in inference mode, a training node or a script outside it; the slots (and staging
