@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -22,8 +23,9 @@ import pytest
 
 from tests.passes import keep_to_their_passes
 from tests.server_pool import ServerPool
-from tools.comfy_server import ComfyServer
-from tools.runtime import DEFAULT_VERSION, comfyui_dir, missing_source
+from tools.comfy_forkserver import ForkServer
+from tools.comfy_server import FORK_SERVERS, ComfyServer, server_environment
+from tools.runtime import DEFAULT_VERSION, comfyui_dir, missing_source, venv_python
 
 REPO = Path(__file__).resolve().parent.parent
 STRICT = (
@@ -297,13 +299,57 @@ def _forget_model_folders(folder: Path) -> None:
     folder_paths.filename_list_cache.clear()
 
 
+#: Set to 1 to start every test server as a new Python, as the demo does, rather than through the fork server: to
+#: tell a fault of the fork server from one of ComfyUI.
+PLAIN_STARTS_ENV = "DEVICE_CONTROL_PLAIN_STARTS"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_server() -> Iterator[None]:
+    """The servers of this pass's ComfyUI start through a fork server (:mod:`tools.comfy_forkserver`): five of a
+    start's 7-9 s are imports every start repeats. Linux only: forking a process that has loaded torch is not safe
+    on macOS, and Windows cannot fork."""
+    if os.environ.get(PLAIN_STARTS_ENV) == "1" or not sys.platform.startswith("linux"):
+        yield
+        return
+    forker = ForkServer(venv_python(), comfyui_dir(DEFAULT_VERSION), server_environment(DEFAULT_VERSION, {}))
+    FORK_SERVERS[DEFAULT_VERSION] = forker
+    try:
+        yield
+    finally:
+        FORK_SERVERS.pop(DEFAULT_VERSION, None)
+        forker.close()
+
+
+#: Each ComfyUI server this pytest started: the settings it started with and the seconds its start took (printed at
+#: the end of the run: where a pass's time goes outside its tests' own work).
+SERVER_STARTS: list[tuple[str, float]] = []
+
+
 def start_server(base: Path, env: dict[str, str] | None = None, extra_args: tuple[str, ...] = ()) -> ComfyServer:
     """Start a ComfyUI server with the pack in ``base``; fail with its log if it does not come up. Its cache keeps
     what it caches while :data:`CACHE_HEADROOM_GIB` of RAM is available (unless ``extra_args`` choose a cache)."""
+    started = time.monotonic()
     try:
-        return ComfyServer(base, env=env, extra_args=extra_args, cache_headroom_gib=CACHE_HEADROOM_GIB).start()
+        server = ComfyServer(base, env=env, extra_args=extra_args, cache_headroom_gib=CACHE_HEADROOM_GIB).start()
     except RuntimeError as exc:
         pytest.fail(str(exc))
+    settings = " ".join([*(f"{k}={v}" for k, v in sorted((env or {}).items())), *extra_args]) or "(defaults)"
+    SERVER_STARTS.append((settings, time.monotonic() - started))
+    return server
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """How many ComfyUI servers the run started, by their settings, and the time their starts took."""
+    if not SERVER_STARTS:
+        return
+    by_settings: dict[str, list[float]] = {}
+    for settings, seconds in SERVER_STARTS:
+        by_settings.setdefault(settings, []).append(seconds)
+    total = sum(seconds for _, seconds in SERVER_STARTS)
+    terminalreporter.write_sep("=", f"{len(SERVER_STARTS)} ComfyUI servers started in {total:.0f} s")
+    for settings, times in sorted(by_settings.items(), key=lambda item: -sum(item[1])):
+        terminalreporter.write_line(f"{len(times):3d} x {sum(times):6.1f} s  {settings}")
 
 
 @pytest.fixture(scope="session")

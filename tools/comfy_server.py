@@ -18,6 +18,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from tools.comfy_forkserver import ForkedProcess, ForkServer, forkable
 from tools.runtime import (
     DEFAULT_VERSION,
     RELEASES,
@@ -70,6 +71,21 @@ def cache_headroom_args(gib: float, version: str = DEFAULT_VERSION) -> tuple[str
     return ("--cache-ram", f"{gib:g}") if caches_by_ram_pressure(version) else ()
 
 
+#: Fork servers by ComfyUI version (:mod:`tools.comfy_forkserver`): the tests set one up for their ComfyUI, and a
+#: server of that version whose own settings allow it starts as its child rather than as a new Python.
+FORK_SERVERS: dict[str, ForkServer] = {}
+
+
+def server_environment(version: str, own: dict[str, str]) -> dict[str, str]:
+    """The environment a server of ComfyUI ``version`` runs in: this process's, the server's ``own`` settings, and
+    that version's pins first on the import path."""
+    env = {**os.environ, **own, "PYTHONUNBUFFERED": "1"}
+    first = [str(path) for path in release_paths(version)]
+    if first:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [*first, env.get("PYTHONPATH", "")]))
+    return env
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as sock:
@@ -109,7 +125,7 @@ class ComfyServer:
         self.extra_args = extra_args
         self.cpu = cpu
         self.cache_headroom_gib = cache_headroom_gib
-        self.process: subprocess.Popen | None = None
+        self.process: subprocess.Popen | ForkedProcess | None = None
         self.log_path = self.base / "server.log"
 
     @property
@@ -136,7 +152,8 @@ class ComfyServer:
                 log.warning("[Device Control] port %d was taken before ComfyUI bound it; trying another", self.port)
                 self.port, attempt = free_port(), attempt + 1
 
-    def _start_once(self, timeout: float) -> ComfyServer:
+    def command(self) -> list[str]:
+        """The command line that starts this server (the runtime's Python, ``main.py`` and ComfyUI's flags)."""
         cmd = [
             str(venv_python()),
             "main.py",
@@ -154,19 +171,24 @@ class ComfyServer:
         frontend = served_frontend(self.version)
         if frontend is not None and "--front-end-root" not in self.extra_args:
             cmd += ["--front-end-root", str(frontend)]
-        env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
-        first = [str(path) for path in release_paths(self.version)]
-        if first:
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [*first, env.get("PYTHONPATH", "")]))
+        return cmd
+
+    def _start_once(self, timeout: float) -> ComfyServer:
+        cmd = self.command()
+        env = server_environment(self.version, self.env)
+        forker = FORK_SERVERS.get(self.version)
         with open(self.log_path, "ab") as log_file:
             started_at = log_file.tell()  # this start's own lines begin here (the log keeps earlier starts')
-            self.process = subprocess.Popen(
-                cmd,
-                cwd=comfyui_dir(self.version),
-                env=env,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-            )
+            if forker is not None and forkable(self.env):
+                self.process = forker.spawn(cmd[1:], comfyui_dir(self.version), env, self.log_path)
+            else:
+                self.process = subprocess.Popen(
+                    cmd,
+                    cwd=comfyui_dir(self.version),
+                    env=env,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
