@@ -7,7 +7,8 @@ import path a server of its ComfyUI gets, that imports those libraries once and 
 the child takes the server's folder, arguments, environment and log, and runs ComfyUI's own ``main.py`` as
 ``python main.py`` would. What ComfyUI does from there is unchanged: it imports itself, the pack and everything else,
 reads its arguments and serves; only the libraries above are already in memory, as modules it would import anyway
-(:data:`PREIMPORTED`; a test compares them with what a plain start imports).
+(:data:`PREIMPORTED`; a test compares them with what a plain start imports), and the objects their imports made are
+left out of the garbage collections ComfyUI makes (``gc.freeze``, as Python advises for a process that forks).
 
 A server whose settings could be read while those libraries import (any variable but the pack's own and
 :data:`AFTER_IMPORT`) starts as a plain process, as does every server of another ComfyUI than the fork server's.
@@ -21,6 +22,7 @@ while the child runs; the fork server reaps its children).
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -213,6 +215,9 @@ def _serve(comfyui: str) -> None:
     sys.path[0] = comfyui  # as ``python main.py`` there has it
     for name in PREIMPORTED:
         importlib.import_module(name)
+    # What the imports made lives as long as any child: out of every collection the children make (ComfyUI collects
+    # after each prompt), so none walks, or copies on write, the libraries' objects (Python's advice for forking).
+    gc.freeze()
     ended: dict[int, int] = {}
     answers = sys.stdout
     for line in sys.stdin:
