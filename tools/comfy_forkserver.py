@@ -218,30 +218,27 @@ def _serve(comfyui: str) -> None:
     # What the imports made lives as long as any child: out of every collection the children make (ComfyUI collects
     # after each prompt), so none walks, or copies on write, the libraries' objects (Python's advice for forking).
     gc.freeze()
+    children: set[int] = set()
     ended: dict[int, int] = {}
     answers = sys.stdout
     for line in sys.stdin:
         request = json.loads(line)
-        for pid in list(_children):
+        for pid in list(children):
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
-                _children.discard(pid)
+                children.discard(pid)
                 ended[pid] = os.waitstatus_to_exitcode(status)
         if "spawn" in request:
             pid = os.fork()
             if pid == 0:
                 _child(request["spawn"])
-            _children.add(pid)
+            children.add(pid)
             answer: dict[str, Any] = {"pid": pid}
         else:
             pid = request["poll"]
-            answer = {"code": ended.get(pid, None if pid in _children else -signal.SIGKILL)}
+            answer = {"code": ended.get(pid, None if pid in children else -signal.SIGKILL)}
         answers.write(json.dumps(answer) + "\n")
         answers.flush()
-
-
-#: The fork server's running children.
-_children: set[int] = set()
 
 
 if __name__ == "__main__":
