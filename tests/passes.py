@@ -16,6 +16,7 @@ the two (0.28.0) runs a part of the version checks, :data:`MIDDLE_VERSION_MODULE
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -112,6 +113,56 @@ MIDDLE_VERSION_MODULES = frozenset(
 )
 #: Whether this pass is a middle ComfyUI's (it runs :data:`MIDDLE_VERSION_MODULES` only).
 MIDDLE_PASS = DEFAULT_VERSION in MIDDLE_VERSIONS
+
+#: The integration modules whose processes together (pytest, its ComfyUI servers, the pool's idle ones, a
+#: benchmark's subprocess) held at most about 7.5 GiB (``docs/bench/ci_module_ram.txt``). A whole run
+#: (``tools/run_tests.py``) runs them as a job of their own beside the pass's other modules (up to 15.5 GiB):
+#: on a 2-core, 24 GB machine the integration tiers cannot run side by side, and each left a third of the cores idle.
+#: ``DEVICE_CONTROL_MODULES=light`` collects only these, ``heavy`` only the others. A new module is heavy until its
+#: RAM is measured.
+LIGHT_MODULES = frozenset(
+    {
+        # ComfyUI's surface, detection and maths, small models
+        "test_auto_dtype",
+        "test_bridge",
+        "test_checkpoint_equivalence",
+        "test_comfy_detection_fallback",
+        "test_compatibility",
+        "test_detection_new_families",
+        "test_detection_oracle",
+        "test_family_fixtures",
+        "test_fixtures",
+        "test_fork_server",
+        "test_lora_coverage",
+        "test_manager_install",
+        "test_object_info",
+        "test_ops_oracle",
+        "test_patch_oracle",
+        "test_vram_report",
+        # GGUF files
+        "test_gguf_loader",
+        "test_gguf_qwen3",
+        "test_gguf_text_encoders",
+        "test_gguf_umt5",
+        "test_comfyui_gguf",
+        # benchmarks' smoke tests, the panel's routes, the reliability checks
+        "test_bench_host",
+        "test_bench_split_loaders",
+        "test_panel_routes",
+        "test_profile",
+        "test_reliability",
+    }
+)
+#: The setting that chooses the light or the heavy integration modules (none: all of them).
+MODULES_ENV = "DEVICE_CONTROL_MODULES"
+
+
+def collects(path: Path) -> bool:
+    """Whether this pytest collects the integration module at ``path`` (:data:`MODULES_ENV`)."""
+    wanted = os.environ.get(MODULES_ENV, "")
+    if wanted not in ("light", "heavy") or not path.name.startswith("test_") or path.suffix != ".py":
+        return True
+    return (path.stem in LIGHT_MODULES) == (wanted == "light")
 
 
 def runs_in_this_pass(item: pytest.Item) -> bool:

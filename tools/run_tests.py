@@ -4,8 +4,9 @@ them) and on 0.33.0, the newest, whose pass also runs the long reliability check
 
 Each tier of each ComfyUI is a job, and two jobs run at a time (:func:`run_jobs`), as soon as what they need is
 there and the machine's RAM holds them: the synthetic models first (every ComfyUI tier loads them), then the primary
-integration tier, the longest, and the other jobs beside it and after it, one integration tier at a time (the
-primary tier's modules that load SDXL's full-size UNet are a job of their own). The platforms users run are
+integration tier's heavy modules, the longest job, and the other jobs beside it and after it: one tier's heavy
+modules at a time, each tier's light modules (``tests/passes.py``) as a job that runs beside them, and the primary
+tier's modules that load SDXL's full-size UNet as a job of their own. Each job's CPU time is logged when it ends. The platforms users run are
 simulated (``core.devices.sim.platforms``): the core tier runs on this machine and again under each simulated platform
 (Windows, 64 KiB-page arm64 Linux, macOS); the 0.33.0 pass runs its ComfyUI servers under the Windows profile, so
 every streamed Move To GPU there goes through Windows' surface.
@@ -132,6 +133,9 @@ def finish(code: int, started: float) -> int:
 #: script does not import: it runs before the runtime that has torch exists; a core test keeps the two the same).
 PLATFORM_ENV = "DEVICE_CONTROL_SIMULATE_PLATFORM"
 PROFILES = ("windows", "linux-64k", "macos")
+#: The setting that chooses an integration tier's light or heavy modules (``tests/passes.py``, which this script
+#: does not import: it needs pytest).
+MODULES_ENV = "DEVICE_CONTROL_MODULES"
 #: The simulated platform each ComfyUI's pass runs its servers under (none: this machine's own).
 PASS_PLATFORMS = {NEWEST_TESTED: "windows"}
 #: Settings of torch's OpenMP threads for a job that runs beside another: wait without spinning, or compute on one.
@@ -151,22 +155,26 @@ SDXL_MODULES = ("tests/integration/test_families.py", "tests/integration/test_sp
 #: Minutes: the last fresh-clone run, each job beside another (``docs/bench/ci_fresh_clone.txt``); the primary pass
 #: runs every test, the newest the version checks and the long checks, a middle one a part of them.
 #:
-#: RAM: ``ps`` and ``free`` every 5 s while they ran, on the 24 GB CI machine. The SDXL modules hold SDXL's UNet in
-#: fp32 (13.7 GB in their server, 1 GB in pytest once each module's freed memory is given back), so a browser tier
-#: (its server holds the starter's models, 4.3 GB) fits beside them and no integration tier does. Two of the other
+#: RAM: ``ps`` and ``free`` every 5 s while they ran, on the 24 GB CI machine (``docs/bench/ci_module_ram.txt``). The
+#: SDXL modules hold SDXL's UNet in fp32 (13.7 GB in their server; 18.3 GB with pytest and the pool's idle servers),
+#: so a browser tier (its server holds the starter's models, 4.3 GB) fits beside them and nothing else does. Two
 #: integration tiers side by side (their servers held 4-9 GB, pytest 1-4 GB) left as little as 2.7 GiB available,
-#: their modules that hold several full-size models at once taking turns (``tests/server_pool.py``'s RAM lock), and
-#: ComfyUI 0.28 and later dropping cached models below 10 % of RAM available until the test servers were started with
-#: a lower headroom (``tests/conftest.py``); then a module that holds more than its lock says (the hook LoRA's stock
-#: graph: 11.7 GB in its server) was killed for memory beside the other tier. So each integration tier counts as
-#: much as the SDXL job, and they run one at a time. More, and the page cache goes and the machine stalls on reads.
+#: their modules that hold several full-size models at once taking turns (``tests/server_pool.py``'s RAM lock), and a
+#: module that holds more than its lock says (the hook LoRA's stock graph: 11.7 GB in its server) was killed for
+#: memory beside the other tier. So an integration tier's heavy modules count 15.5 GiB (the most seen: 13.6) and two
+#: of them never run at once; its light modules (``tests/passes.py``: at most about 7.5 GiB) are a job that runs
+#: beside them, in the third of the two cores a tier alone left idle. More, and the page cache goes and the machine
+#: stalls on reads.
 WEIGHTS: dict[str | tuple[str, str], tuple[float, float]] = {
     "fixtures": (1.0, 6.0),
     "core": (1.1, 2.0),
-    "sdxl": (12.6, 16.0),
-    ("integration", "primary"): (28.7, 16.0),
-    ("integration", "newest"): (21.3, 16.0),
-    ("integration", "middle"): (4.4, 16.0),
+    "sdxl": (6.8, 18.0),
+    ("integration", "primary"): (15.0, 15.5),
+    ("integration", "newest"): (12.0, 15.5),
+    ("integration", "middle"): (3.0, 15.5),
+    ("light", "primary"): (8.0, 7.5),
+    ("light", "newest"): (5.0, 7.5),
+    ("light", "middle"): (1.5, 7.5),
     ("browser", "primary"): (9.5, 4.5),
     ("browser", "newest"): (6.0, 4.5),
     ("browser", "middle"): (3.7, 4.5),
@@ -201,6 +209,7 @@ class Job:
         settings = {**({"DEVICE_CONTROL_COMFYUI": version} if version else {}), **env}
         label = " ".join(command[command.index("-m") + 1 :]) + (f" (ComfyUI {version})" if version else "")
         label += f" (simulated {env[PLATFORM_ENV]})" if PLATFORM_ENV in env else ""
+        label += f" ({env[MODULES_ENV]} modules)" if MODULES_ENV in env else ""
         return cls(label, settings, tuple(command), **weights)
 
 
@@ -232,14 +241,21 @@ def full_run(python: Path, versions: list[str], pytest_args: list[str]) -> list[
     for version in versions:
         kind = "primary" if version == primary else "newest" if version == versions[-1] else "middle"
         env = {**({PLATFORM_ENV: PASS_PLATFORMS[version]} if version in PASS_PLATFORMS else {}), **PASSIVE}
+        after = (fixtures.label,)
+        # The integration tier's light modules (``tests/passes.py``) are a job of their own, beside the others.
+        command = [*pytest, "tests/integration", f"--basetemp={SCRATCH}-{version}-light"]
+        light = {**env, MODULES_ENV: "light"}
+        jobs.append(Job.of(command, version, env=light, **weights(("light", kind)), after=after))
         for tier in ("integration", "browser"):
-            paths = [f"tests/{tier}"]
+            paths, own = [f"tests/{tier}"], dict(env)
+            if tier == "integration":
+                own[MODULES_ENV] = "heavy"
             if (tier, kind) == ("integration", "primary"):  # SDXL's modules apart (see WEIGHTS)
                 paths += [f"--ignore={module}" for module in SDXL_MODULES]
                 command = [*pytest, *SDXL_MODULES, f"--basetemp={SCRATCH}-{version}-sdxl"]
-                jobs.append(Job.of(command, version, env=env, **weights("sdxl"), after=(fixtures.label,)))
+                jobs.append(Job.of(command, version, env=env, **weights("sdxl"), after=after))
             command = [*pytest, *paths, f"--basetemp={SCRATCH}-{version}-{tier}"]
-            jobs.append(Job.of(command, version, env=env, **weights((tier, kind)), after=(fixtures.label,)))
+            jobs.append(Job.of(command, version, env=own, **weights((tier, kind)), after=after))
     return [lint, jobs]
 
 
@@ -282,7 +298,7 @@ def run_jobs(jobs: list[Job], started: float, ram_gib: float | None = None) -> i
     env = {**os.environ, "DEVICE_CONTROL_REQUIRE_ALL_TIERS": "1"}
     pending, running, done, failed = order(jobs), [], set(), []
     index = {job.label: number for number, job in enumerate(pending)}
-    ended: queue.Queue[tuple[Job, int, Path | None]] = queue.Queue()
+    ended: queue.Queue[tuple[Job, int, Path | None, str]] = queue.Queue()
     with tempfile.TemporaryDirectory(prefix="device-control-jobs-") as folder:
         while pending or running:
             for job in list(pending):
@@ -295,9 +311,10 @@ def run_jobs(jobs: list[Job], started: float, ram_gib: float | None = None) -> i
                     threading.Thread(target=_run_job, args=(job, env, output, ended), daemon=True).start()
             if not running:  # a job failed and the rest will not start, or none can start (a missing dependency)
                 break
-            job, code, output = ended.get()
+            job, code, output, cpu = ended.get()
             running.remove(job)
-            log.info("[Device Control] %s ended (exit %d, after %.0f s)", job.label, code, time.monotonic() - started)
+            took = time.monotonic() - started
+            log.info("[Device Control] %s ended (exit %d, after %.0f s%s)", job.label, code, took, cpu)
             if output is not None:
                 sys.stdout.flush()
                 sys.stdout.buffer.write(output.read_bytes())
@@ -324,8 +341,18 @@ def _run_job(job: Job, env: dict[str, str], output: Path | None, ended: queue.Qu
         if job.nice and hasattr(os, "setpriority"):
             with contextlib.suppress(OSError):  # a process that already ended
                 os.setpriority(os.PRIO_PROCESS, process.pid, job.nice)
-        code = process.wait()
-    ended.put((job, code, output))
+        code, cpu = _wait(process)
+    ended.put((job, code, output, cpu))
+
+
+def _wait(process: subprocess.Popen) -> tuple[int, str]:
+    """Wait for ``process``; its exit status and, where the OS says (``wait4``), the CPU time it and the processes
+    it waited for took: a run on two cores is as long as its CPU work over two, whatever runs side by side."""
+    if not hasattr(os, "wait4"):
+        return process.wait(), ""
+    _pid, status, usage = os.wait4(process.pid, 0)
+    process.returncode = os.waitstatus_to_exitcode(status)
+    return process.returncode, f"; CPU {usage.ru_utime:.0f} s user, {usage.ru_stime:.0f} s kernel"
 
 
 if __name__ == "__main__":

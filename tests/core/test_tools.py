@@ -85,22 +85,32 @@ def test_a_run_is_every_tier_on_every_version_each_in_a_folder_of_its_own():
     """The lint first; then the core tier on this machine and under each simulated platform, and each ComfyUI's
     integration and browser tiers after the models; no two pytests share a folder (each would remove the other's);
     the newest ComfyUI's servers run under the simulated Windows."""
+    from tests import passes
     from tools import run_tests
 
     lint, jobs = run_tests.full_run(Path("python"), ["0.3.75", "0.28.0", "0.33.0"], [])
     assert [job.command[3:] for job in lint] == [("check", "."), ("format", "--check", ".")]
     folders = [arg for job in jobs for arg in job.command if arg.startswith("--basetemp=")]
-    assert len(folders) == len(set(folders)) == 3 * 2 + 1 + 1 + len(run_tests.PROFILES)  # + the SDXL modules' job
+    # Each ComfyUI's integration, light modules' and browser jobs, the SDXL modules' job, the core tier's
+    assert len(folders) == len(set(folders)) == 3 * 3 + 1 + 1 + len(run_tests.PROFILES)
     fixtures = next(job for job in jobs if "tools.make_fixtures" in job.command)
     tiers = {
-        (job.settings["DEVICE_CONTROL_COMFYUI"], job.command[4]): job
+        (job.settings["DEVICE_CONTROL_COMFYUI"], job.command[4], job.settings.get(run_tests.MODULES_ENV)): job
         for job in jobs
         if "tests/core" not in job.command and job is not fixtures
     }
-    sdxl = tiers.pop(("0.3.75", run_tests.SDXL_MODULES[0]))
-    assert set(tiers) == {(v, f"tests/{t}") for v in ("0.3.75", "0.28.0", "0.33.0") for t in ("integration", "browser")}
-    # The primary integration tier is every module once: the SDXL modules in their job, the rest in the tier's.
-    rest = tiers["0.3.75", "tests/integration"].command
+    sdxl = tiers.pop(("0.3.75", run_tests.SDXL_MODULES[0], None))
+    versions = ("0.3.75", "0.28.0", "0.33.0")
+    assert set(tiers) == {
+        *((v, "tests/integration", part) for v in versions for part in ("light", "heavy")),
+        *((v, "tests/browser", None) for v in versions),
+    }
+    # The primary integration tier is every module once: the SDXL modules in their job, the light ones in theirs
+    # (tests/passes.py), the rest in the tier's.
+    assert run_tests.MODULES_ENV == passes.MODULES_ENV
+    assert all(Path(REPO, "tests/integration", f"{module}.py").is_file() for module in passes.LIGHT_MODULES)
+    assert not {Path(module).stem for module in run_tests.SDXL_MODULES} & passes.LIGHT_MODULES
+    rest = tiers["0.3.75", "tests/integration", "heavy"].command
     assert [f"--ignore={m}" for m in run_tests.SDXL_MODULES] == [a for a in rest if a.startswith("--ignore=")]
     assert [a for a in sdxl.command if a.startswith("tests/")] == list(run_tests.SDXL_MODULES)
     assert all(Path(REPO, module).is_file() for module in run_tests.SDXL_MODULES)
@@ -108,8 +118,26 @@ def test_a_run_is_every_tier_on_every_version_each_in_a_folder_of_its_own():
     assert all(job.after == (fixtures.label,) for job in tiers.values())
     simulated = [job.settings.get(run_tests.PLATFORM_ENV) for job in jobs if "tests/core" in job.command]
     assert simulated == [None, *run_tests.PROFILES]
-    newest = {job.settings.get(run_tests.PLATFORM_ENV) for (version, _), job in tiers.items() if version == "0.33.0"}
+    newest = {job.settings.get(run_tests.PLATFORM_ENV) for (version, *_), job in tiers.items() if version == "0.33.0"}
     assert newest == {"windows"}
+
+
+def test_an_integration_tier_is_its_light_modules_and_its_heavy_ones_each_module_in_one(monkeypatch):
+    """``DEVICE_CONTROL_MODULES`` collects a tier's light modules or the others; unset, every module; the
+    folders and helpers are always collected."""
+    from tests import passes
+
+    modules = sorted(Path(REPO, "tests/integration").glob("test_*.py"))
+    chosen = {}
+    for part in ("light", "heavy"):
+        monkeypatch.setenv(passes.MODULES_ENV, part)
+        chosen[part] = {module.stem for module in modules if passes.collects(module)}
+        assert passes.collects(Path(REPO, "tests/integration/conftest.py"))
+        assert passes.collects(Path(REPO, "tests/integration/executions"))
+    assert chosen["light"] == passes.LIGHT_MODULES and not chosen["light"] & chosen["heavy"]
+    assert chosen["light"] | chosen["heavy"] == {module.stem for module in modules}
+    monkeypatch.delenv(passes.MODULES_ENV)
+    assert all(passes.collects(module) for module in modules)
 
 
 def test_jobs_beside_another_do_not_spin_torch_threads_and_the_core_tier_fills_what_is_left():
@@ -127,25 +155,32 @@ def test_jobs_beside_another_do_not_spin_torch_threads_and_the_core_tier_fills_w
 
 def test_the_models_come_first_then_the_longest_chain_and_one_integration_tier_at_a_time():
     """On a 24 GB machine: the models first (every ComfyUI tier waits for them), the primary integration tier as
-    soon as they are made, the core tier beside the models; one integration tier at a time (the SDXL modules' job
-    too: their server holds 13.7 GB); a browser tier beside the SDXL modules."""
+    soon as they are made, the core tier beside the models; one integration tier's heavy modules at a time (the SDXL
+    modules' job too: their server holds 13.7 GB), a tier's light modules beside any of them but SDXL's; a browser
+    tier beside the SDXL modules."""
     from tools import run_tests
 
     _, jobs = run_tests.full_run(Path("python"), ["0.3.75", "0.28.0", "0.33.0"], [])
     ordered = run_tests.order(jobs)
     assert "tools.make_fixtures" in ordered[0].command
     assert ordered[1].command[4] == "tests/integration" and ordered[1].settings["DEVICE_CONTROL_COMFYUI"] == "0.3.75"
-    integration = [job for job in jobs if "tests/integration" in job.command]
+    assert ordered[1].settings[run_tests.MODULES_ENV] == "heavy"
+    by_part = {"light": [], "heavy": []}
+    for job in jobs:
+        if run_tests.MODULES_ENV in job.settings:
+            by_part[job.settings[run_tests.MODULES_ENV]].append(job)
+    integration, light = by_part["heavy"], by_part["light"]
     core = next(job for job in jobs if "tests/core" in job.command)
     assert run_tests.runnable(core, set(), [ordered[0]], 23.5)
     assert not run_tests.runnable(integration[0], set(), [], 23.5)  # the models are not made yet
     done = {ordered[0].label}
     assert run_tests.runnable(integration[0], done, [], 23.5)
     assert not any(run_tests.runnable(other, done, [integration[0]], 23.5) for other in integration[1:])
+    assert all(run_tests.runnable(job, done, [heavy], 23.5) for job in light for heavy in integration)
     assert run_tests.runnable(integration[1], done, [integration[0]], 64.0)  # a machine with room for two
     assert not run_tests.runnable(core, done, integration[:2], 64.0)  # two lanes
     sdxl = next(job for job in jobs if run_tests.SDXL_MODULES[0] in job.command)
-    assert not any(run_tests.runnable(sdxl, done, [other], 23.5) for other in integration)
+    assert not any(run_tests.runnable(sdxl, done, [other], 23.5) for other in integration + light)
     assert run_tests.runnable(sdxl, done, [integration[0]], 64.0)  # a machine with room for both
     browser = [job for job in jobs if "tests/browser" in job.command]
     assert all(run_tests.runnable(sdxl, done, [job], 23.5) for job in browser)

@@ -17,12 +17,18 @@ import pytest
 from PIL import Image
 
 from core.units import format_bytes
+from tests.passes import LIGHT_MODULES, collects
 from tests.server_pool import ServerPool
 from tests.server_pool import machine_ram as share_machine_ram
 from tools.comfy_server import ComfyServer
 from tools.workflow_api import load_workflow, ui_to_api
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def pytest_ignore_collect(collection_path: Path) -> bool | None:
+    """The light or heavy modules only, where a whole run asks for them (:data:`tests.passes.MODULES_ENV`)."""
+    return None if collects(collection_path) else True
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -150,7 +156,11 @@ def stock_equivalent(prompt: dict[str, Any]) -> dict[str, Any]:
 @pytest.fixture(scope="module", autouse=True)
 def machine_ram(request: pytest.FixtureRequest) -> Iterator[None]:
     """Each module shares the machine's RAM with the other tier's (:func:`tests.server_pool.machine_ram`); one that
-    sets ``HOLDS_MODELS = True`` (several full-size models at once) runs while no other tier's module does."""
+    sets ``HOLDS_MODELS = True`` (several full-size models at once) runs while no other tier's module does. A light
+    module (:data:`tests.passes.LIGHT_MODULES`) takes no turn: a whole run counts its RAM beside any other module's."""
+    if Path(request.module.__file__).stem in LIGHT_MODULES:
+        yield
+        return
     with share_machine_ram(alone=getattr(request.module, "HOLDS_MODELS", False)):
         yield
 
