@@ -6,10 +6,10 @@ Each tier of each ComfyUI is a job, and two jobs run at a time (:func:`run_jobs`
 there and the machine's RAM holds them: the synthetic models first (every ComfyUI tier loads them), then the primary
 integration tier's heavy modules, the longest job, and the other jobs beside it and after it: one tier's heavy
 modules at a time, each tier's light modules (``tests/passes.py``) as a job that runs beside them, and the primary
-tier's modules that load SDXL's full-size UNet as a job of their own. Each job's CPU time is logged when it ends. The platforms users run are
-simulated (``core.devices.sim.platforms``): the core tier runs on this machine and again under each simulated platform
-(Windows, 64 KiB-page arm64 Linux, macOS); the 0.33.0 pass runs its ComfyUI servers under the Windows profile, so
-every streamed Move To GPU there goes through Windows' surface.
+tier's modules that load SDXL's full-size UNet as a job of their own. Each job's CPU time is logged when it ends.
+The platforms users run are simulated (``core.devices.sim.platforms``): the core tier runs on this machine and again
+under each simulated platform (Windows, 64 KiB-page arm64 Linux, macOS); the 0.33.0 pass runs its ComfyUI servers
+under the Windows profile, so every streamed Move To GPU there goes through Windows' surface.
 
 ComfyUI 0.28.0 and 0.33.0 come from source archives beside the repository (``../shared/comfyui/``); where one is
 absent (a user's clone) its tiers are skipped with one line, and under ``CI=true`` that is a failure.
