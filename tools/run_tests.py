@@ -152,8 +152,8 @@ LANES = 2
 SDXL_MODULES = ("tests/integration/test_families.py", "tests/integration/test_split_model.py")
 #: What each kind of job weighs for the scheduler, by tier and pass: (minutes, most RAM in GiB).
 #:
-#: Minutes: the last fresh-clone run, each job beside another (``docs/bench/ci_fresh_clone.txt``); the primary pass
-#: runs every test, the newest the version checks and the long checks, a middle one a part of them.
+#: Minutes: the last fresh-clone run, each job beside another (``docs/bench/ci_fresh_clone_4d9a685.txt``); the
+#: primary pass runs every test, the newest the version checks and the long checks, a middle one a part of them.
 #:
 #: RAM: ``ps`` and ``free`` every 5 s while they ran, on the 24 GB CI machine (``docs/bench/ci_module_ram.txt``). The
 #: SDXL modules hold SDXL's UNet in fp32 (13.7 GB in their server; 18.3 GB with pytest and the pool's idle servers),
@@ -166,18 +166,18 @@ SDXL_MODULES = ("tests/integration/test_families.py", "tests/integration/test_sp
 #: beside them, in the third of the two cores a tier alone left idle. More, and the page cache goes and the machine
 #: stalls on reads.
 WEIGHTS: dict[str | tuple[str, str], tuple[float, float]] = {
-    "fixtures": (1.0, 6.0),
+    "fixtures": (1.1, 6.0),
     "core": (1.1, 2.0),
-    "sdxl": (6.8, 18.0),
-    ("integration", "primary"): (15.0, 15.5),
-    ("integration", "newest"): (12.0, 15.5),
-    ("integration", "middle"): (3.0, 15.5),
-    ("light", "primary"): (8.0, 7.5),
-    ("light", "newest"): (5.0, 7.5),
-    ("light", "middle"): (1.5, 7.5),
-    ("browser", "primary"): (9.5, 4.5),
-    ("browser", "newest"): (6.0, 4.5),
-    ("browser", "middle"): (3.7, 4.5),
+    "sdxl": (7.2, 18.0),
+    ("integration", "primary"): (18.7, 15.5),
+    ("integration", "newest"): (12.3, 15.5),
+    ("integration", "middle"): (3.2, 15.5),
+    ("light", "primary"): (5.6, 7.5),
+    ("light", "newest"): (5.2, 7.5),
+    ("light", "middle"): (1.6, 7.5),
+    ("browser", "primary"): (8.4, 4.5),
+    ("browser", "newest"): (4.9, 4.5),
+    ("browser", "middle"): (2.6, 4.5),
 }
 
 
