@@ -247,9 +247,8 @@ def full_run(python: Path, versions: list[str], pytest_args: list[str]) -> list[
         light = {**env, MODULES_ENV: "light"}
         jobs.append(Job.of(command, version, env=light, **weights(("light", kind)), after=after))
         for tier in ("integration", "browser"):
-            paths, own = [f"tests/{tier}"], dict(env)
-            if tier == "integration":
-                own[MODULES_ENV] = "heavy"
+            paths = [f"tests/{tier}"]
+            own = {**env, MODULES_ENV: "heavy"} if tier == "integration" else env
             if (tier, kind) == ("integration", "primary"):  # SDXL's modules apart (see WEIGHTS)
                 paths += [f"--ignore={module}" for module in SDXL_MODULES]
                 command = [*pytest, *SDXL_MODULES, f"--basetemp={SCRATCH}-{version}-sdxl"]

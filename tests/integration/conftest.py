@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -158,10 +159,8 @@ def machine_ram(request: pytest.FixtureRequest) -> Iterator[None]:
     """Each module shares the machine's RAM with the other tier's (:func:`tests.server_pool.machine_ram`); one that
     sets ``HOLDS_MODELS = True`` (several full-size models at once) runs while no other tier's module does. A light
     module (:data:`tests.passes.LIGHT_MODULES`) takes no turn: a whole run counts its RAM beside any other module's."""
-    if Path(request.module.__file__).stem in LIGHT_MODULES:
-        yield
-        return
-    with share_machine_ram(alone=getattr(request.module, "HOLDS_MODELS", False)):
+    light = Path(request.module.__file__).stem in LIGHT_MODULES
+    with nullcontext() if light else share_machine_ram(alone=getattr(request.module, "HOLDS_MODELS", False)):
         yield
 
 
