@@ -322,6 +322,7 @@ class Bench:
             "run_s": ended - started,
             "passes_per_step": passes[0] / steps,
             "peak_bytes": self.card.peak(),
+            "peak_reserved_bytes": self.card.peak_reserved(),
         }
 
     def residency(self, model: Any) -> dict[str, Any]:

@@ -58,6 +58,11 @@ class Card:
         """The most bytes allocated at once since :meth:`reset_peak`, the block left out."""
         raise NotImplementedError
 
+    def peak_reserved(self) -> int | None:
+        """The most bytes the device's caching allocator held at once since :meth:`reset_peak`, the block left out
+        (its 2 MiB segments and the rounding the decode reserve must cover), or ``None`` where it keeps no cache."""
+        return None
+
     def empty_cache(self) -> None:
         """Give memory the allocator keeps cached back to the device (between runs)."""
         gc.collect()
@@ -117,6 +122,10 @@ class CudaCard(Card):
     def peak(self) -> int:
         self.synchronize()
         return torch.cuda.max_memory_allocated(self.device) - self.held
+
+    def peak_reserved(self) -> int | None:
+        self.synchronize()
+        return torch.cuda.max_memory_reserved(self.device) - self.held
 
     def empty_cache(self) -> None:
         gc.collect()

@@ -6,7 +6,8 @@ aiohttp, PIL, yaml and pytest; ComfyUI itself and what it imports beyond that mu
 
 * ``comfyui-<version>.tar.gz``: the provisioned, unmodified ComfyUI tree without its tests, its API nodes (paid
   online services), ``output/``, ``user/`` and byte code (about 6.5 MB);
-* ``wheels/``: ``torchsde`` and ``trampoline`` (ComfyUI's samplers import torchsde), pure-Python wheels;
+* ``wheels/``: ``torchsde`` and ``trampoline`` (ComfyUI's samplers import torchsde) and ``gguf`` (the pack's GGUF
+  fixtures and tests, which every fixture maker imports), pure-Python wheels;
 * PyAV has a stand-in in the repository (``tools/gpu_stand_ins/``), which travels with the tree.
 
 ``tools/gpu_session.sh`` unpacks and installs them there. Run here, after ``python3 tools/runtime.py``::
@@ -33,8 +34,8 @@ from tools.runtime import PRIMARY_VERSION, REPO, comfyui_dir
 
 log = logging.getLogger("device_control.tools")
 
-#: Wheels ComfyUI needs that the GPU machine's Python lacks (the versions the runtime pins).
-WHEELS = ("torchsde==0.2.6", "trampoline==0.1.2")
+#: Wheels ComfyUI and the pack's fixture makers need that the GPU machine's Python lacks (the runtime's pins).
+WHEELS = ("torchsde==0.2.6", "trampoline==0.1.2", "gguf==0.19.0")
 #: The GPU machine's Python.
 PYTHON_VERSION = "3.12"
 #: Top-level parts of the ComfyUI tree that stay behind: its tests, its paid API nodes, what it writes.

@@ -52,7 +52,7 @@ setup() {
     COMFY=$WORK/$(basename "$archive" .tar.gz)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" \
         "$CARRY"/wheels/*.whl || return 1
-    python3 -c 'import torchsde, trampoline' || return 1
+    python3 -c 'import torchsde, trampoline, gguf' || return 1
 }
 
 started=$(date +%s)
