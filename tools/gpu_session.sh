@@ -11,9 +11,14 @@
 #   2. tools/bench_gpu.py: ComfyUI's own offloading beside ours on a card held small, under a time limit (no run
 #      starts after BENCH_LIMIT seconds; it is killed at BENCH_KILL), and one profiled run of ours per case.
 #
-# Each part runs whatever happened to the other; everything is logged under $OUT (at most 8 files come back:
-# machine.txt, gpu_session.log, bench_gpu_log.txt, bench_gpu.json, bench_gpu.md, gpu_tier.txt, profile_<case>.txt). The exit code is 0
-# only when both parts passed. Expected: about 3 minutes for the benchmark, under 1 for the tier.
+#   3. with BENCH_REPEATS=N, N-1 more benchmark runs (no profile) into $OUT/repeat<i>/, for medians; with
+#      STAGED_ARGS set, one more run with DEVICE_CONTROL_MAX_PINNED_FRACTION=0.01 (slabs left pageable cross through
+#      the staging buffers) into $OUT/staged/.
+#
+# Each part runs whatever happened to the other; everything is logged under $OUT (machine.txt, gpu_session.log,
+# bench_gpu_log.txt, bench_gpu.json, bench_gpu.md, gpu_tier.txt, profile_<case>.txt). At most 8 files come back, so
+# more than 8 are packed into $OUT/gpu_session.tar.gz. The exit code is 0 only when the tier and the first benchmark
+# passed. Expected: about 3 minutes for the benchmark, under 1 for the tier.
 set -u -o pipefail
 
 OUT=${OUT:-/tmp/device_control_gpu_out}
@@ -25,6 +30,8 @@ TIER_KILL=${TIER_KILL:-180}
 FIXTURES=${GPU_FIXTURES:-$WORK/fixtures}
 # More arguments for the benchmark (a dry run here, without a GPU: BENCH_ARGS="--simulate --budgets 1GB").
 BENCH_ARGS=${BENCH_ARGS:-}
+BENCH_REPEATS=${BENCH_REPEATS:-1}
+STAGED_ARGS=${STAGED_ARGS:-}
 # The fixtures the chosen cases read (tools/bench_gpu_fixtures.py), made while the GPU tier runs.
 FIXTURE_KEYS=${FIXTURE_KEYS:-sd15_checkpoint,sd15_vae,sdxl_unet}
 mkdir -p "$OUT" "$WORK"
@@ -89,10 +96,24 @@ if setup >>"$LOG" 2>&1; then
         --out "$OUT" --time-limit "$BENCH_LIMIT" --profile $BENCH_ARGS 2>&1 | tee "$OUT/bench_gpu_log.txt"
     bench_rc=$?
     say "benchmark: exit code $bench_rc after $(($(date +%s) - started)) s"
+    for i in $(seq 2 "$BENCH_REPEATS"); do
+        timeout -k 10 "$BENCH_KILL" python3 tools/bench_gpu.py --comfyui-dir "$COMFY" --fixtures "$FIXTURES" \
+            --out "$OUT/repeat$i" --time-limit "$BENCH_LIMIT" $BENCH_ARGS >"$OUT/repeat$i.log" 2>&1
+        say "benchmark, run $i: exit code $? after $(($(date +%s) - started)) s"
+    done
+    if [ -n "$STAGED_ARGS" ]; then
+        DEVICE_CONTROL_MAX_PINNED_FRACTION=0.01 timeout -k 10 "$BENCH_KILL" python3 tools/bench_gpu.py \
+            --comfyui-dir "$COMFY" --fixtures "$FIXTURES" --out "$OUT/staged" --time-limit "$BENCH_LIMIT" \
+            $STAGED_ARGS >"$OUT/staged.log" 2>&1
+        say "benchmark, staged: exit code $? after $(($(date +%s) - started)) s"
+    fi
 else
     tail -n 20 "$LOG"
     say "setup failed (above): the benchmark does not run; the GPU tier still does"
     tier
 fi
-ls -la "$OUT" | tee -a "$LOG"
+find "$OUT" -type f | sort | tee -a "$LOG"
+if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
+    (cd "$OUT" && tar -czf /tmp/gpu_session.tar.gz . && find . -mindepth 1 -delete && mv /tmp/gpu_session.tar.gz .)
+fi
 [ "$bench_rc" -eq 0 ] && [ "$tier_rc" -eq 0 ]
