@@ -28,6 +28,9 @@ run confirms. A layer call is a forward of a layer with the cast protocol
 resident layers take (its calls per layer with everything resident), over the streamed layer calls; host time is
 the forward's time less the same side's forward with everything resident, over the streamed layer calls.
 Figures are medians of ``--runs`` runs (counts do not vary). The latent is 8x8, one text context: compute is small.
+Per budget, a steady forward of ours also counts its group copies and its host waits for the device's computations
+(``core.devices.simstreams.ComputeClock``: a synchronisation, an event after them, a blocking copy or a value read
+that waits for work the host had not waited for), which on a GPU cost the host its lead.
 """
 
 from __future__ import annotations
@@ -248,9 +251,11 @@ def ours(unet: Unet, runs: int, inventory: Any, pack: str) -> dict[float, dict[s
         inputs = unet.inputs(lambda tensor, target=engine.target: transfer.to_target(tensor, target))
         with BackendTime().watching(simulated.SimulatedBackend) as backend:
             figures = _forward_figures(unet, pack_calls, runs, inputs, learns=True, backend=backend)
-        copies = engine.ring.stats.copies
+        clock = engine.target.link.compute  # the simulated device's clock for its computations
+        copies, waits = engine.ring.stats.copies, clock.waits
         unet.forward(inputs)  # a steady forward's group copies: each group once, the next step's first ahead
         figures.update(group_copies=engine.ring.stats.copies - copies, groups=engine.ring.groups)
+        figures["host_waits"] = clock.waits - waits  # for computations it had not waited for: none from locked slabs
         figures.update(_sampling_figures(unet, patcher, runs))
         figures["layers"] = sum(layer.streamable for layer in engine.layers())
         figures["streamed"] = len(engine.streamed_layers())

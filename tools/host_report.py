@@ -29,8 +29,8 @@ def table(results: dict[str, dict[str, Any]]) -> tuple[str, list[str]]:
     rows = [
         "| model | budget | layers streamed, ours / ComfyUI | calls per streamed layer call, ours / ComfyUI "
         "(target) | host us per streamed layer call, ours / ComfyUI | once per sampling call, ours: calls "
-        "(target), ms |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "(target), ms | a steady forward, ours: group copies / groups, host waits |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     misses = []
     for name, result in results.items():
@@ -57,9 +57,15 @@ def table(results: dict[str, dict[str, Any]]) -> tuple[str, list[str]]:
             once = f"{mine['once_calls']:.0f}" + (f" (<= {once_target})" if once_target else "")
             rows.append(
                 f"| {name} | {_share_text(share)} | {streamed} | {layer['ours_calls']:.1f} / "
-                f"{layer['comfy_calls']:.1f} ({target}) | {us} | {once}, {mine['once_s'] * 1e3:.0f} ms |"
+                f"{layer['comfy_calls']:.1f} ({target}) | {us} | {once}, {mine['once_s'] * 1e3:.0f} ms | "
+                f"{_steady(mine)} |"
             )
     return "\n".join(rows), misses
+
+
+def _steady(mine: dict[str, Any]) -> str:
+    """A steady forward's group copies over the ring's groups, and its host waits for the device's computations."""
+    return f"{mine['group_copies']} / {mine['groups']}, {mine['host_waits']}"
 
 
 def machine() -> str:

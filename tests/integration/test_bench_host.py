@@ -22,6 +22,7 @@ def test_the_host_benchmark_counts_both_sides_on_the_same_unet_and_makes_its_tab
     for share in (0.0, 0.25, 0.5):
         ours = results["ours"][share]
         assert ours["groups"] > 0 and ours["group_copies"] == ours["groups"], (share, ours)
+        assert ours["host_waits"] == 0, (share, ours)  # from locked slabs the host never waits for the device
     text, _misses = table(from_json(raw))
     rows = [line for line in text.splitlines() if line.startswith("| quick |")]
     assert len(rows) == 4 and all(row.endswith(" |") for row in rows)
