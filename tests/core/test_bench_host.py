@@ -72,6 +72,7 @@ def test_figures_per_layer_call_and_the_misses():
     ours = _side({1.0: 400, 0.0: 3000, 0.25: 1200, 0.5: 720}, {1.0: 1.0, 0.0: 1.2, 0.25: 1.01, 0.5: 1.0}, streamed)
     for share, figures in ours.items():
         figures["once_calls"], figures["once_s"] = (6000 if share == 0.0 else 100), 0.01
+        figures.update(group_copies=int(share * 40), groups=int(share * 40), host_waits=0)
     comfy = _side({1.0: 5000, 0.0: 6000, 0.25: 5500, 0.5: 5200}, {1.0: 1.0, 0.0: 1.1, 0.25: 1.05, 0.5: 1.02}, streamed)
     for figures in comfy.values():
         figures["layer_own_calls"] = 200
@@ -82,7 +83,10 @@ def test_figures_per_layer_call_and_the_misses():
     results = {"sd15": {"ours": ours, "comfy": comfy, "per_layer": rows}}
     text, misses = table(results)
     assert table(from_json(json.loads(json.dumps(results)))) == (text, misses)  # as tools/bench.py reads it
-    assert "| sd15 | 25% | 50 / 50 of 100 | 20.0 / 12.0 (<= 20) | 200.0 / 1000.0 | 100 (<= 5000), 10 ms |" in text
+    assert (
+        "| sd15 | 25% | 50 / 50 of 100 | 20.0 / 12.0 (<= 20) | 200.0 / 1000.0 | 100 (<= 5000), 10 ms | 10 / 10, 0 |"
+        in text
+    )
     assert misses == [
         "sd15 at 0%: host time per streamed layer call above ComfyUI's",
         "sd15 at 0%: 6000 calls once a sampling call",
