@@ -24,7 +24,7 @@ import torch
 
 from ..devices.backends import backend_of, target_of
 from ..errors import PatchError
-from .patch_factors import PlacedPatches, place_patches
+from .patch_factors import FactorBank, PlacedPatches, place_patches
 from .patch_math import Patch, calculate_weight, patch_kind
 from .patch_rows import patches_for_rows, row_multiple
 
@@ -193,21 +193,30 @@ class OnTheFlyPatch:
         self.convert_func = convert_func
         self.set_func = set_func
         self.fp8_noise = fp8_noise
-        self._placed: PlacedPatches | None = None
+        #: Its factors where its weight computes (``core.weights.patch_factors``), placed by itself or its bank.
+        self.placed: PlacedPatches | None = None
+        #: The load's bank it places its factors through, with the others' (``FactorBank.join`` sets it).
+        self.bank: FactorBank | None = None
+
+    def current(self) -> list[Patch]:
+        """This weight's patches as they are now (the dictionary is shared: patches added later apply too)."""
+        return self.patches.get(self.key, [])
 
     def _patches_for(self, weight: torch.Tensor) -> list[Patch]:
-        """This weight's patches with their factors where ``weight`` computes (copied there once, and again only
-        when the patches changed or the weight computes elsewhere)."""
+        """This weight's patches with their factors where ``weight`` computes (copied there once, with those of its
+        bank's other patches, and again only when the patches changed or the weight computes elsewhere)."""
         patches = self.patches[self.key]
         target = target_of(weight)
-        placed = self._placed
+        placed = self.placed
         if placed is not None and placed.serves(patches, target):
             return placed.patches
         if backend_of(target).is_host:
             return patches
-        self._placed = None  # the old copy goes before the new one is made
-        self._placed = place_patches(patches, target)
-        return self._placed.patches
+        if self.bank is not None:
+            return self.bank.place(self, target).patches
+        self.placed = None  # the old copy goes before the new one is made
+        self.placed = place_patches(patches, target)
+        return self.placed.patches
 
     def slice_multiple(self, shape: tuple[int, ...]) -> int | None:
         """The multiple of rows on which slices of this weight (of ``shape``) must start for :meth:`rows` to give

@@ -12,19 +12,34 @@ import torch
 from ...core.devices.slices import ROW_QUANTUM
 from ...core.devices.tensors import Target, own_tensors
 from ...core.placement.streaming import LayerHooks
-from ...core.weights.patch_factors import factor_bytes
-from ...core.weights.patching import get_weight, set_weight
+from ...core.weights.patch_factors import FactorBank, factor_bytes
+from ...core.weights.patching import OnTheFlyPatch, get_weight, set_weight
 from ...core.weights.quantized import weight_shape
 from .quantized_patches import detach
 
 
 class PatcherHooks(LayerHooks):
-    """The patcher's side of the engine: patch, restore and stream its layers the way ComfyUI expects."""
+    """The patcher's side of the engine: patch, restore and stream its layers the way ComfyUI expects.
 
-    def __init__(self, patcher: Any, compute: torch.device | None, force: bool) -> None:
+    The on-the-fly patches one set of hooks makes share a ``core.weights.patch_factors.FactorBank``: their factors
+    cross in one block when the first of them computes, not a block per weight. A model split over devices
+    (``banked`` false) places each weight's own, since its layers compute on several.
+    """
+
+    def __init__(self, patcher: Any, compute: torch.device | None, force: bool, *, banked: bool = True) -> None:
         self.patcher = patcher
         self.compute = compute
         self.force = force
+        self.bank = FactorBank() if banked else None
+
+    def _join(self, module: torch.nn.Module) -> None:
+        """The load's bank takes the on-the-fly patches of ``module`` that have none."""
+        if self.bank is None:
+            return
+        for attribute in ("weight_function", "bias_function"):
+            for function in module.__dict__.get(attribute, ()):
+                if isinstance(function, OnTheFlyPatch) and function.bank is None:
+                    self.bank.join(function)
 
     def _keys(self, layer: Any) -> list[tuple[str, str]]:
         prefix = f"{layer.name}." if layer.name else ""
@@ -38,6 +53,7 @@ class PatcherHooks(LayerHooks):
         for _name, key in self._keys(layer):
             if key in patcher.patches:
                 patcher.patch_weight_to_device(key, device_to=self.compute)
+        self._join(module)  # a quantised weight's patches apply on the fly, resident too
         _add_wrappers(patcher, layer)
         module.comfy_patched_weights = True
 
@@ -67,6 +83,7 @@ class PatcherHooks(LayerHooks):
             functions = module.weight_function if name == "weight" else module.bias_function
             if name in ("weight", "bias"):
                 functions.append(patcher.on_the_fly(key, getattr(module, name)))
+        self._join(module)
         _add_wrappers(patcher, layer)
 
     def patch_bytes(self) -> dict[str, int]:

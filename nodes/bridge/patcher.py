@@ -166,7 +166,7 @@ class DeviceControlPatcher(surface.model_patcher_class()):
         with self.use_ejected():
             self.unpatch_hooks()
             if split is not None:
-                load_split_into(self, split, device_to, PatcherHooks(self, None, force_patch_weights))
+                load_split_into(self, split, device_to, PatcherHooks(self, None, force_patch_weights, banked=False))
             else:
                 self._load_placed(device_to, lowvram_model_memory if not full_load else 0, force_patch_weights)
             book_parts(self)  # a split's parts; those of a split this load ended leave ComfyUI's list

@@ -189,7 +189,19 @@ def test_a_lora_applies_to_the_dequantised_weights_resident_and_streamed(comfy, 
     sim = _simulated(module, monkeypatch)
     streamed = module("nodes.move_to_gpu").MoveToGPU.execute(ours, "gpu:0", "2MiB", False).args[0]
     assert streamed.model.device_control_last_load.streamed_bytes > 0 and sim.allocated() > 0
+    factors, placements = module("core.weights.patch_factors"), []
+    place_many = factors.place_many
+    monkeypatch.setattr(
+        factors, "place_many", lambda requests, target: placements.append(len(requests)) or place_many(requests, target)
+    )
     assert torch.equal(_step(streamed, inputs), patched)
+    on_the_fly = module("core.weights.patching").OnTheFlyPatch
+    functions = [
+        f for m in streamed.model.modules() for f in getattr(m, "weight_function", ()) if isinstance(f, on_the_fly)
+    ]
+    # Every patched weight's factors (the LoRA covers 29 of the 44 GGUF weights), resident and streamed, crossed in
+    # one block at the first forward after the load (issue 57, item 3): before, one block per weight.
+    assert placements == [len(functions)] and len(functions) > 1, placements
     del theirs, ours, streamed
     mm.unload_all_models()
     gc.collect()
