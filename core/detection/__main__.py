@@ -12,7 +12,7 @@ import sys
 
 from ..devices.backends import simulated_backends
 from ..devices.inventory import DeviceInventory
-from ..devices.simulated import simulated_devices_from_env
+from ..devices.simspec import simulated_devices_from_env
 from ..errors import DeviceControlError
 from ..placement.fit import DEFAULT_HEADROOM, Choice, FitPlan, default_dtype, plan_fit
 from ..units import parse_size

@@ -4,7 +4,9 @@
 accelerator:
 
 * it has a capacity and exact residency books: every live tensor placed on it (and every tensor an operation on it
-  produces) counts until the last Python reference to it is gone;
+  produces) counts until the last Python reference to it is gone, in its bytes (``allocated``, against which the
+  capacity holds) and in the blocks a caching allocator would give it (``reserved``: ``core.devices.allocator``),
+  the figure a room kept for temporaries is held against;
 * going over capacity raises ``torch.OutOfMemoryError``, the same exception a CUDA allocator raises;
 * computing with a tensor on it and a *weight* that was never moved to it raises the same ``RuntimeError``
   ("Expected all tensors to be on the same device ...") a real device mismatch raises, so a forgotten move fails in
@@ -27,68 +29,33 @@ backend (``core.devices.backends.simulated``), like any other.
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
 import weakref
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 import torch
 
-from ..units import format_bytes, parse_size
+from ..units import format_bytes
+from .allocator import block_bytes
 from .simhost import REGISTRY
-from .simlink import LINK_ENV, Link, LinkCost
+from .simlink import Link, LinkCost
 from .simslots import Slots
 from .simtensor import SimTensor, own_storage
 
-#: Faults a simulated device can be told to inject (see ``SimulatedDevice(faults=...)``):
-#: ``stats``: memory statistics queries fail, as a broken driver query would;
-#: ``unreported_others``: what other programs use is left out of :meth:`SimulatedDevice.free` and the
-#: statistics, but still takes room, as when another program allocates between a query and a move;
-#: ``slow_moves``: every placement on the device and every release from it takes a few milliseconds, so a move
-#: can be interrupted half-way, and an offload lasts long enough to act meanwhile, in tests.
-KNOWN_FAULTS = frozenset({"stats", "unreported_others", "slow_moves"})
+#: A fault's placement or release takes this long (``slow_moves``, ``core.devices.simspec.KNOWN_FAULTS``).
 SLOW_MOVE_SECONDS = 0.005
 
 
-SIMULATE_ENV = "DEVICE_CONTROL_SIMULATE_GPU"
-SIMULATE_FAULTS_ENV = "DEVICE_CONTROL_SIMULATE_FAULTS"
-SIMULATE_OTHERS_ENV = "DEVICE_CONTROL_SIMULATE_USED_BY_OTHERS"
-
-
-@dataclass(frozen=True)
-class SimulatedSpec:
-    """What ``DEVICE_CONTROL_SIMULATE_GPU`` asked for: one capacity per simulated device."""
-
-    capacities: tuple[int, ...]
-    faults: frozenset[str] = frozenset()
-    link: LinkCost = field(default_factory=LinkCost)
-
-    @classmethod
-    def parse(cls, capacities: str | None, faults: str | None = None, link: str | None = None) -> SimulatedSpec:
-        """Parse ``"8GiB"`` or ``"8GiB,4GiB"`` (one device each), an optional fault list and a link cost.
-
-        Raises:
-            InvalidSizeError: a capacity is not a size, or the link is not a bandwidth and latency.
-            ValueError: a fault name is unknown.
-        """
-        sizes = tuple(parse_size(part) for part in (capacities or "").split(",") if part.strip())
-        names = frozenset(part.strip() for part in (faults or "").split(",") if part.strip())
-        unknown = names - KNOWN_FAULTS
-        if unknown:
-            raise ValueError(f"unknown simulated fault(s) {sorted(unknown)}; known faults: {sorted(KNOWN_FAULTS)}.")
-        return cls(sizes, names, LinkCost.parse(link))
-
-
 class _Entry:
-    """Books for one storage on the device: its size and how many live SimTensors use it."""
+    """Books for one storage on the device: its size, the block it takes, and how many live SimTensors use it."""
 
-    __slots__ = ("nbytes", "refs")
+    __slots__ = ("block", "nbytes", "refs")
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
+        self.block = block_bytes(nbytes)
         self.refs = 0
 
 
@@ -99,7 +66,7 @@ class SimulatedDevice:
         capacity: total bytes the device holds.
         ordinal: index among simulated devices; the device calls itself ``sim:<ordinal>`` in errors.
         used_by_others: bytes another process is pretending to hold (lowers what is free).
-        faults: names from :data:`KNOWN_FAULTS` to inject, for fault-tolerance tests.
+        faults: names from ``core.devices.simspec.KNOWN_FAULTS`` to inject, for fault-tolerance tests.
         link: what a copy to or from the device costs (default: nothing).
     """
 
@@ -124,6 +91,8 @@ class SimulatedDevice:
         self._released: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._allocated = 0
         self._peak = 0
+        self._reserved = 0
+        self._peak_reserved = 0
         self._lock = threading.Lock()
         self._fail_after: int | None = None
         self.link = Link(link or LinkCost())
@@ -164,9 +133,21 @@ class SimulatedDevice:
         """The most bytes held at once since creation or the last :meth:`reset_peak`."""
         return self._peak
 
+    def reserved(self) -> int:
+        """Bytes the live tensors take in a caching allocator's blocks (``core.devices.allocator``)."""
+        with self._lock:
+            self._settle()
+            return self._reserved
+
+    def peak_reserved(self) -> int:
+        """The most bytes held at once in blocks since creation or the last :meth:`reset_peak`."""
+        return self._peak_reserved
+
     def reset_peak(self) -> None:
-        """Start measuring the peak again from the current allocation."""
-        self._peak = self.allocated()
+        """Start measuring both peaks again from the current allocation."""
+        with self._lock:
+            self._settle()
+            self._peak, self._peak_reserved = self._allocated, self._reserved
 
     def free(self) -> int:
         """Bytes that a new allocation may still take, as far as the device reports."""
@@ -196,7 +177,7 @@ class SimulatedDevice:
                 "total": self.capacity,
                 "free": self._reported_free(),
                 "torch_allocated": self._allocated,
-                "torch_reserved": self._allocated,
+                "torch_reserved": self._reserved,
                 "used_by_others": 0 if "unreported_others" in self.faults else self.used_by_others,
                 "peak_allocated": self._peak,
             }
@@ -220,7 +201,9 @@ class SimulatedDevice:
                 entry = _Entry(nbytes)
                 self._books[key] = entry
                 self._allocated += nbytes
+                self._reserved += entry.block
                 self._peak = max(self._peak, self._allocated)
+                self._peak_reserved = max(self._peak_reserved, self._reserved)
             entry.refs += 1
         tensor._sim_release = weakref.finalize(tensor, self._drop, key)
 
@@ -242,6 +225,7 @@ class SimulatedDevice:
                 if entry.refs <= 0:
                     del self._books[key]
                     self._allocated -= entry.nbytes
+                    self._reserved -= entry.block
                     self.slots.forget(key)
 
     def _oom_message(self, nbytes: int) -> str:
@@ -377,24 +361,3 @@ class SimulatedDevice:
 def _nbytes(tensor: torch.Tensor) -> int:
     """The bytes a copy of ``tensor`` moves (its elements, as a real copy of a view moves)."""
     return tensor.numel() * tensor.element_size()
-
-
-def simulated_devices_from_env(environ: dict[str, str] | None = None) -> list[SimulatedDevice]:
-    """The simulated devices asked for by ``DEVICE_CONTROL_SIMULATE_GPU`` (none when it is unset).
-
-    ``DEVICE_CONTROL_SIMULATE_GPU=8GiB`` makes one device, ``8GiB,4GiB`` two.
-    ``DEVICE_CONTROL_SIMULATE_USED_BY_OTHERS=1GiB`` pretends another process holds that much on each;
-    ``DEVICE_CONTROL_SIMULATE_FAULTS=stats`` makes their statistics queries fail (fault tests);
-    ``DEVICE_CONTROL_SIMULATE_LINK=16GB/s,10us`` makes copies to and from them take that time (free if unset).
-
-    Raises:
-        InvalidSizeError: a size in the variables cannot be parsed.
-        ValueError: an unknown fault is named.
-    """
-    env = os.environ if environ is None else environ
-    spec = SimulatedSpec.parse(env.get(SIMULATE_ENV), env.get(SIMULATE_FAULTS_ENV), env.get(LINK_ENV))
-    others = parse_size(env.get(SIMULATE_OTHERS_ENV) or 0)
-    return [
-        SimulatedDevice(capacity, ordinal=i, used_by_others=others, faults=spec.faults, link=spec.link)
-        for i, capacity in enumerate(spec.capacities)
-    ]

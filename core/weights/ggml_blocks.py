@@ -29,6 +29,7 @@ from typing import Protocol
 
 import torch
 
+from ..devices.allocator import BLOCK_UNIT, LARGE_SLACK, SMALL_BLOCK, block_bytes
 from ..errors import ModelFileError
 
 #: Values in each block of the K types.
@@ -189,6 +190,10 @@ DECODERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+#: The most temporaries a decode holds at once besides its result and the chunk's float32 values: the chunk's
+#: integer fields, scales and offsets (each rounded up to a caching allocator's block, :func:`decode_bytes`).
+DECODE_TEMPORARIES = 6
+
 #: Bytes a block of each type takes in its decoder's temporaries besides its result, at their most (its integer
 #: fields and its scales), as the simulated GPU's books measure them (``tests/core/test_ggml_blocks.py``).
 SCRATCH: dict[str, int] = {
@@ -268,16 +273,28 @@ def dequantize(
 
 def decode_bytes(kind: BlockLayout, count: int, dtype: torch.dtype) -> int:
     """The most device bytes :func:`dequantize` holds at once, besides its input, for ``count`` values of ``kind``
-    into ``dtype``: its result and its temporaries (an upper bound, held against the simulated GPU's books in
-    ``tests/core/test_ggml_blocks.py``). The placement plan keeps this room for a streamed quantised weight."""
+    into ``dtype``: its result and its temporaries, each in the block a caching allocator gives it
+    (``core.devices.allocator``: up to a 512-byte unit more than its bytes, and up to 1 MiB more above 1 MiB). An
+    upper bound, held against the simulated GPU's books in ``tests/core/test_ggml_blocks.py``; the placement plan keeps
+    this room for a streamed quantised weight."""
     if count <= 0:
         return 0
     _decode, work = _decoder(kind.name, dtype)
     blocks = -(-count // kind.values)
+    result = block_bytes(blocks * kind.values * dtype.itemsize)
     if work == dtype:  # decoded whole, in place in its result
-        return blocks * (kind.values * dtype.itemsize + SCRATCH[kind.name])
-    chunk = min(blocks, _chunk_blocks(kind))
-    return blocks * kind.values * dtype.itemsize + chunk * (kind.values * work.itemsize + SCRATCH[kind.name])
+        return result + _in_blocks(blocks * SCRATCH[kind.name])
+    chunk = min(blocks, _chunk_blocks(kind))  # a chunk at a time: its float32 values and fields beside the result
+    return result + block_bytes(chunk * kind.values * work.itemsize) + _in_blocks(chunk * SCRATCH[kind.name])
+
+
+def _in_blocks(nbytes: int) -> int:
+    """The most :data:`DECODE_TEMPORARIES` tensors of ``nbytes`` together take in a caching allocator's blocks
+    (``core.devices.allocator.block_bytes``): each up to a 512-byte unit more, and each of more than 1 MiB (at most
+    ``nbytes // 1 MiB`` of them) up to 1 MiB more. Counted by size, so a small model's decode keeps kilobytes of room
+    for it, not megabytes."""
+    large = min(DECODE_TEMPORARIES, max(0, nbytes - 1) // SMALL_BLOCK)
+    return nbytes + large * LARGE_SLACK + DECODE_TEMPORARIES * BLOCK_UNIT
 
 
 def _chunk_blocks(kind: BlockLayout) -> int:

@@ -36,6 +36,8 @@ SCALES = {
 #: The types ``gguf`` can also quantise (it only dequantises the K types).
 QUANTISABLE = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "BF16", "F16"]
 
+MiB = 1024**2
+
 
 def _kind(name: str):
     return GGML_TYPES[name]
@@ -165,23 +167,27 @@ def _scales(raw: torch.Tensor, kind) -> torch.Tensor:
     return raw.reshape(-1, kind.size)[:, :2].contiguous().view(torch.float16).to(torch.float32)
 
 
+@pytest.mark.parametrize("size", ["small", "over 1 MiB"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("name", sorted(SCRATCH))
-def test_a_decode_holds_on_the_device_at_most_what_decode_bytes_says(name, dtype, monkeypatch):
+def test_a_decode_holds_on_the_device_at_most_what_decode_bytes_says(name, dtype, size, monkeypatch):
     """The room the plan keeps for a streamed quantised weight (its result and temporaries), against the
-    simulated GPU's books: whole, and in chunks (here of 64 blocks, as a weight of more than CHUNK_VALUES)."""
+    simulated GPU's books in the blocks a caching allocator gives (``core.devices.allocator``): whole, and in
+    chunks (here of 64 blocks, as a weight of more than CHUNK_VALUES); small, and with a result and temporaries of
+    more than 1 MiB, which may take up to 1 MiB more each."""
     kind = _kind(name)
-    raw = torch.from_numpy(_random_blocks(name, 1, 300, seed=7).copy()).reshape(-1)
-    count = 300 * kind.values
+    blocks = 300 if size == "small" else 3 * MiB // (4 * kind.values) + 7
+    raw = torch.from_numpy(_random_blocks(name, 1, blocks, seed=7).copy()).reshape(-1)
+    count = blocks * kind.values
     for chunk in (ggml_blocks.CHUNK_VALUES, 64 * kind.values):
         monkeypatch.setattr(ggml_blocks, "CHUNK_VALUES", chunk)
-        device = SimulatedDevice(64 * 1024**2)
+        device = SimulatedDevice(256 * MiB)
         on = device.place(raw)
         gc.collect()
-        base = device.allocated()
+        base = device.reserved()
         device.reset_peak()
         values = dequantize(on, kind, (count,), dtype)
-        held = device.peak_allocated() - base
+        held = device.peak_reserved() - base
         assert values.numel() * dtype.itemsize <= held or name in ("F32", "F16", "BF16")  # a view of its input
         assert held <= decode_bytes(kind, count, dtype), chunk
         del values, on

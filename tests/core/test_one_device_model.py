@@ -33,6 +33,7 @@ PRODUCT = [REPO / "__init__.py", *sorted((REPO / "core").rglob("*.py")), *sorted
 #: The simulated backend's own modules, and the settings that create simulated devices (nothing else may name it).
 ALLOWED = {
     "core/devices/simulated.py",
+    "core/devices/simspec.py",  # the settings that create simulated devices
     "core/devices/simtensor.py",
     "core/devices/simlink.py",
     "core/devices/backends/simulated.py",

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from core.devices.marks import mark_streamed
+from core.devices.simspec import SimulatedSpec
 from core.devices.simtensor import SimTensor
-from core.devices.simulated import SimulatedDevice, SimulatedSpec
+from core.devices.simulated import SimulatedDevice
 
 MiB = 1024**2
 
@@ -67,6 +68,20 @@ def test_over_capacity_raises_the_same_error_a_gpu_would(device):
         small.repeat(4)
     assert device.allocated() == 3.5 * MiB
     del held, small
+
+
+def test_a_tensor_takes_the_block_a_caching_allocator_gives_it(device):
+    """Bytes are booked as allocated and, in the most a block of CUDA's caching allocator takes (512-byte units; a
+    segment's unsplit rest of up to 1 MiB above 1 MiB), as reserved, with a peak of each: a 1.25 MiB tensor
+    reserves 2.25 MiB."""
+    odd = device.place(torch.zeros(25, dtype=torch.uint8))
+    large = device.place(torch.zeros(5 * MiB // 16))  # 1.25 MiB
+    assert (device.allocated(), device.reserved()) == (25 + 5 * MiB // 4, 512 + 9 * MiB // 4)
+    assert device.stats()["torch_reserved"] == device.peak_reserved() == 512 + 9 * MiB // 4
+    del large
+    device.reset_peak()
+    assert device.peak_reserved() == device.reserved() == 512 and device.peak_allocated() == 25
+    del odd
 
 
 def test_used_by_others_lowers_what_is_free():

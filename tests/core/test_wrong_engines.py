@@ -4,7 +4,8 @@ step left out. A rule that stops failing its wrong engine no longer guards anyth
 Rules here: the host memory a queued copy reads is neither unlocked nor freed before the host waited for the copy
 (``core.devices.simhost``), on every path that queues one; a steady streamed pass never makes the host wait for the
 device's computations (``core.devices.simstreams.ComputeClock``: the host runs ahead of a real GPU, and each such
-wait costs it its lead).
+wait costs it its lead); a tensor takes a caching allocator's block, not its bytes (``core.devices.allocator``), so
+room kept for a decode's temporaries in exact bytes is short.
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ import gc
 import pytest
 import torch
 
+from core.detection.ggml_types import GGML_TYPES
 from core.devices.backends import backend_of
 from core.devices.pinned import pinned_memory
 from core.devices.simhost import MissingWaitError
 from core.devices.simlink import LinkCost
+from core.devices.simulated import SimulatedDevice
 from core.placement.engine import partial_model_of
 from core.placement.ring import Ring
+from core.weights import ggml_blocks
 from tests.core.order_net import streamed_net
 from tests.core.platform_marks import STREAMS_AND_PINNING
 
@@ -117,3 +121,26 @@ def test_a_steady_streamed_pass_from_pageable_slabs_waits_at_most_once_a_group(m
     monkeypatch.setattr(pinned_memory(), "max_bytes", 0)
     waits, groups = _steady_compute_waits("staged")
     assert waits <= groups, waits
+
+
+@pytest.mark.parametrize("engine", ["right", "counts exact bytes"])
+def test_room_for_a_decode_counted_in_exact_bytes_is_short_of_the_allocators_blocks(monkeypatch, engine):
+    """A Q4_0 weight of more than 1 MiB decoded into bf16 (its result, a float32 chunk and the chunk's fields): the
+    simulated GPU books each tensor in the most its caching allocator's block takes, and the room the plan keeps
+    (``decode_bytes``) must hold it; counted in exact bytes (issue 57, item 8, as it was), it does not."""
+    if engine != "right":
+        monkeypatch.setattr(ggml_blocks, "block_bytes", lambda nbytes: nbytes)
+        monkeypatch.setattr(ggml_blocks, "_in_blocks", lambda nbytes: nbytes)
+    kind = GGML_TYPES["Q4_0"]
+    count = 3 * 1024**2 // 4  # values: a 1.5 MiB bf16 result, a 3 MiB float32 chunk
+    raw = torch.randint(0, 255, (kind.nbytes(count),), dtype=torch.uint8)
+    raw.view(-1, kind.size)[:, :2] = torch.tensor([0, 0x3C], dtype=torch.uint8)  # each block's scale 1.0 (fp16)
+    device = SimulatedDevice(256 * 1024**2)
+    on = device.place(raw)
+    base = device.reserved()
+    device.reset_peak()
+    values = ggml_blocks.dequantize(on, kind, (count,), torch.bfloat16)
+    held = device.peak_reserved() - base
+    room = ggml_blocks.decode_bytes(kind, count, torch.bfloat16)
+    assert (held <= room) == (engine == "right"), (held, room)
+    del values, on

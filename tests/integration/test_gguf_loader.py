@@ -153,8 +153,10 @@ def test_on_a_simulated_gpu_under_a_budget_it_holds_quantised_bytes_and_computes
     blocks = _quantised(whole.model.diffusion_model, module)
     block_bytes = sum(getattr(layer, attr).numel() for layer, attr in blocks.values())
     # Room for most of the blocks beside what cannot stream (the positional table) and the streaming reserve, which
-    # holds a streamed block decoded (in float32 at most: several times its bytes): some resident, the rest streamed.
-    budget = size - block_bytes // 4
+    # holds a streamed block decoded (in float32 at most, its temporaries in a caching allocator's blocks: several
+    # times its bytes): the largest blocks resident, the rest streamed. With less room (an eighth of the blocks
+    # more), the reserve for the largest block leaves room for none.
+    budget = size - block_bytes // 8
     moved = module("nodes.move_to_gpu").MoveToGPU.execute(whole, "gpu:0", f"{budget / MiB:.3f}MiB", False).args[0]
     report = moved.model.device_control_last_load
     assert 0 < report.resident_bytes <= budget and report.streamed_bytes > 0
