@@ -18,7 +18,6 @@ layers moved so far stay resident, the others stream, and the exception goes on.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
@@ -30,55 +29,13 @@ from ..errors import DeviceControlError, first_line
 from ..progress import ProgressCallback
 from ..units import format_bytes
 from .left import same_state, tree_state
+from .load_report import LoadReport
 from .plan import DEFAULT_POLICY, Layer, Plan, Policy, layers_of, plan_layers
 from .ring import Ring
 from .slabs import groupable
 from .streaming import NO_HOOKS, LayerHooks, apply_plan, is_streaming, leave, reset_flags, to_host
 
 log = logging.getLogger("device_control")
-
-
-@dataclass
-class LoadReport:
-    """What a load did, for logs and node outputs."""
-
-    target: str
-    asked: int
-    plan: Plan
-    total_bytes: int
-    resident_bytes: int
-    moved_in: int = 0
-    moved_out: int = 0
-    oom: str | None = None
-
-    @property
-    def streamed_bytes(self) -> int:
-        """Bytes that stay in host memory and stream."""
-        return self.total_bytes - self.resident_bytes
-
-    def summary(self) -> str:
-        """``3.20 GiB: 1.20 GiB resident on sim:0, 2.00 GiB streamed from cpu (412 layers, 9 in row slices)``,
-        what a budget too small for the model is missing, and what the out-of-memory guard did."""
-        text = f"{format_bytes(self.total_bytes)}: {format_bytes(self.resident_bytes)} resident on {self.target}"
-        if self.streamed_bytes:
-            sliced = f", {len(self.plan.slices)} in row slices" if self.plan.slices else ""
-            text += (
-                f", {format_bytes(self.streamed_bytes)} streamed from {label_of(HOST)} "
-                f"({self.plan.streamed_layers} layers{sliced})"
-            )
-        if self.plan.over_budget:
-            text += f"; {_short_of(self.plan)}"
-        if self.oom:
-            text += f"; {self.oom}"
-        return text
-
-
-def _short_of(plan: Plan) -> str:
-    """What a budget that cannot hold even what cannot stream plus the streaming reserve is missing."""
-    budget, fixed, reserve = (format_bytes(n) for n in (plan.budget, plan.fixed_bytes, plan.reserve_bytes))
-    needed, over = format_bytes(plan.needed_bytes), format_bytes(plan.needed_bytes - plan.budget)
-    what = f"the {fixed} of this model that cannot stream plus the {reserve} it needs to stream the rest"
-    return f"the budget {budget} cannot hold {what}: it needs at least {needed}, so it runs {over} over its budget"
 
 
 class PartialModel:

@@ -32,7 +32,8 @@ from ...core.devices.backends import backend_of
 from ...core.devices.memory import free_bytes
 from ...core.devices.tensors import Target, label_of, same_target
 from ...core.placement.budget import Placement
-from ...core.placement.engine import LoadReport, partial_model_of
+from ...core.placement.engine import partial_model_of
+from ...core.placement.load_report import LoadReport
 from ...core.placement.plan import RESIDENT_MARK
 from ...core.placement.rings import before_rewrite, settle
 from ...core.units import format_bytes
