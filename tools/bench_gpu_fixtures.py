@@ -31,7 +31,7 @@ def make_fixture(key: str, root: Path) -> Path:
     """Make fixture ``key`` under ``root`` (in the folders ComfyUI reads: ``checkpoints``, ``vae``,
     ``diffusion_models``) unless a current one is there; its path. ComfyUI must be importable (its detection
     checks each layout before it is written)."""
-    from tools.make_family_fixtures import DIFFUSION_FIXTURES, make_diffusion_model
+    from tools.make_family_fixtures import SDXL_FULL_SIZE, make_diffusion_model
     from tools.make_fixtures import SD15_CHECKPOINT, SD15_VAE, SPLIT_PARTS, make_sd15_checkpoint, make_split_part
 
     if key == "sd15_checkpoint":
@@ -40,8 +40,7 @@ def make_fixture(key: str, root: Path) -> Path:
         folder, prefix, renamed = SPLIT_PARTS[SD15_VAE]
         return make_split_part(make_fixture("sd15_checkpoint", root), root / folder / SD15_VAE, prefix, renamed)
     if key == "sdxl_unet":
-        fixture = DIFFUSION_FIXTURES["sdxl_unet"]
-        return make_diffusion_model(fixture, root / "diffusion_models" / fixture.file)
+        return make_diffusion_model(SDXL_FULL_SIZE, root / "diffusion_models" / SDXL_FULL_SIZE.file)
     raise ValueError(f"unknown fixture {key!r}; known: {', '.join(KEYS)}")
 
 

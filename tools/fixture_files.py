@@ -1,10 +1,10 @@
 """Writing large synthetic model files: streamed tensor by tensor, atomically, cached by a version stamp.
 
-The family fixtures (:mod:`tools.make_family_fixtures`) include a full-size SDXL UNet (2.57 B parameters, 5.1 GB
-in fp16). Holding it in memory to hand it to ``safetensors.save_file`` would cost more RAM than a shared CI
-machine has to spare, so we write the safetensors format ourselves: the header first (every name, dtype and
-shape is known from a model built on torch's ``meta`` device), then each tensor's bytes as it is generated.
-Peak memory is the largest single tensor.
+The family fixtures (:mod:`tools.make_family_fixtures`) include an SDXL-class UNet (849 M parameters, 1.7 GB in
+fp16; the GPU benchmark's full-size one: 2.57 B, 5.1 GB). Holding one in memory to hand it to
+``safetensors.save_file`` would cost more RAM than a shared CI machine has to spare, so we write the safetensors
+format ourselves: the header first (every name, dtype and shape is known from a model built on torch's ``meta``
+device), then each tensor's bytes as it is generated. Peak memory is the largest single tensor.
 
 The values follow the same rule as the SD1.5 fixtures: N(0, 0.02) for matrices and kernels, 1 for norm
 scales, 0 for biases, seeded, so that a model computes something finite and non-degenerate. One refinement:

@@ -6,7 +6,7 @@ Each tier of each ComfyUI is a job, and two jobs run at a time (:func:`run_jobs`
 there and the machine's RAM holds them: the synthetic models first (every ComfyUI tier loads them), then the primary
 integration tier's heavy modules, the longest job, and the other jobs beside it and after it: one tier's heavy
 modules at a time, each tier's light modules (``tests/passes.py``) as a job that runs beside them, and the primary
-tier's modules that load SDXL's full-size UNet as a job of their own. Each job's CPU time is logged when it ends.
+tier's five families end to end as a job of their own. Each job's CPU time is logged when it ends.
 The platforms users run are simulated (``core.devices.sim.platforms``): the core tier runs on this machine and again
 under each simulated platform (Windows, 64 KiB-page arm64 Linux, macOS); the 0.33.0 pass runs its ComfyUI servers
 under the Windows profile, so every streamed Move To GPU there goes through Windows' surface.
@@ -48,9 +48,9 @@ log = logging.getLogger("device_control.tools")
 #: Each pass ends with its slowest tests: where the time of a run goes, in every CI log.
 DURATIONS = ("--durations=25",)
 #: What a run from a fresh clone writes, in GB (du after one): the runtime in .runtime (packages and ComfyUI, 7),
-#: the synthetic models in .runtime/fixtures (14, sparse files counted as what they use), and pytest's folder
+#: the synthetic models in .runtime/fixtures (12, sparse files counted as what they use), and pytest's folder
 #: (one module's files at a time: at most 0.9 seen).
-DISK_NEEDED_GB = 23
+DISK_NEEDED_GB = 20
 ROOM = f"a run from a fresh clone writes about {DISK_NEEDED_GB} GB; make that much room and run again."
 
 
@@ -148,16 +148,19 @@ SCRATCH = Path(tempfile.gettempdir()) / f"device-control-{os.getpid()}"
 #: How many jobs run at once: the CI machine's two cores (each job's ComfyUI servers and browser use more than one
 #: at times, and wait on each other at others).
 LANES = 2
-#: The primary integration tier's modules that load SDXL's full-size UNet: a job of their own (see WEIGHTS).
-SDXL_MODULES = ("tests/integration/test_families.py", "tests/integration/test_split_model.py")
+#: The primary integration tier's five families end to end: a job of its own (see WEIGHTS).
+FAMILIES_MODULE = "tests/integration/test_families.py"
 #: What each kind of job weighs for the scheduler, by tier and pass: (minutes, most RAM in GiB).
 #:
-#: Minutes: the last fresh-clone run, each job beside another (``docs/bench/ci_fresh_clone_4d9a685.txt``); the
-#: primary pass runs every test, the newest the version checks and the long checks, a middle one a part of them.
+#: Minutes: the last fresh-clone run, each job beside another (``docs/bench/ci_fresh_clone_3872e0f.txt``), and for
+#: the modules it ran apart then (families and splits, about 5 minutes alone since the SDXL fixture is SDXL's class
+#: at Segmind Vega's depth) their time alone (the splits now among the heavy modules, and two simulated-GPU modules,
+#: about a minute, among the light ones); the primary pass runs every test, the newest the version checks and the
+#: long checks, a middle one a part of them.
 #:
-#: RAM: ``ps`` and ``free`` every 5 s while they ran, on the 24 GB CI machine (``docs/bench/ci_module_ram.txt``). The
-#: SDXL modules hold SDXL's UNet in fp32 (13.7 GB in their server; 18.3 GB with pytest and the pool's idle servers),
-#: so a browser tier (its server holds the starter's models, 4.3 GB) fits beside them and nothing else does. Two
+#: RAM: ``ps`` and ``free`` every 5 s while they ran, on the 24 GB CI machine, and the RSS of pytest's process tree
+#: every 0.5 s (``docs/bench/ci_module_ram.txt``). The families module (9.1 GiB) fits beside a light job, a browser
+#: tier or the middle pass's heavy modules (9.8 GiB), not beside another heavy job. Two
 #: integration tiers side by side (their servers held 4-9 GB, pytest 1-4 GB) left as little as 2.7 GiB available,
 #: their modules that hold several full-size models at once taking turns (``tests/server_pool.py``'s RAM lock), and a
 #: module that holds more than its lock says (the hook LoRA's stock graph: 11.7 GB in its server) was killed for
@@ -166,18 +169,18 @@ SDXL_MODULES = ("tests/integration/test_families.py", "tests/integration/test_sp
 #: beside them, in the third of the two cores a tier alone left idle. More, and the page cache goes and the machine
 #: stalls on reads.
 WEIGHTS: dict[str | tuple[str, str], tuple[float, float]] = {
-    "fixtures": (1.1, 6.0),
-    "core": (1.1, 2.0),
-    "sdxl": (7.2, 18.0),
-    ("integration", "primary"): (18.7, 15.5),
-    ("integration", "newest"): (12.3, 15.5),
-    ("integration", "middle"): (3.2, 15.5),
-    ("light", "primary"): (5.6, 7.5),
-    ("light", "newest"): (5.2, 7.5),
-    ("light", "middle"): (1.6, 7.5),
-    ("browser", "primary"): (8.4, 4.5),
-    ("browser", "newest"): (4.9, 4.5),
-    ("browser", "middle"): (2.6, 4.5),
+    "fixtures": (0.9, 6.0),
+    "core": (0.9, 2.0),
+    "families": (3.0, 9.5),
+    ("integration", "primary"): (20.0, 15.5),
+    ("integration", "newest"): (14.8, 15.5),
+    ("integration", "middle"): (2.9, 10.0),
+    ("light", "primary"): (8.7, 7.5),
+    ("light", "newest"): (6.3, 7.5),
+    ("light", "middle"): (1.9, 7.5),
+    ("browser", "primary"): (8.2, 4.5),
+    ("browser", "newest"): (4.8, 4.5),
+    ("browser", "middle"): (2.8, 4.5),
 }
 
 
@@ -224,7 +227,8 @@ def full_run(python: Path, versions: list[str], pytest_args: list[str]) -> list[
         passes: list[Job] = []
         for version in versions:
             after = (passes[-1].label,) if passes else ()
-            passes.append(Job.of([*pytest, *pytest_args], version, after=after, ram_gib=WEIGHTS["sdxl"][1]))
+            most = WEIGHTS[("integration", "primary")][1]
+            passes.append(Job.of([*pytest, *pytest_args], version, after=after, ram_gib=most))
         return [lint, passes]
     # The core tier (it does not import ComfyUI) and the synthetic models need nothing but the runtime; the tiers
     # that run ComfyUI need the models. The core tier runs on this machine and again under each simulated platform.
@@ -249,10 +253,10 @@ def full_run(python: Path, versions: list[str], pytest_args: list[str]) -> list[
         for tier in ("integration", "browser"):
             paths = [f"tests/{tier}"]
             own = {**env, MODULES_ENV: "heavy"} if tier == "integration" else env
-            if (tier, kind) == ("integration", "primary"):  # SDXL's modules apart (see WEIGHTS)
-                paths += [f"--ignore={module}" for module in SDXL_MODULES]
-                command = [*pytest, *SDXL_MODULES, f"--basetemp={SCRATCH}-{version}-sdxl"]
-                jobs.append(Job.of(command, version, env=env, **weights("sdxl"), after=after))
+            if (tier, kind) == ("integration", "primary"):  # the families apart (see WEIGHTS)
+                paths.append(f"--ignore={FAMILIES_MODULE}")
+                command = [*pytest, FAMILIES_MODULE, f"--basetemp={SCRATCH}-{version}-families"]
+                jobs.append(Job.of(command, version, env=env, **weights("families"), after=after))
             command = [*pytest, *paths, f"--basetemp={SCRATCH}-{version}-{tier}"]
             jobs.append(Job.of(command, version, env=own, **weights((tier, kind)), after=after))
     return [lint, jobs]

@@ -79,7 +79,7 @@ MODELS = {
             "sdxl_unet_fp16.safetensors",
             "stabilityai/stable-diffusion-xl-base-1.0/resolve/main/unet/diffusion_pytorch_model.fp16.safetensors",
             "diffusion_models",
-            "device_control_sdxl_unet.safetensors",
+            "device_control_sdxl_vega.safetensors",
         ),
         _model(
             "vae-ft-mse-840000-ema-pruned.safetensors",

@@ -91,7 +91,7 @@ def test_a_run_is_every_tier_on_every_version_each_in_a_folder_of_its_own():
     lint, jobs = run_tests.full_run(Path("python"), ["0.3.75", "0.28.0", "0.33.0"], [])
     assert [job.command[3:] for job in lint] == [("check", "."), ("format", "--check", ".")]
     folders = [arg for job in jobs for arg in job.command if arg.startswith("--basetemp=")]
-    # Each ComfyUI's integration, light modules' and browser jobs, the SDXL modules' job, the core tier's
+    # Each ComfyUI's integration, light modules' and browser jobs, the families' job, the core tier's
     assert len(folders) == len(set(folders)) == 3 * 3 + 1 + 1 + len(run_tests.PROFILES)
     fixtures = next(job for job in jobs if "tools.make_fixtures" in job.command)
     tiers = {
@@ -99,22 +99,22 @@ def test_a_run_is_every_tier_on_every_version_each_in_a_folder_of_its_own():
         for job in jobs
         if "tests/core" not in job.command and job is not fixtures
     }
-    sdxl = tiers.pop(("0.3.75", run_tests.SDXL_MODULES[0], None))
+    families = tiers.pop(("0.3.75", run_tests.FAMILIES_MODULE, None))
     versions = ("0.3.75", "0.28.0", "0.33.0")
     assert set(tiers) == {
         *((v, "tests/integration", part) for v in versions for part in ("light", "heavy")),
         *((v, "tests/browser", None) for v in versions),
     }
-    # The primary integration tier is every module once: the SDXL modules in their job, the light ones in theirs
+    # The primary integration tier is every module once: the families in their job, the light ones in theirs
     # (tests/passes.py), the rest in the tier's.
     assert run_tests.MODULES_ENV == passes.MODULES_ENV
     assert all(Path(REPO, "tests/integration", f"{module}.py").is_file() for module in passes.LIGHT_MODULES)
-    assert not {Path(module).stem for module in run_tests.SDXL_MODULES} & passes.LIGHT_MODULES
+    assert Path(run_tests.FAMILIES_MODULE).stem not in passes.LIGHT_MODULES
     rest = tiers["0.3.75", "tests/integration", "heavy"].command
-    assert [f"--ignore={m}" for m in run_tests.SDXL_MODULES] == [a for a in rest if a.startswith("--ignore=")]
-    assert [a for a in sdxl.command if a.startswith("tests/")] == list(run_tests.SDXL_MODULES)
-    assert all(Path(REPO, module).is_file() for module in run_tests.SDXL_MODULES)
-    assert sdxl.after == (fixtures.label,)
+    assert [f"--ignore={run_tests.FAMILIES_MODULE}"] == [a for a in rest if a.startswith("--ignore=")]
+    assert [a for a in families.command if a.startswith("tests/")] == [run_tests.FAMILIES_MODULE]
+    assert Path(REPO, run_tests.FAMILIES_MODULE).is_file()
+    assert families.after == (fixtures.label,)
     assert all(job.after == (fixtures.label,) for job in tiers.values())
     simulated = [job.settings.get(run_tests.PLATFORM_ENV) for job in jobs if "tests/core" in job.command]
     assert simulated == [None, *run_tests.PROFILES]
@@ -155,9 +155,9 @@ def test_jobs_beside_another_do_not_spin_torch_threads_and_the_core_tier_fills_w
 
 def test_the_models_come_first_then_the_longest_chain_and_one_integration_tier_at_a_time():
     """On a 24 GB machine: the models first (every ComfyUI tier waits for them), the primary integration tier as
-    soon as they are made, the core tier beside the models; one integration tier's heavy modules at a time (the SDXL
-    modules' job too: their server holds 13.7 GB), a tier's light modules beside any of them but SDXL's; a browser
-    tier beside the SDXL modules."""
+    soon as they are made, the core tier beside the models; one integration tier's heavy modules at a time, a tier's
+    light modules beside any of them; the families' job (9.1 GiB) beside a light or browser job or the middle
+    ComfyUI's heavy modules, not beside the others' heavy modules."""
     from tools import run_tests
 
     _, jobs = run_tests.full_run(Path("python"), ["0.3.75", "0.28.0", "0.33.0"], [])
@@ -179,11 +179,12 @@ def test_the_models_come_first_then_the_longest_chain_and_one_integration_tier_a
     assert all(run_tests.runnable(job, done, [heavy], 23.5) for job in light for heavy in integration)
     assert run_tests.runnable(integration[1], done, [integration[0]], 64.0)  # a machine with room for two
     assert not run_tests.runnable(core, done, integration[:2], 64.0)  # two lanes
-    sdxl = next(job for job in jobs if run_tests.SDXL_MODULES[0] in job.command)
-    assert not any(run_tests.runnable(sdxl, done, [other], 23.5) for other in integration + light)
-    assert run_tests.runnable(sdxl, done, [integration[0]], 64.0)  # a machine with room for both
+    families = next(job for job in jobs if run_tests.FAMILIES_MODULE in job.command)
+    middle = [job for job in integration if job.settings["DEVICE_CONTROL_COMFYUI"] == "0.28.0"]
     browser = [job for job in jobs if "tests/browser" in job.command]
-    assert all(run_tests.runnable(sdxl, done, [job], 23.5) for job in browser)
+    assert all(run_tests.runnable(families, done, [job], 23.5) for job in light + browser + middle)
+    assert not any(run_tests.runnable(families, done, [job], 23.5) for job in integration if job not in middle)
+    assert run_tests.runnable(families, done, [integration[0]], 64.0)  # a machine with room for both
 
 
 def test_the_scheduler_runs_what_it_may_side_by_side_and_starts_nothing_after_a_failure(tmp_path):

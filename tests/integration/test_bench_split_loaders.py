@@ -23,7 +23,7 @@ SMALL = (
 @ONCE
 def test_the_split_loaders_section_runs_on_small_files_and_makes_its_table(synthetic_models):
     # Only the small files: the benchmark drops its other files from the page cache before each load, and every
-    # later test of the pass would read the rest of the synthetic models (about 14 GB) from the disk again.
+    # later test of the pass would read the rest of the synthetic models (about 12 GB) from the disk again.
     small_files = {label: synthetic_models[label] for model in SMALL for label in model.files}
     raw, table = split_loaders(1, small_files, worker, aggregate, models=SMALL)
     lines = table.splitlines()

@@ -14,10 +14,11 @@ For each family:
   GPU's books back to what they were before the move, and the VRAM Report names the family and where its bytes are.
 
 The diffusion models are ComfyUI's own classes at reduced depth (``tools/make_family_fixtures.py``); SDXL's UNet is
-full size. The text conditioning comes from CLIP-L (and CLIP-G for SDXL) as ComfyUI's ``sd3`` type (for SDXL,
-``sdxl``): the files these families really use for text (T5-XXL, UMT5-XXL) are too big to generate, and the
-``sd3`` type's output has the widths the models take (4096 per token, 2048 pooled). The LoRA test stores the
-diffusion model as ComfyUI does on a CPU, in fp32, on both sides (SDXL's takes 10 GiB then: one copy at a time).
+SDXL 1.0 base's layout at Segmind Vega's depth (ComfyUI builds it as one of its SDXL classes). The text conditioning
+comes from CLIP-L (and CLIP-G for SDXL) as ComfyUI's ``sd3`` type (for SDXL, ``sdxl``): the files these families
+really use for text (T5-XXL, UMT5-XXL) are too big to generate, and the ``sd3`` type's output has the widths the
+models take (4096 per token, 2048 pooled). The LoRA test stores the diffusion model as ComfyUI does on a CPU, in
+fp32, on both sides (SDXL's takes 3.2 GiB then).
 """
 
 from __future__ import annotations
@@ -63,16 +64,13 @@ BUDGET_SHARE = {"sd35": 0.75}
 #: The least share of a budget the weights resident under it must take: 90 % of what the streaming reserve (at most
 #: 1/12 of the budget, ``core.placement.plan``) leaves.
 USED = 0.90 * (1 - 1 / 12)
-#: A LoRA run of a diffusion model larger than this (in fp32) starts a fresh ComfyUI process: what an earlier
-#: prompt left in the server's allocator must not count against the RAM it needs.
-FRESH_FROM = 4 * 1024**3
 #: Below this budget the streaming reserve's smallest unit (1 MiB, three copies) is more than 1/12 of it.
 MIN_FOR_SHARE = 36 * MiB
 
 
 @pytest.fixture(scope="module")
 def server(servers, server_pool):
-    """The module's server; the pool's idle ones are stopped first: SDXL's UNet alone takes 9.6 GiB in fp32 here."""
+    """The module's server; the pool's idle ones are stopped first: SDXL's UNet alone takes 3.2 GiB in fp32 here."""
     server_pool.stop_idle()
     return servers("families", SIMULATE_GPU="12GiB")
 
@@ -87,13 +85,9 @@ def images_of(server, entry: dict[str, Any]) -> list[np.ndarray]:
     return pixels
 
 
-def _run_alone(server, prompt: dict[str, Any], fresh: bool = False) -> dict[str, Any]:
-    """Run ``prompt`` on a server with nothing loaded or cached (``fresh``: in a new ComfyUI process, for the runs
-    that need most of this machine's RAM)."""
-    if fresh:
-        server.restart()
-    else:
-        server.free()
+def _run_alone(server, prompt: dict[str, Any]) -> dict[str, Any]:
+    """Run ``prompt`` on a server with nothing loaded or cached."""
+    server.free()
     return server.run(prompt)
 
 
@@ -106,8 +100,8 @@ def _same_images(server, ours: dict[str, Any], stock: dict[str, Any], what: str)
 
 
 #: SDXL's UNet is ComfyUI's SD1.5 class (openaimodel) at a larger size, which the SD1.5 family and the LoRA tests
-#: stream in every version's pass; its two tests, the longest of a pass (ComfyUI's stock loader holds the UNet in
-#: fp32 on a CPU, 9.6 GiB), run once, in the primary version's (0.3.75). The other families run in every pass.
+#: stream in every version's pass; its two tests, the longest of the module (ComfyUI's stock loader holds the UNet
+#: in fp32 on a CPU), run once, in the primary version's (0.3.75). The other families run in every pass.
 ONCE_FOR_SDXL = [
     pytest.param(
         f,
@@ -213,9 +207,8 @@ def test_a_budget_below_the_model_with_a_stock_lora_streams_the_rest_and_offload
     size = _fp32_bytes(synthetic_models[key])
     budget = int(size * BUDGET_SHARE.get(key, 0.4))
     prompt = lora_prompt(family, synthetic_models[LORA_OF[key]].name, f"{budget // MiB}MB")
-    fresh = size > FRESH_FROM  # SDXL's full-size UNet: 9.6 GiB in fp32 on each side
-    ours = _run_alone(server, prompt, fresh)
-    stock = _run_alone(server, api.stock_equivalent(prompt), fresh)
+    ours = _run_alone(server, prompt)
+    stock = _run_alone(server, api.stock_equivalent(prompt))
     _same_images(server, ours, stock, f"{family.stem} with a LoRA under a {budget // MiB} MiB budget")
 
     moved = api.report_json(ours, "5")["subject"]
