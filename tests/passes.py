@@ -139,9 +139,8 @@ LIGHT_MODULES = frozenset(
         "test_ops_oracle",
         "test_patch_oracle",
         "test_vram_report",
-        # the simulated GPU filled and costed (the primary pass only)
+        # a loader filling a simulated GPU (the primary pass only)
         "test_fill_on_device",
-        "test_simulated_gpu",
         # GGUF files
         "test_gguf_loader",
         "test_gguf_qwen3",

@@ -154,8 +154,8 @@ FAMILIES_MODULE = "tests/integration/test_families.py"
 #:
 #: Minutes: the last fresh-clone run, each job beside another (``docs/bench/ci_fresh_clone_3872e0f.txt``), and for
 #: the modules it ran apart then (families and splits, about 5 minutes alone since the SDXL fixture is SDXL's class
-#: at Segmind Vega's depth) their time alone (the splits now among the heavy modules, and two simulated-GPU modules,
-#: about a minute, among the light ones); the primary pass runs every test, the newest the version checks and the
+#: at Segmind Vega's depth) their time alone (the splits now among the heavy modules, and a loader filling a simulated
+#: GPU, half a minute, among the light ones); the primary pass runs every test, the newest the version checks and the
 #: long checks, a middle one a part of them.
 #:
 #: RAM: ``ps`` and ``free`` every 5 s while they ran, on the 24 GB CI machine, and the RSS of pytest's process tree
@@ -172,10 +172,10 @@ WEIGHTS: dict[str | tuple[str, str], tuple[float, float]] = {
     "fixtures": (0.9, 6.0),
     "core": (0.9, 2.0),
     "families": (3.0, 9.5),
-    ("integration", "primary"): (20.0, 15.5),
+    ("integration", "primary"): (20.6, 15.5),
     ("integration", "newest"): (14.8, 15.5),
     ("integration", "middle"): (2.9, 10.0),
-    ("light", "primary"): (8.7, 7.5),
+    ("light", "primary"): (8.1, 7.5),
     ("light", "newest"): (6.3, 7.5),
     ("light", "middle"): (1.9, 7.5),
     ("browser", "primary"): (8.2, 4.5),
