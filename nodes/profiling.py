@@ -35,7 +35,8 @@ from ..core.devices.backends import label_of
 from ..core.devices.inventory import InventorySnapshot
 from ..core.devices.peaks import Peak
 from ..core.devices.tensors import copied_onto
-from ..core.monitor.profile import Reading, Recorder
+from ..core.monitor.profile import Recorder
+from ..core.monitor.readings import Reading
 from . import bridge, surface
 from .panel import PREFIX, pusher
 from .state import inventory

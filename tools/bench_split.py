@@ -83,7 +83,7 @@ class Bench:
                 "core.placement.plan",
                 "core.placement.split_model",
                 "core.devices.simulated",
-                "core.devices.simlink",
+                "core.devices.simcost",
                 "core.devices.tensors",
                 "nodes.bridge.splits",
             )
@@ -103,7 +103,7 @@ class Bench:
     def row(self, link_text: str, how: str, setting: Any, prefetch: bool, steps: int) -> dict[str, float]:
         """One row's step time and bytes moved per step (medians over ``steps`` after :data:`WARM_UP` steps)."""
         m = self.m
-        link = m["core.devices.simlink"].LinkCost.parse(link_text)
+        link = m["core.devices.simcost"].LinkCost.parse(link_text)
         simulated = m["core.devices.simulated"]
         gpus = [simulated.SimulatedDevice(64 * 1024**3, ordinal=i, link=link) for i in (0, 1)]
         m["core.placement.prefetch"].use_prefetch(prefetch)
@@ -132,7 +132,7 @@ class Bench:
         half the model cross in the first one-device step (``speedup`` kept)."""
         balanced = link_text.endswith(BALANCED)
         base = link_text[: -len(BALANCED)].rstrip(",") if balanced else link_text
-        half = self.m["core.devices.simlink"].LinkCost.parse(base).seconds(self.total // 2)
+        half = self.m["core.devices.simcost"].LinkCost.parse(base).seconds(self.total // 2)
         if balanced and half <= 0:
             raise SystemExit(f"{link_text!r}: a balanced link needs a bandwidth, e.g. 7GB/s,10us,{BALANCED}")
         name, how, setting, on = ROWS[0]

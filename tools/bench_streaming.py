@@ -62,11 +62,11 @@ def measure(checkpoint: Path, link_text: str, latent: int, steps: int) -> dict:
     engines = __import__(f"{pack}.core.placement.engine", fromlist=["x"])
     prefetch = __import__(f"{pack}.core.placement.prefetch", fromlist=["x"])
     simulated = __import__(f"{pack}.core.devices.simulated", fromlist=["x"])
-    simlink = __import__(f"{pack}.core.devices.simlink", fromlist=["x"])
+    simcost = __import__(f"{pack}.core.devices.simcost", fromlist=["x"])
     tensors = __import__(f"{pack}.core.devices.tensors", fromlist=["x"])
     model = node.LoadCheckpointWithDevice.execute(checkpoint.name, "cpu", "cpu", "cpu", "fp32", "auto", "auto").args[0]
     unet = model.model.diffusion_model
-    link = simlink.LinkCost.parse(link_text)
+    link = simcost.LinkCost.parse(link_text)
     device = simulated.SimulatedDevice(64 * 1024**3, link=link)
     engine = engines.partial_model_of(unet)
     total = engine.total_bytes()
@@ -140,7 +140,7 @@ def measure_slices(link_text: str, latent: int, steps: int) -> dict:
     engines = __import__(f"{pack}.core.placement.engine", fromlist=["x"])
     streaming = __import__(f"{pack}.core.placement.streaming", fromlist=["x"])
     simulated = __import__(f"{pack}.core.devices.simulated", fromlist=["x"])
-    simlink = __import__(f"{pack}.core.devices.simlink", fromlist=["x"])
+    simcost = __import__(f"{pack}.core.devices.simcost", fromlist=["x"])
     tensors = __import__(f"{pack}.core.devices.tensors", fromlist=["x"])
 
     class WholeLayers(streaming.LayerHooks):
@@ -150,7 +150,7 @@ def measure_slices(link_text: str, latent: int, steps: int) -> dict:
             return None
 
     unet = _flux(torch, pack)
-    link = simlink.LinkCost.parse(link_text)
+    link = simcost.LinkCost.parse(link_text)
     device = simulated.SimulatedDevice(64 * 1024**3, link=link)
     engine = engines.partial_model_of(unet)
     generator = torch.Generator().manual_seed(1)

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 
 from ..units import parse_size
-from .simlink import LINK_ENV, LinkCost
+from .simcost import LINK_ENV, LinkCost
 from .simulated import SimulatedDevice
 
 #: Faults a simulated device can be told to inject (see ``SimulatedDevice(faults=...)``):

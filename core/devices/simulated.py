@@ -39,8 +39,9 @@ import torch
 
 from ..units import format_bytes
 from .allocator import block_bytes
+from .simcost import LinkCost
 from .simhost import REGISTRY
-from .simlink import Link, LinkCost
+from .simlink import Link
 from .simslots import Slots
 from .simtensor import SimTensor, own_storage
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from core.devices.simlink import LinkCost
+from core.devices.simcost import LinkCost
 from core.devices.simulated import SimulatedDevice
 from core.placement.engine import partial_model_of
 from core.weights import ops

@@ -18,7 +18,8 @@ import torch
 from core.devices.backends import backend_of
 from core.devices.memory import capacity_bytes, free_bytes
 from core.devices.pinned import pinned_memory
-from core.devices.simlink import LinkCost, MissingWaitError
+from core.devices.simcost import LinkCost
+from core.devices.simlink import MissingWaitError
 from core.devices.simulated import SimulatedDevice
 from core.devices.tensors import move_own, traffic
 from core.devices.transfer import to_target
@@ -36,6 +37,7 @@ ALLOWED = {
     "core/devices/simspec.py",  # the settings that create simulated devices
     "core/devices/simtensor.py",
     "core/devices/simlink.py",
+    "core/devices/simcost.py",  # what a copy over the simulated link costs
     "core/devices/backends/simulated.py",
     "core/devices/sim/__init__.py",  # the simulated machine parts: platforms
     "core/devices/sim/platforms.py",

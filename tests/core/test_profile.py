@@ -14,7 +14,8 @@ from core.devices.inventory import DeviceInventory
 from core.devices.peaks import KEEP, RESET, Peak
 from core.devices.simulated import SimulatedDevice
 from core.monitor import profile as profiling
-from core.monitor.profile import Reading, Recorder, model_events, streamed_events
+from core.monitor.profile import Recorder
+from core.monitor.readings import Reading, model_events, streamed_events
 
 MiB = 1024**2
 

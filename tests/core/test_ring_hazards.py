@@ -15,7 +15,7 @@ import torch
 
 from core.devices.host_memory import page_size
 from core.devices.pinned import pinned_memory
-from core.devices.simlink import LinkCost
+from core.devices.simcost import LinkCost
 from core.devices.simulated import SimulatedDevice
 from core.placement import rings
 from core.placement.engine import partial_model_of

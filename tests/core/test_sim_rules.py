@@ -23,8 +23,8 @@ import torch
 from core.devices.backends import HOST, backend_of
 from core.devices.host_memory import page_size
 from core.devices.pinned import PinnedMemory
+from core.devices.simcost import LinkCost
 from core.devices.simhost import REGISTRY, MissingWaitError, PendingDeviceError
-from core.devices.simlink import LinkCost
 from core.devices.simulated import SimulatedDevice
 from tests.core.platform_marks import STREAMS_AND_PINNING
 

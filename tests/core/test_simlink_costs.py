@@ -13,14 +13,8 @@ import time
 
 import pytest
 
-from core.devices.simlink import (
-    DEFAULT_ISSUE_SECONDS,
-    DEFAULT_QUEUE_DEPTH,
-    PAGEABLE_RATIO,
-    Link,
-    LinkCost,
-    Pending,
-)
+from core.devices.simcost import DEFAULT_ISSUE_SECONDS, DEFAULT_QUEUE_DEPTH, PAGEABLE_RATIO, LinkCost
+from core.devices.simlink import Link, Pending
 from core.errors import InvalidSizeError
 
 GiB = 1024**3

@@ -9,7 +9,7 @@ import gc
 import pytest
 import torch
 
-from core.devices.simlink import LinkCost
+from core.devices.simcost import LinkCost
 from core.devices.simulated import SimulatedDevice
 from core.devices.tensors import HOST
 from core.devices.transfer import to_target

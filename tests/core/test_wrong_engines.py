@@ -18,8 +18,8 @@ import torch
 from core.detection.ggml_types import GGML_TYPES
 from core.devices.backends import backend_of
 from core.devices.pinned import pinned_memory
+from core.devices.simcost import LinkCost
 from core.devices.simhost import MissingWaitError
-from core.devices.simlink import LinkCost
 from core.devices.simulated import SimulatedDevice
 from core.placement.engine import partial_model_of
 from core.placement.ring import Ring
