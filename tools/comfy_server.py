@@ -312,15 +312,18 @@ class ComfyServer:
         """Forget every cached output but keep the models loaded: the next prompt runs each of its nodes again.
 
         Our nodes are cached like stock ones, so a test that must see a node run (its text, its move, its badge) in a
-        server where an earlier test ran the same graph starts from here. ComfyUI acts on it before its next prompt.
+        server where an earlier test ran the same graph starts from here.
         """
-        self.post("/free", {"unload_models": False, "free_memory": True})
+        self._free(unload_models=False)
 
     def free(self) -> None:
         """Unload every model and forget every cached output, as the frontend's "Free model and node cache"
-        does: the next prompt loads its models from disk, as on a fresh server.
+        does: the next prompt loads its models from disk, as on a fresh server."""
+        self._free(unload_models=True)
 
-        ComfyUI acts on ``POST /free`` between two prompts; a prompt run after it (a VRAM Report) makes sure it has.
-        """
-        self.post("/free", {"unload_models": True, "free_memory": True})
+    def _free(self, *, unload_models: bool) -> None:
+        """``POST /free``, then a prompt (a VRAM Report) that makes sure ComfyUI acted on it. ComfyUI's worker reads
+        the request after the prompt it runs: one queued at once after the request could run first, with every
+        cached output (a test's Move To GPU answered from the cache, so no move to check)."""
+        self.post("/free", {"unload_models": unload_models, "free_memory": True})
         self.run({"1": {"class_type": "DeviceControl_VRAMReport", "inputs": {"label": "", "devices": "all"}}})
