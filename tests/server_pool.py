@@ -21,6 +21,7 @@ import contextlib
 import importlib.util
 import logging
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -66,6 +67,22 @@ def machine_ram(alone: bool, lock: Path = RAM_LOCK) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def wait_for_ram(nbytes: int, timeout: float = 600.0) -> None:
+    """Wait, at most ``timeout`` seconds, until ``nbytes`` of RAM are available: a test that loads more in its own
+    process than a module of the job beside it leaves free (the light modules take no turn of :func:`machine_ram`)
+    waits for that module's models to go rather than have the pack refuse its load. After the timeout it goes on,
+    and the pack's own refusal says what was short."""
+    deadline = time.monotonic() + timeout
+    if psutil.virtual_memory().available < nbytes:
+        log.info(
+            "waiting for %.1f GiB of RAM available (%.1f now)",
+            nbytes / 2**30,
+            psutil.virtual_memory().available / 2**30,
+        )
+    while psutil.virtual_memory().available < nbytes and time.monotonic() < deadline:
+        time.sleep(2.0)
 
 
 def key_of(env: dict[str, str], extra_args: tuple[str, ...]) -> Key:
