@@ -85,6 +85,10 @@ class ComputeClock:
         self.waits = 0
         #: Device seconds of computation the host waited for at those waits.
         self.wait_seconds = 0.0
+        #: The least work (positions on the compute stream) the host still had queued after what one of those
+        #: waits waited for: its lead over the device when it had to wait (a caller starts a count by setting it to
+        #: ``depth``).
+        self.least_lead = depth
 
     def _now(self) -> float:
         return time.monotonic() - self._lent
@@ -107,6 +111,7 @@ class ComputeClock:
             end = self._ends.popleft()[1]
         if end is not None:
             self.waits += 1
+            self.least_lead = min(self.least_lead, self.stream.queued - (position or self.stream.queued))
             self._catch_up(end, counted=True)
 
     def before_copy(self, stream: SimStream, *, host_waits: bool, pinned: bool) -> None:

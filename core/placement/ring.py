@@ -29,8 +29,8 @@ lookup, and everything else happens once per *group*:
   run in and whichever of them it uses.
 * **No room for the ring** (another program took memory since the plan was made): the layers copy their tensors
   one by one until the next :meth:`Ring.settle`; the allocation is not tried again at every layer.
-* **A slab that could not be page-locked** crosses through a page-locked staging buffer of its slot
-  (``core.placement.staging``), so the host does not wait for the device at every group.
+* **A slab that could not be page-locked** crosses through the ring's page-locked staging buffers, a pool apart
+  from the slots (``core.placement.staging``), so the host does not wait for the device at every group.
 
 The host never writes to or frees a slab a copy may still read: :meth:`Ring.settle` (end of sampling),
 :meth:`Ring.forget_slots` (before ComfyUI rewrites weights in place for its hooks, keeping the slots) and
@@ -54,7 +54,7 @@ from .prefetch import PREFETCH_SLOTS, prefetching
 from .rings import register
 from .run_order import RunOrder, Successors
 from .slabs import Slab, piece_bytes
-from .staging import Staging
+from .staging import Staging, pool_size
 from .uses import UseWatch
 
 log = logging.getLogger("device_control")
@@ -224,44 +224,37 @@ class Ring:
                 return None
         group = member.pieces[index].group
         # Not served (it left the ring, maybe as its group was copied; no room): it copies its own, settle waits.
-        if member.left or (group != self._current and not self._start(group, target)) or member.left:
+        if member.left or (group != self._current and not self._enter(group, target)) or member.left:
             self._own_copies = True
             return None
         return member.views[self._slot_of[group]][index]
 
-    def _start(self, group: int, target: Target) -> bool:
-        """A layer of ``group`` computes first in its group: the group entered; ``False`` where the ring cannot
-        serve it (another device, a layer that left the ring, no room for a slot)."""
+    def _enter(self, group: int, target: Target) -> bool:
+        """The first layer of ``group`` computes: its copy (and the next ones') queued, the compute stream made to
+        wait for it; ``False`` where the ring cannot serve it (another device, a layer that left the ring, no room
+        for a slot). Once per group per pass, in one call with what follows it (the host work of a streamed layer
+        is counted in calls: ``tools/bench_host.py``): everything else a layer does is a lookup."""
         if group < 0 or self._failed or (target is not self.target and not same_target(target, self.target)):
             return False
         if not self._buffers and not self._allocate():
             self._failed = True
             return False
-        self._enter(group)
-        return True
-
-    def _enter(self, group: int) -> None:
-        """The first layer of ``group`` computes: its copy (and the next ones') queued, the compute stream made to
-        wait for it. Once per group per pass: everything else a layer does is a lookup."""
         backend = self._backend
         compute = backend.current_stream(self.target)
-        previous = self._current
-        if previous is not None:
-            self._after.followed(previous, group)
         # Every read of the slots so far is before this event; so is all earlier work on memory a slot was
         # allocated from (a fresh ring's first fills wait for it too).
         self._released = backend.record(compute)
+        window = self._after.enter(self._current, group, self.slots)
         self._current = group
-        window = self._after.window(group, self.slots)
+        self.stats.hits += group in self._slot_of
         for ahead, wanted in enumerate(window):
             if wanted not in self._slot_of:
                 self._fill(wanted, window, ahead=ahead > 0)
-            elif not ahead:
-                self.stats.hits += 1
         slot = self._slot_of[group]
         if not self._waited[slot]:
             backend.wait(compute, self._filled[slot])
             self._waited[slot] = True
+        return True
 
     def _end_of_use(self) -> None:
         """The model's computation ended (``core.placement.uses``): a model run once per use gives its ring back
@@ -328,11 +321,11 @@ class Ring:
 
     def _copy(self, slot: int, source: Group, side: object) -> object:
         """``source`` copied into ``slot`` on the side stream once the compute stream's earlier reads are done
-        (even taking a view of the slot is work on a stream), through the slot's staging buffer where the slab is
-        pageable; the event that ends the copy."""
+        (even taking a view of the slot is work on a stream), through a staging buffer where the slab is pageable;
+        the event that ends the copy."""
         backend = self._backend
         staged = not source.slab.pinned and self._staging.ready
-        data = self._staging.stage(slot, source.block) if staged else source.block
+        data = self._staging.stage(source.block) if staged else source.block
         with backend.on_stream(side):
             if self._released is not None:
                 backend.wait(side, self._released)
@@ -340,7 +333,7 @@ class Ring:
             backend.copy_into(destination, data, non_blocking=source.slab.pinned or staged)
             event = backend.record(side)
         if staged:
-            self._staging.used(slot, event)
+            self._staging.used(event)
             self.stats.staged += 1
         return event
 
@@ -359,7 +352,7 @@ class Ring:
             return False
         self.stats.allocations += 1
         if [slab for slab in self._slabs if not slab.pinned]:
-            self._staging.prepare(self.target, len(self._buffers), size)
+            self._staging.prepare(self.target, pool_size(len(self._buffers), len(self._groups), size), size)
         if self.slots != len(self._buffers):  # fewer slots than the windows were made for
             self._after.new_slots()
         self.slots = len(self._buffers)

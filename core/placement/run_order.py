@@ -102,6 +102,14 @@ class Successors:
         self._next[previous] = group
         self._windows = {first: window for first, window in self._windows.items() if previous not in window}
 
+    def enter(self, previous: int | None, group: int, slots: int) -> list[int]:
+        """``group`` is entered after ``previous`` (``None``: first of its use): :meth:`followed` where it is not
+        the group expected, and :meth:`window`. One call for the two where the order holds (a group's entry on a
+        streamed pass makes as few Python calls as it can)."""
+        if previous is not None and (self._once or self._next[previous] != group):
+            self.followed(previous, group)
+        return self._windows.get(group) or self.window(group, slots)
+
     def window(self, group: int, slots: int) -> list[int]:
         """``group`` and the groups expected after it, ``slots`` at most (kept until the order or the number of
         slots changes: a group's entry then takes a lookup)."""
