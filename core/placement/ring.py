@@ -51,7 +51,7 @@ from ..devices.transfer import GROUPED
 from .layout import Kept, lay_out, let_go, repack_replaced, still_held
 from .members import Group, Member, RingStats, slot_views
 from .prefetch import PREFETCH_SLOTS, prefetching
-from .rings import register
+from .rings import register, unregister
 from .run_order import RunOrder, Successors
 from .slabs import Slab, piece_bytes
 from .staging import Staging, pool_size
@@ -68,9 +68,7 @@ class Ring:
     """
 
     def __init__(self, root: torch.nn.Module | None = None) -> None:
-        self.root = root
-        if root is not None:
-            register(root, self)
+        self.root = root  # the ring registers with it while it streams layers (``core.placement.rings``)
         self._wraps = True
         self.stats = RingStats()
         self.target: Target | None = None
@@ -127,6 +125,7 @@ class Ring:
         self._build(self._order.sort(modules), target, reserve)
         if self.root is not None:
             self._uses.watch(self.root)
+            register(self.root, self)
 
     def _build(self, modules: Sequence[torch.nn.Module], target: Target, reserve: int) -> None:
         """Groups of whole layers of at most :attr:`group_bytes` each, in ``modules``' order, and a group per row
@@ -147,6 +146,8 @@ class Ring:
         keeps them locked), as are the staging buffers."""
         self.settle()
         self._uses.unwatch()
+        if self.root is not None:  # a model with nothing streamed has no ring to settle or refill: no call a step
+            unregister(self.root, self)
         for module, _member in self._members:
             module.__dict__.pop(GROUPED, None)
         for slab in self._slabs:

@@ -39,6 +39,13 @@ def register(root: torch.nn.Module, ring: Ring) -> None:
     rings.add(ring)
 
 
+def unregister(root: torch.nn.Module, ring: Ring) -> None:
+    """``ring`` streams no layer of ``root`` any more."""
+    rings = root.__dict__.get(RINGS)
+    if rings is not None:
+        rings.discard(ring)
+
+
 def _rings(root: torch.nn.Module) -> list[Ring]:
     return list(root.__dict__.get(RINGS, ()))
 

@@ -77,8 +77,9 @@ class Successors:
 
     def wrap(self, wraps: bool) -> None:
         """Whether the last group is followed by the first (see :meth:`reset`)."""
-        if self._next:
-            self._next[-1] = 0 if wraps else None
+        following = 0 if wraps else None
+        if self._next and self._next[-1] != following:  # said at every load: the windows change only with it
+            self._next[-1] = following
             self._windows.clear()
 
     def expects(self, previous: int) -> int | None:
@@ -106,7 +107,7 @@ class Successors:
         """``group`` is entered after ``previous`` (``None``: first of its use): :meth:`followed` where it is not
         the group expected, and :meth:`window`. One call for the two where the order holds (a group's entry on a
         streamed pass makes as few Python calls as it can)."""
-        if previous is not None and (self._once or self._next[previous] != group):
+        if previous is not None and (self._next[previous] != group or previous in self._once):
             self.followed(previous, group)
         return self._windows.get(group) or self.window(group, slots)
 
