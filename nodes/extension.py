@@ -11,35 +11,45 @@ from .move_to_gpu import MoveToGPU
 from .offload_to_cpu import OffloadToCPU
 from .panel import register_routes
 from .profiling import install as install_profiling
+from .queue_check import install as install_queue_check
 from .split_model import SplitModel
 from .surface import ComfyExtension, io
 from .vram_report import VRAMReport
 
 
 class DeviceControlExtension(ComfyExtension):
-    """Device Control's nodes, the routes of its live panel, the profile's listener and route, and ComfyUI's
-    pinned-memory books counted in ours.
+    """Device Control's nodes, the routes of its live panel, the queue-time check of its nodes' values, the
+    profile's listener and route, and ComfyUI's pinned-memory books counted in ours.
 
     The routes are added when ComfyUI asks for the node list: ComfyUI 0.3.75 defines ``on_load`` but never
     calls it, and the list is asked for after the server exists and before it adds its routes.
     """
 
     async def on_load(self) -> None:
-        register_routes()
-        install_profiling()
-        count_comfyuis_registrations()
+        _install()
 
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
-        register_routes()
-        install_profiling()
-        count_comfyuis_registrations()
-        return [
-            LoadCheckpointWithDevice,
-            LoadDiffusionModelWithDevice,
-            LoadTextEncodersWithDevice,
-            LoadVAEWithDevice,
-            MoveToGPU,
-            OffloadToCPU,
-            VRAMReport,
-            SplitModel,
-        ]
+        _install()
+        return list(NODES)
+
+
+#: Our nodes, in the order the editor lists them.
+NODES: tuple[type[io.ComfyNode], ...] = (
+    LoadCheckpointWithDevice,
+    LoadDiffusionModelWithDevice,
+    LoadTextEncodersWithDevice,
+    LoadVAEWithDevice,
+    MoveToGPU,
+    OffloadToCPU,
+    VRAMReport,
+    SplitModel,
+)
+
+
+def _install() -> None:
+    """What the pack adds to ComfyUI's server and books, each once: the panel's routes, the queue-time check of
+    our nodes' values, the profile's listener, ComfyUI's pinned memory counted in ours."""
+    register_routes()
+    install_queue_check(NODES)
+    install_profiling()
+    count_comfyuis_registrations()

@@ -1,15 +1,13 @@
 """Every ComfyUI symbol the pack touches, in one place.
 
-ComfyUI changes between versions, and memory-management packs are the first to break when it does. So no
-other module of the pack imports ComfyUI: they import from here. Each symbol is looked up by feature
-(does the attribute exist?), never by version number, and a missing optional feature reads as ``None``
-or ``False`` so callers can say "not available in this ComfyUI" instead of crashing.
+ComfyUI changes between versions, and memory-management packs are the first to break when it does: no other module
+imports ComfyUI. Each symbol is looked up by feature, never by version number; a missing optional feature reads as
+``None`` or ``False``, so callers can say "not available in this ComfyUI" instead of crashing.
 
-ComfyUI module symbols used: :data:`COMFY_SYMBOLS` below (a test keeps it complete). The attributes of the
-objects ComfyUI hands us (patchers, loaded-model entries, CLIP, VAE, model configs, the server), used by
-attribute, are :data:`COMFY_ATTRIBUTES`, by the class that defines them; :data:`OPTIONAL` names those looked
-up by feature, which a ComfyUI may lack. ``python -m tools.surface_check PATH`` checks both tables against
-any ComfyUI source tree, without running it.
+ComfyUI module symbols used: :data:`COMFY_SYMBOLS` below (a test keeps it complete). The attributes of the objects
+ComfyUI hands us (patchers, loaded-model entries, CLIP, VAE, model configs, the server), used by attribute, are
+:data:`COMFY_ATTRIBUTES`, by the class that defines them; :data:`OPTIONAL` names those looked up by feature, which
+a ComfyUI may lack. ``python -m tools.surface_check PATH`` checks both tables against any ComfyUI source tree.
 """
 
 from __future__ import annotations
@@ -43,9 +41,8 @@ MODULE_ACCESSORS = {
     "prompt_server": "server.PromptServer.instance",
 }
 
-#: Every ComfyUI module attribute the pack uses, by module (``server.PromptServer.instance`` and its parts are
-#: objects reached from a module). ``tests/core/test_surface.py`` reads the pack's source and fails when code
-#: uses a ComfyUI symbol not listed here, or imports ComfyUI anywhere but in this module.
+#: Every ComfyUI module attribute the pack uses, by module (``server.PromptServer.instance`` and its parts: objects
+#: reached from a module). ``tests/core/test_surface.py`` fails on one used and not listed, or an import elsewhere.
 COMFY_SYMBOLS: dict[str, tuple[str, ...]] = {
     "comfy_api.latest": ("ComfyExtension", "io"),
     "comfy_api.latest.io": (
@@ -108,14 +105,21 @@ COMFY_SYMBOLS: dict[str, tuple[str, ...]] = {
     "folder_paths": ("get_filename_list", "get_folder_paths", "get_full_path"),
     "nodes": ("NODE_CLASS_MAPPINGS",),
     "server": ("PromptServer",),
-    "server.PromptServer.instance": ("last_node_id", "prompt_queue", "routes", "send_progress_text", "send_sync"),
+    "server.PromptServer.instance": (
+        "app",
+        "last_node_id",
+        "prompt_queue",
+        "routes",
+        "send_progress_text",
+        "send_sync",
+    ),
+    "server.PromptServer.instance.app": ("middlewares",),
     "server.PromptServer.instance.prompt_queue": ("currently_running", "get_current_queue_volatile", "mutex"),
     "server.PromptServer.instance.routes": ("get", "post"),
 }
 
-#: Attributes of ComfyUI's objects, by ``module:Class`` (``Class.attr`` for an attribute ComfyUI sets on an
-#: object the class holds, such as the model a patcher wraps). ``server.PromptServer.instance`` is a
-#: ``PromptServer``, its ``prompt_queue`` a ``PromptQueue``; its ``routes`` are aiohttp's, not ComfyUI's.
+#: Attributes of ComfyUI's objects, by ``module:Class`` (``Class.attr``: of an object the class holds, such as the
+#: model a patcher wraps). The server's ``prompt_queue`` is a ``PromptQueue``; its ``routes`` and ``app`` aiohttp's.
 COMFY_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "comfy.model_patcher:ModelPatcher": (
         "add_patches",
@@ -179,7 +183,7 @@ COMFY_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     ),
     "comfy.ops:disable_weight_init": ("Conv1d", "Conv2d", "GroupNorm", "LayerNorm", "Linear"),
     "comfy.ops:manual_cast": ("Conv1d", "Conv2d", "GroupNorm", "LayerNorm", "Linear"),
-    "server:PromptServer": ("last_node_id", "prompt_queue", "routes", "send_progress_text", "send_sync"),
+    "server:PromptServer": ("app", "last_node_id", "prompt_queue", "routes", "send_progress_text", "send_sync"),
     "execution:PromptQueue": ("currently_running", "get_current_queue_volatile", "mutex"),
 }
 
@@ -257,8 +261,7 @@ def clip_type(name: str) -> Any:
 
 
 def load_text_encoders(state_dicts: list[dict], kind: Any, options: dict[str, Any]) -> Any:
-    """``comfy.sd.load_text_encoder_state_dicts``: the CLIP ComfyUI's CLIP loaders build from these state dicts,
-    with the classic patcher (``disable_dynamic``, where Dynamic VRAM exists), which Device Control takes over."""
+    """``comfy.sd.load_text_encoder_state_dicts``: ComfyUI's CLIP, with the classic patcher (``disable_dynamic``)."""
     load = comfy_sd().load_text_encoder_state_dicts
     extra = {"disable_dynamic": True} if "disable_dynamic" in inspect.signature(load).parameters else {}
     embeddings = folder_paths().get_folder_paths("embeddings")
@@ -281,8 +284,7 @@ def key_weight(model: Any, key: str) -> tuple[Any, Any, Any]:
 
 
 def standard_layer_classes() -> frozenset[type]:
-    """ComfyUI's standard layer classes (its table above, in ``disable_weight_init`` and ``manual_cast``): a pack's
-    cast layer computes bit for bit as they do (not as fp8 matmuls, quantized or scaled layers)."""
+    """ComfyUI's standard layer classes (the table above): our cast layers compute bit for bit as they do."""
     ops, names = importlib.import_module("comfy.ops"), COMFY_ATTRIBUTES["comfy.ops:disable_weight_init"]
     families = (ops.disable_weight_init, ops.manual_cast)
     return frozenset(getattr(family, name) for family in families for name in names if hasattr(family, name))
@@ -393,7 +395,6 @@ def comfy_pinned_ranges() -> dict[int, int]:
 
 
 def comfy_pinned_cap() -> int | None:
-    """ComfyUI's own cap on page-locked host memory: 0 where it pins nothing (``--disable-pinned-memory``, or a
-    device it does not pin for), ``None`` where this ComfyUI has no such cap."""
+    """ComfyUI's own cap on page-locked host memory: 0 where it pins nothing, ``None`` where it has no such cap."""
     cap = getattr(model_management(), "MAX_PINNED_MEMORY", None)
     return max(0, int(cap)) if isinstance(cap, (int, float)) else None

@@ -158,3 +158,38 @@ def test_a_device_this_machine_lacks_is_a_warning_shown_when_queued(editor, arti
         editor.server.post("/queue", {"clear": True})
         editor.server.post("/interrupt", {})
     assert editor.our_errors() == []
+
+
+#: Set Move To GPU's budget to ``abc`` (a typo), as a user types it in the widget.
+BAD_BUDGET = """() => {
+    const move = window.app.graph._nodes.find((n) => n.comfyClass === "DeviceControl_MoveToGPU");
+    move.widgets.find((w) => w.name === "vram_budget").value = "abc";
+    return move.id;
+}"""
+
+#: The node errors the frontend keeps from the last queue attempt, where this frontend keeps them.
+NODE_ERRORS = """() => window.app.lastNodeErrors ?? null"""
+
+
+def test_a_bad_budget_is_one_error_on_the_budget_in_the_packs_words_and_nothing_runs(
+    editor, artifacts, frontend_version
+):
+    editor.load_workflow(MOVE)
+    node = editor.page.evaluate(BAD_BUDGET)
+    history = len(editor.server.get("/history"))
+    editor.click_run()
+    page = editor.page
+    try:
+        page.get_by_text(re.compile(rf"^Move To GPU #{node}$")).first.wait_for(state="visible", timeout=30_000)
+        told = page.get_by_text("vram_budget: VRAM budget: 'abc' is not a memory size; write it like").first
+        told.wait_for(state="visible", timeout=5_000)
+        page.screenshot(path=str(artifacts / f"bad_budget_{frontend_version}.png"))
+        errors = page.evaluate(NODE_ERRORS)
+        if errors is not None:  # the outline: one error, on the budget (frontends that keep them on the app)
+            assert list(errors) == [str(node)], errors
+            assert [e["extra_info"]["input_name"] for e in errors[str(node)]["errors"]] == ["vram_budget"], errors
+    finally:
+        editor.server.post("/queue", {"clear": True})
+        editor.server.post("/interrupt", {})
+    assert len(editor.server.get("/history")) == history  # nothing was queued, so nothing ran
+    assert editor.our_errors() == []

@@ -43,6 +43,8 @@ async def _watch(server: ComfyServer, prompt: dict[str, Any], timeout: float) ->
         seen.node_errors = queued.get("node_errors") or {}
         seen.error = queued.get("error")
         seen.prompt_id = queued.get("prompt_id", "")
+        if not seen.prompt_id and seen.node_errors:
+            await _refusals(ws, seen)
         deadline = time.monotonic() + timeout
         while seen.prompt_id and (left := deadline - time.monotonic()) > 0:
             message = await ws.receive(timeout=left)
@@ -66,6 +68,22 @@ async def _watch(server: ComfyServer, prompt: dict[str, Any], timeout: float) ->
             if seen.prompt_id:
                 raise ComfyError(f"prompt {seen.prompt_id} did not finish within {timeout:.0f} s")
     return seen
+
+
+async def _refusals(ws: aiohttp.ClientWebSocketResponse, seen: Watched, timeout: float = 5.0) -> None:
+    """The toasts of a refused prompt (the pack's refusals, ``severity`` error), one for each node refused: they
+    follow the answer on the websocket; a refusal of ComfyUI's own sends none (waited for ``timeout`` seconds)."""
+    deadline = time.monotonic() + timeout
+    while len({w["node"] for w in seen.warnings if w.get("severity") == "error"}) < len(seen.node_errors):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        try:
+            message = await ws.receive(timeout=left)
+        except asyncio.TimeoutError:
+            return
+        if message.type == aiohttp.WSMsgType.TEXT and json.loads(message.data)["type"] == WARNING_EVENT:
+            seen.warnings.append(json.loads(message.data).get("data") or {})
 
 
 def watch(server: ComfyServer, prompt: dict[str, Any], timeout: float = 600) -> Watched:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
 import time
@@ -194,15 +193,47 @@ def test_bad_budgets_and_devices_are_clear_and_the_server_keeps_serving(server, 
 def test_a_malformed_device_is_refused_when_queued_naming_the_device(server, api):
     prompt = api.load_prompt(server, MOVE)
     prompt["3"]["inputs"].update(device="tpu:0", vram_budget="2GB")
-    answer = server.post("/prompt", {"prompt": prompt, "client_id": "device-check"})
-    if answer.get("prompt_id"):  # ComfyUI runs the outputs that do not depend on the node at fault
-        with contextlib.suppress(ComfyError):
-            server.wait(answer["prompt_id"])
-    errors = answer["node_errors"]["3"]["errors"]
-    # ComfyUI files the node's refusal under each input its check takes (the device and the budget): the message
-    # names the one at fault.
-    assert errors and {error["extra_info"]["input_name"] for error in errors} <= {"device", "vram_budget"}
-    assert all("device: " in error["details"] and "tpu:0" in error["details"] for error in errors)
+    watched = watch(server, prompt)
+    assert not watched.prompt_id and not watched.executed, "the prompt ran"
+    # One error, on the input at fault (ComfyUI's own check files a refusal under every input the node's check
+    # takes: the budget too), and a toast in the pack's words naming the node.
+    [error] = watched.node_errors["3"]["errors"]
+    assert error["extra_info"]["input_name"] == "device" and "tpu:0" in error["details"], error
+    [toast] = [w for w in watched.warnings if w.get("severity") == "error"]
+    assert toast["node"] == "3" and toast["title"] == "Move To GPU" and toast["text"] == error["details"]
+
+
+def test_a_refused_value_runs_nothing_of_the_graph(server, api):
+    """The starter's first VRAM Report reads only the loader: ComfyUI would run it, and load the checkpoint, while
+    refusing the Move To GPU after it. Refused by the pack when queued, nothing is queued."""
+    prompt = api.load_prompt(server, MOVE)
+    prompt["3"]["inputs"]["vram_budget"] = "150%"
+    watched = watch(server, prompt)
+    assert not watched.prompt_id and not watched.executed and list(watched.node_errors) == ["3"]
+    assert watched.error["type"] == "prompt_outputs_failed_validation"  # ComfyUI's answer: the frontends read it
+    assert server.get("/system_stats")["system"]  # still serving
+
+
+@pytest.mark.parametrize(
+    ("node", "name", "value", "said"),
+    [
+        ("1", "ckpt_name", "never_there.safetensors", "press R"),
+        ("1", "model_dtype", "fp4", "pick one from the list"),
+        ("1", "vae_dtype", "fp8_e4m3fn", "the VAE cannot be stored in fp8_e4m3fn"),
+    ],
+    ids=["checkpoint", "dtype", "vae-dtype"],
+)
+def test_a_loader_value_not_in_its_list_is_refused_when_queued_on_that_input(server, api, node, name, value, said):
+    """ComfyUI 0.3.75 checks no list input of a node of the V3 API: a checkpoint that was never there failed only
+    when the loader ran, as a file deleted after queueing. Every version now refuses it when queued, on its input."""
+    prompt = api.load_prompt(server, MOVE)
+    prompt[node]["inputs"][name] = value
+    watched = watch(server, prompt)
+    assert not watched.prompt_id and not watched.executed and list(watched.node_errors) == [node]
+    [error] = watched.node_errors[node]["errors"]
+    assert error["extra_info"]["input_name"] == name and said in error["details"] and value in error["details"]
+    [toast] = [w for w in watched.warnings if w.get("severity") == "error"]
+    assert toast["title"] == "Load Checkpoint With Device" and toast["text"] == error["details"]
 
 
 def one_move(**inputs) -> dict:
@@ -251,10 +282,10 @@ def split(**inputs) -> dict:
 def test_sizes_budgets_and_allocations_are_refused_when_queued_before_anything_loads(server, build, name, said, value):
     watched = watch(server, build(**{name: value}))
     assert not watched.prompt_id and not watched.executed, "the prompt ran"
-    errors = watched.node_errors["3"]["errors"]
-    assert errors and all(f"{name}: " in e["details"] or name == "allocation" for e in errors), errors
-    assert all(said in e["details"] and repr(value) in e["details"] for e in errors), errors
-    assert "write it" in errors[0]["details"] or "must be a share" in errors[0]["details"]  # and the fix
+    [error] = watched.node_errors["3"]["errors"]  # one, on the input at fault
+    assert error["extra_info"]["input_name"] == name and said in error["details"], error
+    assert repr(value) in error["details"] and ("write it" in error["details"] or "must be a share" in error["details"])
+    assert [w["text"] for w in watched.warnings if w.get("severity") == "error"] == [error["details"]]
 
 
 def test_queued_again_unchanged_every_example_runs_nothing(server, api):

@@ -1,7 +1,8 @@
 // Device Control: two things the editor must show without the server log.
-// 1. Warnings the server pushes as `device_control.warning` when a prompt is queued ({node, title, text}): a device
-//    this machine does not have (a workflow from another machine; the node falls back to auto), an Offload To CPU
-//    wired after nothing. Each is a toast naming the node.
+// 1. Warnings the server pushes as `device_control.warning` when a prompt is queued ({node, title, text, severity}):
+//    a device this machine does not have (a workflow from another machine; the node falls back to auto), an Offload
+//    To CPU wired after nothing; and, as errors, the values our nodes refused (the prompt was not queued). Each is a
+//    toast naming the node.
 // 2. Typed passthroughs: Move To GPU's (and Split Model's) model output is declared with every type its input takes
 //    ("MODEL,CLIP,VAE"), so that what ComfyUI lists and the node's Info show reads the same on every ComfyUI; in the
 //    editor the output takes the type of what is connected to the input (a CLIP in, a CLIP out), so a moved CLIP
@@ -84,7 +85,7 @@ function toast(detail) {
   const name = node?.title || detail.title || "Device Control";
   const where = detail.node != null ? ` #${detail.node}` : "";
   app.extensionManager?.toast?.add?.({
-    severity: "warn",
+    severity: detail.severity === "error" ? "error" : "warn",
     summary: `${name}${where}`,
     detail: detail.text,
     life: TOAST_LIFE_MS,
