@@ -119,7 +119,7 @@ class LoadCheckpointWithDevice(surface.io.ComfyNode):
         placements = {role: with_fit(p, plan, choices[role]) for role, p in placements.items()}
         built = build_checkpoint(header, detection, placements, progress_bar())
         summary = _summary(ckpt_name, detection, choices, plan, built, notes)
-        return loaded(summary, built.model, built.clip, built.vae)
+        return loaded(cls, summary, built.model, built.clip, built.vae)
 
 
 def _summary(

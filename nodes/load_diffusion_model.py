@@ -99,7 +99,7 @@ class LoadDiffusionModelWithDevice(surface.io.ComfyNode):
         built = build_diffusion_model(
             header, detection, with_fit(place, plan, choice), fp8_optimizations=fast, progress=progress_bar()
         )
-        return loaded(_summary(unet_name, detection, choice, plan, built.model, notes + built.notes), built.model)
+        return loaded(cls, _summary(unet_name, detection, choice, plan, built.model, notes + built.notes), built.model)
 
 
 def _summary(name: str, detection: Detection, choice: Choice, plan: FitPlan, model: Any, notes: list[str]) -> str:

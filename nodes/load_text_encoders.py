@@ -125,7 +125,7 @@ class LoadTextEncodersWithDevice(surface.io.ComfyNode):
         ]
         plan = plan_load(" + ".join(names), components, {ROLE: choice}, notes, cls)
         built = build_text_encoders(headers, type, with_fit(place, plan, choice), progress_bar())
-        return loaded(_summary(type, names, detections, choice, plan, built.clip, notes + built.notes), built.clip)
+        return loaded(cls, _summary(type, names, detections, choice, plan, built.clip, notes + built.notes), built.clip)
 
 
 def _files(*chosen: str) -> tuple[list[str], list[FileHeader]]:

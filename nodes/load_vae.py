@@ -80,7 +80,7 @@ class LoadVAEWithDevice(surface.io.ComfyNode):
         place, choice = resolve_placement(ROLE, device, dtype, detection, inventory.snapshot(), notes)
         plan = plan_load(vae_name, detection.components, {ROLE: choice}, notes, cls)
         built = build_vae(header, place, progress_bar())
-        return loaded(_summary(vae_name, detection, choice, plan, built.vae, notes + built.notes), built.vae)
+        return loaded(cls, _summary(vae_name, detection, choice, plan, built.vae, notes + built.notes), built.vae)
 
 
 def _summary(name: str, detection: Detection, choice: Choice, plan: FitPlan, vae: Any, notes: list[str]) -> str:

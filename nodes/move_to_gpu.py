@@ -10,6 +10,7 @@ from ..core.errors import InvalidDeviceSpecError, InvalidSizeError
 from ..core.placement.budget import Budget
 from . import panel, surface
 from .bridge.moves import MoveResult, move
+from .cached_texts import remember
 from .device_warnings import warn_missing_devices
 from .state import device_options, device_tooltip, inventory
 
@@ -132,10 +133,12 @@ class MoveToGPU(surface.io.ComfyNode):
 
     @classmethod
     def execute(cls, model: Any, device: str, vram_budget: str, keep_resident: bool, trigger: Any = None) -> Any:
-        return placed_output(move(model, device, vram_budget, keep_resident, inventory), trigger)
+        return placed_output(cls, move(model, device, vram_budget, keep_resident, inventory), trigger)
 
 
-def placed_output(result: MoveResult, trigger: Any) -> Any:
-    """A placing node's outputs (the model, the trigger, the summary, also shown on the node); the panel is told."""
+def placed_output(node: type, result: MoveResult, trigger: Any) -> Any:
+    """The outputs of placing node ``node`` (the class ComfyUI runs): the model, the trigger, the summary, also shown
+    on the node; the panel is told, and the node remembers the model (its text when it comes from the cache)."""
     panel.announce()
+    remember(node, (result.value,))
     return surface.io.NodeOutput(result.value, trigger, result.text, ui={"text": (result.text,)})

@@ -33,6 +33,7 @@ from .bridge.checkpoint import default_dtype
 from .bridge.comfy_detection import detect_with_comfyui
 from .bridge.fallback import resolve_or_fallback
 from .bridge.filling import ComponentPlan
+from .cached_texts import remember
 from .device_warnings import warn_missing_devices
 from .state import device_options, device_tooltip, inventory
 
@@ -175,9 +176,11 @@ def _show_on_node(node: type | None, text: str) -> None:
         send(text, node_id)
 
 
-def loaded(summary: str, *values: Any) -> Any:
-    """A loader's output: ``values`` and its summary, on the canvas too; the panel is told at once."""
+def loaded(node: type, summary: str, *values: Any) -> Any:
+    """The output of loader ``node`` (the class ComfyUI runs): ``values`` and its summary, on the canvas too; the
+    panel is told at once, and the node remembers what it gave out (its text when it comes from the cache)."""
     panel.announce()
+    remember(node, values)
     log.info("[Device Control] %s", summary)
     return surface.io.NodeOutput(*values, summary, ui={"text": (summary,)})
 

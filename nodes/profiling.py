@@ -38,6 +38,7 @@ from ..core.devices.tensors import copied_onto
 from ..core.monitor.profile import Recorder
 from ..core.monitor.readings import Reading
 from . import bridge, surface
+from .cached_texts import tell_cached
 from .panel import PREFIX, pusher
 from .state import inventory
 
@@ -202,24 +203,27 @@ _routed = False
 
 
 def install() -> None:
-    """Listen to the server's events and add the route (once; no listener under ``DEVICE_CONTROL_PROFILE=off``,
-    where the route says so)."""
+    """Listen to the server's events and add the route (once; no profile under ``DEVICE_CONTROL_PROFILE=off``,
+    where the route says so). The same listener gives a placing node from the cache its text now
+    (``nodes.cached_texts``), profiles or not."""
     global _installed, _routed
     if _routed:
         return
     _routed = True
     server = surface.prompt_server()
     server.routes.get(f"{PREFIX}/profile")(get_profile)
-    if not profiling_from_env():
-        log.info("[Device Control] %s=off: no profiles are recorded.", PROFILE_ENV)
-        return
     send = server.send_sync
-    listener = _Listener(send)
+    listener = _Listener(send) if profiling_from_env() else None
+    if listener is None:
+        log.info("[Device Control] %s=off: no profiles are recorded.", PROFILE_ENV)
 
     def send_sync(event: str, data: Any, sid: str | None = None) -> None:
         send(event, data, sid)
         try:
-            listener(event, data, sid)
+            if event == "execution_cached" and isinstance(data, dict):
+                tell_cached(str(data.get("prompt_id")), data.get("nodes") or (), sid, send)
+            if listener is not None:
+                listener(event, data, sid)
         except Exception as exc:  # the profile must never cost a run
             log.warning("[Device Control] profile: %s while recording %s: %s", type(exc).__name__, event, exc)
 

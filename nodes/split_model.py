@@ -61,6 +61,7 @@ class SplitModel(surface.io.ComfyNode):
                 ),
                 trigger_input(),
             ],
+            hidden=[io.Hidden.unique_id],
             outputs=[
                 io.Custom("MODEL,CLIP").Output(
                     "split", display_name="model", tooltip="The same model (a clone carrying the split)."
@@ -84,4 +85,4 @@ class SplitModel(surface.io.ComfyNode):
 
     @classmethod
     def execute(cls, model: Any, allocation: str, mode: str, trigger: Any = None) -> Any:
-        return placed_output(split_model(model, allocation, mode, inventory), trigger)
+        return placed_output(cls, split_model(model, allocation, mode, inventory), trigger)

@@ -29,8 +29,8 @@ INSTANCES = {
     "server.PromptServer.instance": "server:PromptServer",
     "server.PromptServer.instance.prompt_queue": "execution:PromptQueue",
 }
-#: Not ComfyUI's: checked nowhere (aiohttp's route table).
-EXTERNAL = {"server.PromptServer.instance.routes"}
+#: Not ComfyUI's: checked nowhere (aiohttp's route table and application).
+EXTERNAL = {"server.PromptServer.instance.routes", "server.PromptServer.instance.app"}
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from tests.browser.conftest import PINNED
+from tests.browser.profile_checks import drawn_badges
 from tools.runtime import DEFAULT_VERSION, NEWEST_FRONTEND, RELEASES
 
 REPO = Path(__file__).resolve().parents[2]
@@ -192,4 +193,40 @@ def test_a_bad_budget_is_one_error_on_the_budget_in_the_packs_words_and_nothing_
         editor.server.post("/queue", {"clear": True})
         editor.server.post("/interrupt", {})
     assert len(editor.server.get("/history")) == history  # nothing was queued, so nothing ran
+    assert editor.our_errors() == []
+
+
+#: Listen for the run's profile (sent at its end) and its end.
+ENDED = """() => {
+    window.__dcProfile = null;
+    window.app.api.addEventListener("device_control.profile", (e) => { window.__dcProfile = e.detail; });
+}"""
+
+#: The report text of each of our placing nodes that has one, by node id.
+PLACING_TEXTS = """() => Object.fromEntries(window.app.graph.nodes
+    .filter((n) => ["DeviceControl_LoadCheckpoint", "DeviceControl_MoveToGPU"].includes(n.comfyClass))
+    .map((n) => [String(n.id), n.widgets.find((w) => w.name === "report_text").element.value]))"""
+
+
+def test_a_cached_placing_node_says_where_its_model_is_now_and_its_badge_that_it_was_cached(
+    editor, artifacts, frontend_version
+):
+    """The starter ran before (from another tab, or the API); queued unchanged in this fresh page, the loader and
+    Move To GPU come from ComfyUI's cache: their texts say where their models are now, their badges that they did
+    not run (they used to show "The node's report appears here when it runs" and no badge)."""
+    editor.load_workflow(MOVE)
+    page = editor.page
+    prompt = json.loads(page.evaluate("async () => JSON.stringify((await window.app.graphToPrompt()).output)"))
+    editor.server.run(prompt)
+    page.evaluate(ENDED)
+    editor.click_run()
+    page.wait_for_function("window.__dcProfile", timeout=120_000)
+    texts = page.evaluate(PLACING_TEXTS)
+    cached = "From ComfyUI's cache (this node did not run). Where its models are now:"
+    assert set(texts) == {"1", "3"} and all(text.startswith(cached) for text in texts.values()), texts
+    # Offload To CPU ran in the first run, after Move To GPU: the UNet is in RAM now, and the text says so.
+    assert "SD15 diffusion model: 3.20 GiB on cpu" in texts["3"], texts["3"]
+    badges = drawn_badges(page, 0.9, (20, 110))  # the loader and Move To GPU at a readable size
+    assert badges["1"]["text"] == badges["3"]["text"] == "cached: did not run", badges
+    page.screenshot(path=str(artifacts / f"cached_placing_nodes_{frontend_version}.png"))
     assert editor.our_errors() == []

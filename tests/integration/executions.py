@@ -1,5 +1,6 @@
 """What ComfyUI says over its websocket while it runs a prompt: which nodes it executed, which it answered from its
-cache, and the warnings Device Control pushed (``device_control.warning``) from the moment the prompt was queued.
+cache, what each showed, and the warnings Device Control pushed (``device_control.warning``) from the moment the
+prompt was queued.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ class Watched:
     executed: list[str] = field(default_factory=list)
     cached: list[str] = field(default_factory=list)
     warnings: list[dict[str, Any]] = field(default_factory=list)
+    #: What each node showed (its ``executed`` output), by node id.
+    outputs: dict[str, Any] = field(default_factory=dict)
     node_errors: dict[str, Any] = field(default_factory=dict)
     error: Any = None
     #: Every message of the prompt, as (type, node or None), for a failing test's message.
@@ -58,6 +61,8 @@ async def _watch(server: ComfyServer, prompt: dict[str, Any], timeout: float) ->
             seen.said.append((kind, data.get("node")))
             if kind == "execution_cached":
                 seen.cached += data["nodes"]
+            elif kind == "executed":
+                seen.outputs[str(data["node"])] = data.get("output")
             elif kind == "executing" and data.get("node") is not None:
                 seen.executed.append(data["node"])
             elif kind == "execution_error":

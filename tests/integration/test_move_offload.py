@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -300,6 +301,34 @@ def test_queued_again_unchanged_every_example_runs_nothing(server, api):
         assert again.prompt_id, (workflow.name, again.error, again.node_errors)
         assert again.executed == [], f"{workflow.name}: queued again unchanged, it ran {again.executed}"
         assert sorted(again.cached) == sorted(prompt), (workflow.name, again.said)
+
+
+def test_a_cached_placing_node_says_where_its_model_is_now(server):
+    """Queued again unchanged, the loader and Move To GPU come from ComfyUI's cache and do not run: each still
+    says where its models are now (ComfyUI shows a cached node's text only for an output node, from its run)."""
+    prompt = one_move()
+    server.forget_outputs()
+    first = watch(server, prompt)
+    assert {"1", "3"} <= set(first.executed), first.executed
+    again = watch(server, prompt)
+    assert {"1", "3"} <= set(again.cached) and not {"1", "3"} & set(again.executed), again.said
+    moved, loader = again.outputs["3"], again.outputs["1"]
+    assert moved["device_control_cached"] == [True] and loader["device_control_cached"] == [True]
+    [text] = moved["text"]
+    assert (
+        text.startswith("From ComfyUI's cache (this node did not run)")
+        and "GiB on gpu:0, placed by Device Control, budget all" in text
+    ), text
+    assert "text encoder" in loader["text"][0] and "VAE" in loader["text"][0], loader
+    server.wait(again.prompt_id)
+    for _ in range(50):  # the panel's Offload all, once ComfyUI's worker has let go of the prompt: the cache is kept
+        with contextlib.suppress(ComfyError):
+            server.post("/device_control/offload", {"all": True})
+            break
+        time.sleep(0.1)
+    prompt["9"]["inputs"]["label"] = "after an offload"  # only the report runs again
+    [text] = watch(server, prompt).outputs["3"]["text"]
+    assert "GiB on cpu" in text and "on gpu:0" not in text, text
 
 
 def test_a_placement_holds_when_the_sampler_runs_again_after_an_offload(server, api):

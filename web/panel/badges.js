@@ -1,7 +1,8 @@
 // Device Control: after a run, a badge above each node that ran, with what it did: its own peak above the level
 // its device was at when it started ("+3.20 GiB"), the device it computed on ("gpu:0", or "CPU" where it changed no
 // accelerator's books), and its time. The node that raised memory most, alone, is orange and marked (none on a tie).
-// A figure the profile knows only as a lower bound (listed in the node's `peak_bounded`) reads "≥".
+// A figure the profile knows only as a lower bound (listed in the node's `peak_bounded`) reads "≥". A node of ours
+// that decides placement and came from ComfyUI's cache has a badge that says so.
 // Pure module: it computes the badges from a profile and draws one on a canvas context it is given, in the node's
 // own coordinates; `drawn` keeps what was last drawn per node (graph coordinates), for the tests' geometry checks.
 
@@ -27,10 +28,36 @@ export function riseText(node, device, decimal) {
   return `${bounded ? "≥ " : ""}+${formatBytes(node.rise?.[device] ?? 0, decimal)}`;
 }
 
+/** Our nodes that decide where models are: answered from ComfyUI's cache, their badge says so (their text says
+ * where the models are now). */
+const PLACING = new Set([
+  "DeviceControl_LoadCheckpoint",
+  "DeviceControl_LoadDiffusionModel",
+  "DeviceControl_LoadTextEncoders",
+  "DeviceControl_LoadVAE",
+  "DeviceControl_MoveToGPU",
+  "DeviceControl_SplitModel",
+]);
+const CACHED_TEXT = "cached: did not run";
+
 /** The badges of a profile, by node id: {text, node, classType, device, rise, bounded, wall, status, heaviest}. */
 export function nodeBadges(profile, decimal) {
   const badges = new Map();
   if (!profile) return badges;
+  for (const node of profile.nodes ?? []) {
+    if (node.status !== "cached" || !PLACING.has(node.class_type)) continue;
+    badges.set(String(node.node), {
+      text: CACHED_TEXT,
+      node: String(node.node),
+      classType: node.class_type,
+      device: null,
+      rise: null,
+      bounded: false,
+      wall: 0,
+      status: "cached",
+      heaviest: false,
+    });
+  }
   for (const node of ranNodes(profile)) {
     const device = node.device || null;
     const heaviest = profile.heaviest?.node === node.node;
