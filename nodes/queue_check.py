@@ -9,7 +9,8 @@ ComfyUI's server): for each of our nodes the prompt runs, a value not in its lis
 ``validate_inputs`` refuses become one error on that input, the frontend gets ComfyUI's answer for a prompt that
 failed validation (400, the node's outline on the input), the editor a toast in the pack's words naming the node,
 and nothing is queued. A prompt we find nothing wrong with goes on to ComfyUI untouched; so does one this check
-cannot read (it must never stop a prompt ComfyUI would take).
+cannot read (it must never stop a prompt ComfyUI would take). A prompt taken that will run many minutes on the
+CPU says so (``nodes.cpu_notice``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
-from . import surface
+from . import cpu_notice, surface
 from .device_warnings import quiet, refuse_text
 
 log = logging.getLogger("device_control")
@@ -150,12 +151,13 @@ def middleware(ours: dict[str, type]) -> Callable[..., Awaitable[web.StreamRespo
     async def check_prompt(request: web.Request, handler: Callable[..., Awaitable[web.StreamResponse]]) -> Any:
         if request.method == "POST" and request.path in PROMPT_PATHS:
             try:
-                answer = refusal(await request.json(), ours)
+                body = await request.json()
+                answer = refusal(body, ours)
+                if answer is not None:
+                    return answer
+                cpu_notice.tell(body)  # a prompt taken: what it costs on the CPU, where ComfyUI computes there
             except Exception:  # never stop a prompt ComfyUI would take because this check failed
                 log.exception("[Device Control] the queue-time check failed; the prompt goes to ComfyUI unchecked")
-                answer = None
-            if answer is not None:
-                return answer
         return await handler(request)
 
     return check_prompt

@@ -39,8 +39,8 @@ def _simulated_from_env() -> list[SimulatedDevice]:
         return []
     for device in devices:
         log.info(
-            "[Device Control] simulated GPU %s with %s (from %s)",
-            device.label,
+            "[Device Control] simulated GPU gpu:%d with %s (from %s)",  # named as the nodes name it
+            device.ordinal,
             format_bytes(device.capacity),
             SIMULATE_ENV,
         )

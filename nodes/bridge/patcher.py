@@ -22,6 +22,7 @@ device is made here, from ComfyUI's own list, least recently used first.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import namedtuple
 from typing import Any
@@ -199,10 +200,11 @@ class DeviceControlPatcher(surface.model_patcher_class()):
             self._sync_books(device_to)
         self.model.device_control_last_load = report
         note_loaded(self.model, placement)
+        named = report if placement is None else dataclasses.replace(report, target=placement.name)  # gpu:0, as shown
         log.info(
             "[Device Control] loaded %s: %s; on-the-fly patches: %d",
             model_label(self),
-            report.summary(),
+            named.summary(),
             self.model.lowvram_patch_counter,
         )
 

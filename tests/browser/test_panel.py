@@ -170,6 +170,11 @@ def test_panel_shows_the_simulated_device_and_follows_a_run(frontend, artifacts,
     assert page.evaluate("window.__dcProfile.prompt_id") == profile["prompt_id"]
     assert_run_chart_is_readable(page, PANEL, profile)
     assert_badges_show_the_profile(page, profile)
+    # Offload To CPU raised nothing and gave the UNet's bytes back: its badge says what it freed (was "≥ +0 B"),
+    # where its readings saw the drop (a run whose reading at its start came late shows it on no device).
+    offload, freed = next(n for n in profile["nodes"] if n["node"] == "9"), drawn_badges(page)["9"]["text"]
+    if offload["device"] == "gpu:0":
+        assert freed.startswith("\u22123.20 GiB gpu:0 · "), freed
     badges = drawn_badges(page, 0.6, (20, 110))  # from the loader to the sampler, at a readable size
     page.screenshot(path=str(artifacts / f"profile_badges_{frontend_version}.png"))
     assert_badges_tell_what_each_node_did(page, profile, badges)

@@ -64,6 +64,7 @@ def test_move_puts_the_unet_on_the_gpu_and_offload_gives_it_all_back(server, api
     assert gpu(entry, api, "10")["torch_allocated"] == baseline  # after Offload To CPU
     assert unet(entry, api, "10") is None  # and ComfyUI no longer lists it as loaded
     assert "3.20 GiB freed" in text(entry, "9")
+    assert "loaded SD15 diffusion model: 3.20 GiB: 3.20 GiB resident on gpu:0" in server.log_tail(400)  # as shown
 
 
 @ONCE  # test_workflows runs each example on every ComfyUI; the ops and patch oracles compare the maths there
@@ -301,6 +302,20 @@ def test_queued_again_unchanged_every_example_runs_nothing(server, api):
         assert again.prompt_id, (workflow.name, again.error, again.node_errors)
         assert again.executed == [], f"{workflow.name}: queued again unchanged, it ran {again.executed}"
         assert sorted(again.cached) == sorted(prompt), (workflow.name, again.said)
+
+
+def test_a_large_image_on_the_cpu_says_what_it_costs_and_what_to_lower_when_queued(server):
+    """ComfyUI computes on the CPU here (the simulated GPU computes on the host too): a 512x512 image is about 42 s
+    a step on a 2-core machine, and nothing on the canvas said so; a 64x64 one is not worth a notice."""
+    latent = {"class_type": "EmptyLatentImage", "inputs": {"width": 512, "height": 512, "batch_size": 1}}
+    report = {"class_type": "DeviceControl_VRAMReport", "inputs": {"label": "", "devices": "all", "value": ["1", 0]}}
+    watched = watch(server, {"1": latent | {"_meta": {"title": "Empty Latent Image"}}, "2": report})
+    [told] = [w for w in watched.warnings if w["node"] == "1"]
+    assert told["title"] == "Empty Latent Image" and told["severity"] == "warn", told
+    assert "computes on the CPU here" in told["text"] and "at 512x512 an SD1.5 step takes about 42 s" in told["text"]
+    assert "set the size to 256x256 and the steps to 4" in told["text"], told
+    latent["inputs"].update(width=64, height=64)
+    assert not [w for w in watch(server, {"1": latent, "2": report}).warnings if w["node"] == "1"]
 
 
 def test_a_cached_placing_node_says_where_its_model_is_now(server):

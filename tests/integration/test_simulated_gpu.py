@@ -27,7 +27,8 @@ def test_simulated_gpu_is_listed_with_its_capacity_during_the_example_workflow(s
         device = next(d for d in api.report_json(entry, node_id)["devices"] if d["id"] == "gpu:0")
         assert (device["kind"], device["total"], device["native"]) == ("simulated", 8 * GiB, "sim:0")
     started = simulated_server.log_path.read_text(errors="replace")  # from the start: a shared server logs more
-    assert "[Device Control] simulated GPU sim:0 with 8.00 GiB" in started
+    # Named as the nodes name it (its torch name, sim:0, only in the VRAM Report's JSON): one name for each device.
+    assert "[Device Control] simulated GPU gpu:0 with 8.00 GiB" in started and "sim:0" not in started
 
 
 def test_simulated_gpu_is_offered_as_a_device(simulated_server):

@@ -1,7 +1,8 @@
 // Device Control: after a run, a badge above each node that ran, with what it did: its own peak above the level
 // its device was at when it started ("+3.20 GiB"), the device it computed on ("gpu:0", or "CPU" where it changed no
 // accelerator's books), and its time. The node that raised memory most, alone, is orange and marked (none on a tie).
-// A figure the profile knows only as a lower bound (listed in the node's `peak_bounded`) reads "≥". A node of ours
+// A figure the profile knows only as a lower bound (listed in the node's `peak_bounded`) reads "≥"; a node that
+// raised nothing and freed memory reads what it freed ("−3.20 GiB"). A node of ours
 // that decides placement and came from ComfyUI's cache has a badge that says so.
 // Pure module: it computes the badges from a profile and draws one on a canvas context it is given, in the node's
 // own coordinates; `drawn` keeps what was last drawn per node (graph coordinates), for the tests' geometry checks.
@@ -22,10 +23,18 @@ export function deviceName(id) {
   return id === "cpu" ? "CPU" : id;
 }
 
-/** What a node raised memory by on `device`: "+3.20 GiB", "≥ +0 B" where its peak is only a lower bound. */
+/** Less than this freed reads as no change (allocator rounding, a small temporary). */
+const FREED_AT_LEAST = 1024 * 1024;
+
+/** What a node did to memory on `device`: what it raised it by ("+3.20 GiB", "≥ +1.20 GiB" where its peak is only a
+ * lower bound, "+0 B"), or, where it raised nothing and ended lower than it started, what it freed ("−3.20 GiB": an
+ * Offload To CPU, which used to read "≥ +0 B"). A bound of nothing says nothing, so "+0 B" has no "≥". */
 export function riseText(node, device, decimal) {
-  const bounded = (node.peak_bounded ?? []).includes(device);
-  return `${bounded ? "≥ " : ""}+${formatBytes(node.rise?.[device] ?? 0, decimal)}`;
+  const rise = node.rise?.[device] ?? 0;
+  const change = (node.after?.[device] ?? 0) - (node.before?.[device] ?? 0);
+  if (rise <= 0 && -change >= FREED_AT_LEAST) return `\u2212${formatBytes(-change, decimal)}`;
+  const bounded = rise > 0 && (node.peak_bounded ?? []).includes(device);
+  return `${bounded ? "≥ " : ""}+${formatBytes(rise, decimal)}`;
 }
 
 /** Our nodes that decide where models are: answered from ComfyUI's cache, their badge says so (their text says
