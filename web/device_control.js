@@ -35,7 +35,9 @@ function reportWidget(node) {
   Object.assign(area.style, {
     fontFamily: "monospace",
     fontSize: "11px",
-    whiteSpace: "pre",
+    // A report's table keeps its columns (it scrolls); a loader's or a move's sentences wrap at the node's edge.
+    whiteSpace: (node.comfyClass ?? node.type) === "DeviceControl_VRAMReport" ? "pre" : "pre-wrap",
+    overflowWrap: "anywhere",
     overflow: "auto",
     width: "100%",
     height: "100%",

@@ -230,3 +230,26 @@ def test_a_cached_placing_node_says_where_its_model_is_now_and_its_badge_that_it
     assert badges["1"]["text"] == badges["3"]["text"] == "cached: did not run", badges
     page.screenshot(path=str(artifacts / f"cached_placing_nodes_{frontend_version}.png"))
     assert editor.our_errors() == []
+
+
+#: Show a long line on Move To GPU and on a VRAM Report as a run would (their onExecuted), and measure each box.
+LONG_LINE = """() => {
+    const line = "device: device 'gpu:3' does not exist on this machine (devices here: cpu (CPU), gpu:0 (Simulated "
+        + "GPU 0, 8.00 GiB)); using auto (ComfyUI's choice) instead";
+    const measure = (type) => {
+        const node = window.app.graph._nodes.find((n) => n.comfyClass === type);
+        node.onExecuted({text: [line]});
+        const area = node.widgets.find((w) => w.name === "report_text").element;
+        return {overflows: area.scrollWidth > area.clientWidth + 1, wraps: getComputedStyle(area).whiteSpace};
+    };
+    return {move: measure("DeviceControl_MoveToGPU"), report: measure("DeviceControl_VRAMReport")};
+}"""
+
+
+def test_a_long_line_of_a_node_text_wraps_at_the_nodes_edge(editor):
+    """A fallback warning on Move To GPU was cut at the node's edge; a VRAM Report's table keeps its columns."""
+    editor.load_workflow(MOVE)
+    shown = editor.page.evaluate(LONG_LINE)
+    assert shown["move"] == {"overflows": False, "wraps": "pre-wrap"}, shown
+    assert shown["report"]["wraps"] == "pre", shown
+    assert editor.our_errors() == []

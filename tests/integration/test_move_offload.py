@@ -205,6 +205,7 @@ def test_a_malformed_device_is_refused_when_queued_naming_the_device(server, api
     assert toast["node"] == "3" and toast["title"] == "Move To GPU" and toast["text"] == error["details"]
 
 
+@ONCE  # the pack's own check, the same on every ComfyUI
 def test_a_refused_value_runs_nothing_of_the_graph(server, api):
     """The starter's first VRAM Report reads only the loader: ComfyUI would run it, and load the checkpoint, while
     refusing the Move To GPU after it. Refused by the pack when queued, nothing is queued."""
@@ -304,6 +305,7 @@ def test_queued_again_unchanged_every_example_runs_nothing(server, api):
         assert sorted(again.cached) == sorted(prompt), (workflow.name, again.said)
 
 
+@ONCE  # the pack's own check, the same on every ComfyUI
 def test_a_large_image_on_the_cpu_says_what_it_costs_and_what_to_lower_when_queued(server):
     """ComfyUI computes on the CPU here (the simulated GPU computes on the host too): a 512x512 image is about 42 s
     a step on a 2-core machine, and nothing on the canvas said so; a 64x64 one is not worth a notice."""
