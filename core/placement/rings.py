@@ -46,16 +46,13 @@ def unregister(root: torch.nn.Module, ring: Ring) -> None:
         rings.discard(ring)
 
 
-def _rings(root: torch.nn.Module) -> list[Ring]:
-    return list(root.__dict__.get(RINGS, ()))
-
-
 def settle(root: torch.nn.Module) -> int:
     """Sampling with ``root`` ended: every ring over its layers waits for its copies and frees its slots. Bytes
-    freed on devices."""
-    rings = _rings(root)
-    freed = sum(ring.ring_bytes for ring in rings)
-    for ring in rings:
+    freed on devices. (Called at every sampling call, as :func:`before_rewrite` is at every hook change: the
+    lookups are written out, a model that streams nothing costs no call.)"""
+    freed = 0
+    for ring in list(root.__dict__.get(RINGS, ())):  # a copy: a ring may go while the others settle
+        freed += ring.ring_bytes
         ring.settle()
     return freed
 
@@ -64,5 +61,5 @@ def before_rewrite(root: torch.nn.Module) -> None:
     """ComfyUI is about to rewrite ``root``'s weights in place (its hooks, between two calls of one step): every
     ring waits for the copies that read them and forgets what its slots hold, keeping its slots and their views
     for the next call (a copy made before a weight was rewritten cannot be told from one made after)."""
-    for ring in _rings(root):
+    for ring in list(root.__dict__.get(RINGS, ())):
         ring.forget_slots()
