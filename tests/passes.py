@@ -61,6 +61,7 @@ EVERY_VERSION_MODULES = frozenset(
         "test_lora_coverage",
         "test_manager_install",
         "test_move_offload",
+        "test_queue_time",
         "test_object_info",
         "test_ops_oracle",
         "test_patch_oracle",
