@@ -88,37 +88,30 @@ def test_a_loader_value_not_in_its_list_is_refused_when_queued_on_that_input(ser
     assert toast["title"] == "Load Checkpoint With Device" and toast["text"] == error["details"]
 
 
-def one_move(**inputs) -> dict:
-    """A loader in RAM, a Move To GPU of its MODEL with ``inputs``, and a report after it: its only output."""
+def _after_a_loader(class_type: str, inputs: dict) -> dict:
+    """A loader in RAM, node ``3`` of ``class_type`` on its MODEL with ``inputs``, and a report after it: its only
+    output."""
     prompt = cycles_prompt(0)
-    prompt["3"] = {
-        "class_type": "DeviceControl_MoveToGPU",
-        "inputs": {"model": ["1", 0], "device": "gpu:0", "vram_budget": "all", "keep_resident": False} | inputs,
-    }
+    prompt["3"] = {"class_type": class_type, "inputs": {"model": ["1", 0], **inputs}}
     prompt["9"]["inputs"]["value"] = ["3", 0]
     return prompt
+
+
+def one_move(**inputs) -> dict:
+    """Move To GPU after a loader in RAM (see :func:`_after_a_loader`)."""
+    defaults = {"device": "gpu:0", "vram_budget": "all", "keep_resident": False}
+    return _after_a_loader("DeviceControl_MoveToGPU", defaults | inputs)
 
 
 def offloaded(**inputs) -> dict:
-    """A loader in RAM, an Offload To CPU of its MODEL with ``inputs``, and a report after it."""
-    prompt = cycles_prompt(0)
-    prompt["3"] = {
-        "class_type": "DeviceControl_OffloadToCPU",
-        "inputs": {"model": ["1", 0], "mode": "free N GB", "free_amount": "1GB", "empty_cache": True} | inputs,
-    }
-    prompt["9"]["inputs"]["value"] = ["3", 0]
-    return prompt
+    """Offload To CPU after a loader in RAM."""
+    defaults = {"mode": "free N GB", "free_amount": "1GB", "empty_cache": True}
+    return _after_a_loader("DeviceControl_OffloadToCPU", defaults | inputs)
 
 
 def split(**inputs) -> dict:
-    """A loader in RAM, a Split Model Across Devices of its MODEL with ``inputs``, and a report after it."""
-    prompt = cycles_prompt(0)
-    prompt["3"] = {
-        "class_type": "DeviceControl_SplitModel",
-        "inputs": {"model": ["1", 0], "allocation": "auto", "mode": "pipeline"} | inputs,
-    }
-    prompt["9"]["inputs"]["value"] = ["3", 0]
-    return prompt
+    """Split Model Across Devices after a loader in RAM."""
+    return _after_a_loader("DeviceControl_SplitModel", {"allocation": "auto", "mode": "pipeline"} | inputs)
 
 
 @pytest.mark.parametrize(
