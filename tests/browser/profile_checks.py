@@ -47,12 +47,12 @@ def format_bytes(value: int) -> str:
 def rise_text(node: dict) -> str:
     """The badge's memory: what the node raised its device's level by, on that device ("CPU" for the host), after
     a "≥" where the profile knows only a lower bound of more than nothing; what it freed (a minus sign and the
-    bytes) where it raised nothing and ended at least 1 MiB lower than it started."""
+    bytes) where it raised nothing on an accelerator and ended at least 1 MiB lower than it started."""
     device = node["device"]
     rise = node["rise"].get(device, 0)
     change = node.get("after", {}).get(device, 0) - node.get("before", {}).get(device, 0)
     name = "CPU" if device == "cpu" else device
-    if rise <= 0 and -change >= 1024**2:
+    if device != "cpu" and rise <= 0 and -change >= 1024**2:
         return f"\u2212{format_bytes(-change)} {name}"
     at_least = "≥ " if rise > 0 and device in node.get("peak_bounded", []) else ""
     return f"{at_least}+{format_bytes(rise)} {name}"

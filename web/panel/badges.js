@@ -23,7 +23,8 @@ export function deviceName(id) {
   return id === "cpu" ? "CPU" : id;
 }
 
-/** Less than this freed reads as no change (allocator rounding, a small temporary). */
+/** Less than this freed reads as no change (allocator rounding, a small temporary). On the CPU (the process's
+ * resident set, which falls and rises with the host's own housekeeping) a node's badge reads its rise only. */
 const FREED_AT_LEAST = 1024 * 1024;
 
 /** What a node did to memory on `device`: what it raised it by ("+3.20 GiB", "≥ +1.20 GiB" where its peak is only a
@@ -32,7 +33,7 @@ const FREED_AT_LEAST = 1024 * 1024;
 export function riseText(node, device, decimal) {
   const rise = node.rise?.[device] ?? 0;
   const change = (node.after?.[device] ?? 0) - (node.before?.[device] ?? 0);
-  if (rise <= 0 && -change >= FREED_AT_LEAST) return `\u2212${formatBytes(-change, decimal)}`;
+  if (device !== "cpu" && rise <= 0 && -change >= FREED_AT_LEAST) return `\u2212${formatBytes(-change, decimal)}`;
   const bounded = rise > 0 && (node.peak_bounded ?? []).includes(device);
   return `${bounded ? "≥ " : ""}+${formatBytes(rise, decimal)}`;
 }
