@@ -11,6 +11,19 @@ from tests.browser.conftest import OUR_EXTENSION_PATH
 
 BADGES_SETTING = "DeviceControl.Profile.Badges"
 
+#: Keep, as ``window.__dcProfile``, the profile of the page's own next run. A prompt queued over the API has no
+#: client: ComfyUI sends it no end, so its profile goes out to the panels when the next prompt starts or the server
+#: sees it idle, and can reach the page after the listener is set. The page's own prompts are those whose
+#: ``execution_start`` it was sent.
+LISTEN_FOR_OWN_PROFILE = """() => {
+    window.__dcProfile = null;
+    const own = new Set();
+    window.app.api.addEventListener("execution_start", (e) => own.add(e.detail?.prompt_id));
+    window.app.api.addEventListener("device_control.profile", (e) => {
+        if (own.has(e.detail?.prompt_id)) window.__dcProfile = e.detail;
+    });
+}"""
+
 
 def seconds(value: float) -> str:
     """The panel's format of a duration (web/panel/format.js ``seconds``)."""

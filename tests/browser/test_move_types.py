@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from tests.browser.conftest import PINNED
-from tests.browser.profile_checks import drawn_badges
+from tests.browser.profile_checks import LISTEN_FOR_OWN_PROFILE, drawn_badges
 from tools.runtime import DEFAULT_VERSION, NEWEST_FRONTEND, RELEASES
 
 REPO = Path(__file__).resolve().parents[2]
@@ -196,12 +196,6 @@ def test_a_bad_budget_is_one_error_on_the_budget_in_the_packs_words_and_nothing_
     assert editor.our_errors() == []
 
 
-#: Listen for the run's profile (sent at its end) and its end.
-ENDED = """() => {
-    window.__dcProfile = null;
-    window.app.api.addEventListener("device_control.profile", (e) => { window.__dcProfile = e.detail; });
-}"""
-
 #: The report text of each of our placing nodes that has one, by node id.
 PLACING_TEXTS = """() => Object.fromEntries(window.app.graph.nodes
     .filter((n) => ["DeviceControl_LoadCheckpoint", "DeviceControl_MoveToGPU"].includes(n.comfyClass))
@@ -218,7 +212,7 @@ def test_a_cached_placing_node_says_where_its_model_is_now_and_its_badge_that_it
     page = editor.page
     prompt = json.loads(page.evaluate("async () => JSON.stringify((await window.app.graphToPrompt()).output)"))
     editor.server.run(prompt)
-    page.evaluate(ENDED)
+    page.evaluate(LISTEN_FOR_OWN_PROFILE)
     editor.click_run()
     page.wait_for_function("window.__dcProfile", timeout=120_000)
     texts = page.evaluate(PLACING_TEXTS)

@@ -13,6 +13,7 @@ import pytest
 from tests.browser.conftest import OUR_EXTENSION_PATH, PINNED, FrontendPage
 from tests.browser.panel_clicks import click_and_confirm
 from tests.browser.profile_checks import (
+    LISTEN_FOR_OWN_PROFILE,
     assert_badges_show_the_profile,
     assert_labels_readable,
     assert_run_chart_is_readable,
@@ -61,8 +62,6 @@ def record_panel(page: Any) -> None:
         """() => {
             window.__dcSeen = [];
             window.__dcDone = false;
-            window.__dcProfile = null;
-            window.app.api.addEventListener("device_control.profile", (e) => { window.__dcProfile = e.detail; });
             for (const type of ["execution_success", "execution_error"]) {
                 window.app.api.addEventListener(type, () => { window.__dcDone = type; });
             }
@@ -88,6 +87,7 @@ def run_workflow(frontend: FrontendPage, workflow: Path | None) -> list[dict[str
     if workflow is not None:
         frontend.load_workflow(workflow)
     record_panel(page)
+    page.evaluate(LISTEN_FOR_OWN_PROFILE)
     frontend.click_run()
     page.wait_for_function("window.__dcDone", timeout=300_000)
     page.wait_for_timeout(1500)  # one more push after the end
