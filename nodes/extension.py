@@ -14,12 +14,13 @@ from .profiling import install as install_profiling
 from .queue_check import install as install_queue_check
 from .split_model import SplitModel
 from .surface import ComfyExtension, io
+from .template_list import install as install_template_order
 from .vram_report import VRAMReport
 
 
 class DeviceControlExtension(ComfyExtension):
-    """Device Control's nodes, the routes of its live panel, the queue-time check of its nodes' values, the
-    profile's listener and route, and ComfyUI's pinned-memory books counted in ours.
+    """Device Control's nodes, the routes of its live panel, the queue-time check of its nodes' values, the order of
+    its templates, the profile's listener and route, and ComfyUI's pinned-memory books counted in ours.
 
     The routes are added when ComfyUI asks for the node list: ComfyUI 0.3.75 defines ``on_load`` but never
     calls it, and the list is asked for after the server exists and before it adds its routes.
@@ -48,8 +49,10 @@ NODES: tuple[type[io.ComfyNode], ...] = (
 
 def _install() -> None:
     """What the pack adds to ComfyUI's server and books, each once: the panel's routes, the queue-time check of
-    our nodes' values, the profile's listener, ComfyUI's pinned memory counted in ours."""
+    our nodes' values, the order of our templates, the profile's listener, ComfyUI's pinned memory counted in
+    ours."""
     register_routes()
     install_queue_check(NODES)
+    install_template_order()
     install_profiling()
     count_comfyuis_registrations()

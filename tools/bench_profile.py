@@ -76,8 +76,8 @@ def table(times: dict[str, list[float]], steps: int) -> str:
         [
             "| workflow | runs | profile recorded | profile off | difference of the medians | recording's own time |",
             "| --- | --- | --- | --- | --- | --- |",
-            f"| 01_start_here_sd15_move_to_gpu_and_offload.json, {steps} steps | {len(times['on'])} | {cell['on']} | "
-            f"{cell['off']} | {(on - off) / off * 100:+.1f} % | {cell['recording']} |",
+            f"| the starter (01), {steps} steps | {len(times['on'])} | {cell['on']} | {cell['off']} |"
+            f" {(on - off) / off * 100:+.1f} % | {cell['recording']} |",
         ]
     )
 

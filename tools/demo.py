@@ -2,12 +2,12 @@
 
 From nothing it provisions the runtime (3-5 minutes the first time), makes the synthetic SD1.5 checkpoint (about 30
 s the first time), starts ComfyUI with the pack and runs the starter template,
-``workflows/01_start_here_sd15_move_to_gpu_and_offload.json``, on it (the workflow names the released SD1.5 file;
-the demo swaps in the synthetic one and a small size, as the tests do): load to RAM, Move To GPU, sample, Offload To
-CPU, decode, with a VRAM Report after each step. The synthetic checkpoint has random weights, so the saved image is
-noise by design; for a real image, put v1-5-pruned-emaonly-fp16.safetensors in ComfyUI's models/checkpoints and open
-the template. Without a GPU ComfyUI runs in CPU mode with a simulated 8 GiB GPU (``--simulate-gpu none`` for none),
-so the moves show.
+``workflows/01 Start here - SD1.5 moved to the GPU, then offloaded.json``, on it (the workflow names the
+released SD1.5 file; the demo swaps in the synthetic one and a small size, as the tests do): load to RAM, Move To
+GPU, sample, Offload To CPU, decode, with a VRAM Report after each step. The synthetic checkpoint has random
+weights, so the saved image is noise by design; for a real image, put v1-5-pruned-emaonly-fp16.safetensors in
+ComfyUI's models/checkpoints and open the template. Without a GPU ComfyUI runs in CPU mode with a simulated 8 GiB
+GPU (``--simulate-gpu none`` for none), so the moves show.
 
     python3 tools/demo.py                     # run, print, keep serving until Ctrl-C
     python3 tools/demo.py --no-serve          # run, print, stop
@@ -33,7 +33,7 @@ from tools.runtime import DEFAULT_VERSION, REPO, TESTED_VERSIONS, provision, run
 from tools.workflow_api import load_workflow, ui_to_api
 
 log = logging.getLogger("device_control.tools")
-WORKFLOW = REPO / "workflows" / "01_start_here_sd15_move_to_gpu_and_offload.json"
+WORKFLOW = REPO / "workflows" / "01 Start here - SD1.5 moved to the GPU, then offloaded.json"
 NOISE_NOTE = (
     "[Device Control] the image is noise by design: the demo's synthetic checkpoint has random weights. For a real "
     "image, put v1-5-pruned-emaonly-fp16.safetensors (https://huggingface.co/Comfy-Org/stable-diffusion-v1-5-archive) "

@@ -39,7 +39,8 @@ class Released:
 class Family:
     """One family's example: its test files, how its diffusion model is placed, how it samples, and its release."""
 
-    stem: str
+    stem: str  # a short name: the prefix of the images it saves, the id of its tests
+    title: str  # the workflow's file name, which the template browser shows as its title
     unet: str
     dtype: str
     budget: str
@@ -65,6 +66,7 @@ _FLUX = Released("flux1-dev.safetensors", _FLUX_TE, "flux", "ae.safetensors", (1
 FAMILIES = (
     Family(
         "09_sdxl_split_files_unet_on_gpu",
+        "09 SDXL from separate files - UNet on the GPU",
         DIFFUSION_FIXTURES["sdxl_unet"].file,
         "fp16",
         "8GB",
@@ -87,6 +89,7 @@ FAMILIES = (
     ),
     Family(
         "13_sd35_split_files_fp8_budget",
+        "13 SD3.5 from separate files - fp8 under a VRAM budget",
         DIFFUSION_FIXTURES["sd35"].file,
         "fp8_e4m3fn",
         "7GB",
@@ -110,6 +113,7 @@ FAMILIES = (
     ),
     Family(
         "10_flux_split_files_fp8_budget",
+        "10 Flux dev from separate files - fp8 under a VRAM budget",
         DIFFUSION_FIXTURES["flux"].file,
         "fp8_e4m3fn",
         "9GB",
@@ -126,6 +130,7 @@ FAMILIES = (
     ),
     Family(
         "14_chroma_split_files_fp8_budget",
+        "14 Chroma from separate files - fp8 under a VRAM budget",
         DIFFUSION_FIXTURES["chroma"].file,
         "fp8_e4m3fn",
         "8GB",
@@ -148,6 +153,7 @@ FAMILIES = (
     ),
     Family(
         "15_wan21_split_files_fp8_budget",
+        "15 Wan 2.1 from separate files - fp8 under a VRAM budget",
         DIFFUSION_FIXTURES["wan21"].file,
         "fp8_e4m3fn",
         "9GB",
@@ -177,6 +183,7 @@ FAMILIES = (
 #: model's image instead).
 FLUX_GGUF_EXAMPLE = Family(
     "11_flux_gguf_q8_budget",
+    "11 Flux dev GGUF Q8 under a VRAM budget",
     FLUX_GGUF,
     "auto",
     "6GB",

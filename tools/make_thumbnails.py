@@ -1,9 +1,11 @@
-"""Write each example workflow's thumbnail (``workflows/<name>.jpg``): its graph as the real frontend draws it.
+"""Write each example workflow's thumbnail (``workflows/<name>.jpg``): a card that says what the template does.
 
 ComfyUI serves a custom-node pack's ``workflows/`` (or ``example_workflows/``) folder to the frontend's template
 browser, which shows ``<name>.jpg`` beside each ``<name>.json`` (the title and the description are the file name).
-This opens each workflow as it ships (the released file names) in headless Chromium, fits the graph to the canvas
-and saves a small JPEG of the canvas alone.
+A picture of the graph shrunk to a thumbnail is a dozen grey boxes, alike in every template; a card is read at a
+glance: the template's number and title, the model family in its own colour, and the steps that place the models,
+in the graph's order (read from the file: which loader puts which part where, Move To GPU's device and budget,
+Offload To CPU, a split), drawn in headless Chromium and saved as a small JPEG.
 
 Run ``python3 tools/make_thumbnails.py`` (with the runtime's Python) after ``tools/make_workflows.py``.
 """
@@ -11,13 +13,13 @@ Run ``python3 tools/make_thumbnails.py`` (with the runtime's Python) after ``too
 from __future__ import annotations
 
 import argparse
-import base64
+import html
 import io
 import json
 import logging
 import sys
-import tempfile
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -25,41 +27,79 @@ if __package__ in (None, ""):
 from PIL import Image
 from playwright.sync_api import sync_playwright
 
-from tools.comfy_server import ComfyServer
 from tools.runtime import CHROMIUM, REPO
 
 log = logging.getLogger("device_control.tools")
 THUMBNAIL = (512, 300)
-VIEWPORT = {"width": 1600, "height": 1000}
 FLAGS = ["--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking"]
-
-#: Fit the graph, widened to the thumbnail's shape, to the canvas's top left corner; return the canvas as a PNG
-#: data URL and the drawn region's size (the canvas alone: no menus, buttons or minimap over it).
-DRAW = """async ([aspect]) => {
-    const nodes = window.app.graph._nodes;
-    const left = Math.min(...nodes.map(n => n.pos[0])) - 40, top = Math.min(...nodes.map(n => n.pos[1] - 30)) - 40;
-    let w = Math.max(...nodes.map(n => n.pos[0] + n.size[0])) - left + 40;
-    let h = Math.max(...nodes.map(n => n.pos[1] + n.size[1])) - top + 40;
-    if (w / h < aspect) w = h * aspect; else h = w / aspect;
-    const canvas = window.app.canvas, ds = canvas.ds;
-    ds.scale = Math.min(canvas.canvas.width / w, canvas.canvas.height / h);
-    ds.offset[0] = -left;
-    ds.offset[1] = -top;
-    canvas.setDirty(true, true);
-    canvas.draw(true, true);
-    return [canvas.canvas.toDataURL("image/png"), w * ds.scale, h * ds.scale];
-}"""
+#: A family's colour, by the word its title names it with (the first that matches).
+COLOURS = (("SDXL", "#8e5cd9"), ("SD3.5", "#3f9d6b"), ("Flux", "#d9822b"), ("Chroma", "#c2477f"),
+           ("Wan", "#2b9bb0"), ("", "#3a78c9"))  # fmt: skip
 
 
-def shoot(page, workflow: Path) -> bytes:
+def where(device: str) -> str:
+    """A device as the card names it."""
+    return {"cpu": "RAM", "auto": "ComfyUI's choice"}.get(device, device)
+
+
+def steps(workflow: dict[str, Any]) -> list[str]:
+    """The steps that place the workflow's models, in the order the graph runs them."""
+    said = []
+    for node in sorted(workflow["nodes"], key=lambda n: n.get("order", 0)):
+        kind, values = node["type"], node.get("widgets_values") or []
+        if kind == "DeviceControl_LoadCheckpoint":
+            unet, clip, vae = (where(d) for d in values[1:4])
+            said.append(f"Load: UNet to {unet}, CLIP to {clip}, VAE to {vae}")
+        elif kind == "DeviceControl_LoadDiffusionModel":
+            said.append(f"Diffusion model to {where(values[1])}" + (f", {values[2]}" if values[2] != "auto" else ""))
+        elif kind == "DeviceControl_LoadTextEncoders":
+            said.append(f"Text encoders to {where(values[-2])}")
+        elif kind == "DeviceControl_LoadVAE":
+            said.append(f"VAE to {where(values[1])}")
+        elif kind == "DeviceControl_MoveToGPU":
+            said.append(f"Move To GPU: {values[0]}" + (f", {values[1]} budget" if values[1] != "all" else ", all"))
+        elif kind == "DeviceControl_OffloadToCPU":
+            said.append("Offload To CPU")
+        elif kind == "DeviceControl_SplitModel":
+            said.append(f"Split: {values[0]}")
+        elif kind == "CheckpointLoaderSimple":
+            said.append("ComfyUI's Load Checkpoint")
+        elif kind == "LoraLoader":
+            said.append("LoRA")
+        elif kind == "KSampler":
+            said.append("Sample")
+        elif kind == "VAEDecode":
+            said.append("Decode")
+    return said
+
+
+def card(name: str, workflow: dict[str, Any]) -> str:
+    """The card's page."""
+    number, _, title = name.partition(" ")
+    colour = next(colour for word, colour in COLOURS if word in title)
+    reports = sum(node["type"] == "DeviceControl_VRAMReport" for node in workflow["nodes"])
+    chips = "".join(f"<span>{html.escape(step)}</span>" for step in steps(workflow))
+    if reports:
+        chips += f'<span class="report">{reports} VRAM Report{"s" if reports > 1 else ""}</span>'
+    return f"""<html><body style="margin:0"><div style="width:{THUMBNAIL[0]}px;height:{THUMBNAIL[1]}px;
+        box-sizing:border-box;padding:18px 22px;background:#1e1f22;border-top:10px solid {colour};
+        font-family:sans-serif;color:#e8e8e8">
+      <div style="display:flex;align-items:baseline;gap:14px">
+        <b style="font-size:54px;color:{colour}">{html.escape(number)}</b>
+        <b style="font-size:23px;line-height:1.15">{html.escape(title)}</b></div>
+      <div style="margin-top:14px;display:flex;flex-wrap:wrap;gap:7px;font-size:15px">{chips}</div>
+      <style>span{{background:#34363b;border-radius:5px;padding:4px 8px}} span.report{{background:#2f4a3a}}</style>
+    </div></body></html>"""
+
+
+def shoot(page: Any, workflow: Path) -> bytes:
     """The workflow's thumbnail as JPEG bytes."""
-    page.evaluate("async (wf) => { await window.app.loadGraphData(wf); }", json.loads(workflow.read_text()))
-    page.wait_for_timeout(300)
-    url, width, height = page.evaluate(DRAW, [THUMBNAIL[0] / THUMBNAIL[1]])
-    image = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB")
-    image = image.crop((0, 0, int(width), int(height))).resize(THUMBNAIL, Image.LANCZOS)
+    page.set_content(card(workflow.stem, json.loads(workflow.read_text())))
+    image = Image.open(
+        io.BytesIO(page.screenshot(clip={"x": 0, "y": 0, "width": THUMBNAIL[0], "height": THUMBNAIL[1]}))
+    )
     out = io.BytesIO()
-    image.save(out, "JPEG", quality=82, optimize=True)
+    image.convert("RGB").save(out, "JPEG", quality=85, optimize=True)
     return out.getvalue()
 
 
@@ -67,22 +107,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    with tempfile.TemporaryDirectory() as base:
-        server = ComfyServer(Path(base), env={"DEVICE_CONTROL_SIMULATE_GPU": "8GiB"}).start()
-        server.post("/settings/Comfy.TutorialCompleted", True)
-        try:
-            with sync_playwright() as playwright:
-                browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=FLAGS)
-                page = browser.new_page(viewport=VIEWPORT)
-                page.goto(server.url + "/")
-                page.wait_for_function("window.app && window.app.graph && window.app.canvas", timeout=90_000)
-                for workflow in sorted((REPO / "workflows").glob("*.json")):
-                    path = workflow.with_suffix(".jpg")
-                    path.write_bytes(shoot(page, workflow))
-                    log.info("[Device Control] wrote %s (%d KB)", path.relative_to(REPO), path.stat().st_size // 1024)
-                browser.close()
-        finally:
-            server.stop()
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=FLAGS)
+        page = browser.new_page(viewport={"width": THUMBNAIL[0], "height": THUMBNAIL[1]})
+        for workflow in sorted((REPO / "workflows").glob("*.json")):
+            path = workflow.with_suffix(".jpg")
+            path.write_bytes(shoot(page, workflow))
+            log.info("[Device Control] wrote %s (%d KB)", path.relative_to(REPO), path.stat().st_size // 1024)
+        browser.close()
     return 0
 
 

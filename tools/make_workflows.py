@@ -36,7 +36,12 @@ from tools.template_release import release
 
 log = logging.getLogger("device_control.tools")
 REPO = Path(__file__).resolve().parent.parent
-NODE_WIDTH, REPORT_SIZE, GAP, OUR_TEXT_BOX = 340, (520, 360), 50, 160
+NODE_WIDTH, REPORT_SIZE, GAP, OUR_TEXT_BOX, TITLE_HEIGHT = 340, (520, 360), 50, 160, 30
+#: The view a template opens at: its start (top left), at a zoom where the frontend draws node text (it draws bare
+#: boxes below 8 px over its 14 px text, 0.57, on a screen of device pixel ratio 1). The frontends that fit a
+#: template to the window (1.48 on) would open a graph of a dozen nodes at about 30 %: the pack's extension
+#: (web/template_view.js) opens a graph marked with TEMPLATE_MARK at this view instead, where the fit draws no text.
+OPEN_SCALE, OPEN_MARGIN, TEMPLATE_MARK = 0.75, 30, "device_control_template"
 PROMPT = "a lighthouse on a cliff at sunset, oil painting"
 
 
@@ -91,9 +96,9 @@ def move_and_offload() -> list[Node]:
         report(4, "after Move To GPU", (3, 0), (460, 640)),
         *sampling(5, (1, 1), (4, 0), 840),
         Node(9, "DeviceControl_OffloadToCPU", ["full", "2GB", True], {"model": (3, 0), "trigger": (8, 0)}, (1580, 80)),
-        report(10, "after Offload To CPU", (9, 0), (1140, 640)),
+        report(10, "after Offload To CPU", (9, 0), (1580, 640)),
         Node(11, "VAEDecode", [], {"samples": (10, 0), "vae": (1, 2)}, (1960, 80)),
-        report(12, "after decoding", (11, 0), (1820, 640)),
+        report(12, "after decoding", (11, 0), (1960, 640)),
         Node(13, "SaveImage", ["01_start_here_sd15_move_to_gpu_and_offload"], {"images": (12, 0)}, (2300, 80)),
     ]
 
@@ -107,7 +112,7 @@ def low_vram_lora() -> list[Node]:
         report(4, "UNet on a 1.5 GB budget", (3, 0), (840, 640)),
         *sampling(5, (2, 1), (4, 0), 1220),
         Node(9, "VAEDecode", [], {"samples": (8, 0), "vae": (1, 2)}, (1960, 80)),
-        report(10, "after decoding", (9, 0), (1540, 640)),
+        report(10, "after decoding", (9, 0), (1960, 640)),
         Node(11, "SaveImage", ["04_sd15_low_vram_lora_budget"], {"images": (10, 0)}, (2300, 80)),
     ]
 
@@ -122,7 +127,7 @@ def two_checkpoints() -> list[Node]:
         Node(8, "DeviceControl_OffloadToCPU", ["full", "2GB", True], {"model": (2, 0), "trigger": (7, 0)}, (1580, 80)),
         loader(9, SD15_CHECKPOINT_B, (20, 1100)),
         Node(10, "DeviceControl_MoveToGPU", ["gpu:0", "all", False], {"model": (9, 0), "trigger": (8, 0)}, (460, 1100)),
-        report(11, "second model on the GPU", (10, 0), (1140, 640)),
+        report(11, "second model on the GPU", (10, 0), (460, 1500)),
         Node(12, "CLIPTextEncode", [PROMPT], {"clip": (9, 1)}, (840, 1100)),
         Node(13, "CLIPTextEncode", ["blurry"], {"clip": (9, 1)}, (840, 1320)),
         Node(
@@ -232,13 +237,13 @@ def family_split_files(family: Family) -> list[Node]:
 
 
 WORKFLOWS = {
-    "01_start_here_sd15_move_to_gpu_and_offload.json": move_and_offload,
-    "08_sd15_split_files_diffusion_model_on_gpu.json": split_files,
-    "04_sd15_low_vram_lora_budget.json": low_vram_lora,
-    "07_two_checkpoints_offload_between.json": two_checkpoints,
-    "12_flux_split_across_two_gpus.json": split_across_gpus,
-    **{f"{family.stem}.json": partial(family_split_files, family) for family in FAMILIES},
-    f"{FLUX_GGUF_EXAMPLE.stem}.json": partial(family_split_files, FLUX_GGUF_EXAMPLE),
+    "01 Start here - SD1.5 moved to the GPU, then offloaded.json": move_and_offload,
+    "08 SD1.5 from separate files - diffusion model on the GPU.json": split_files,
+    "04 SD1.5 and a LoRA under a 1.5 GB VRAM budget.json": low_vram_lora,
+    "07 Two checkpoints - the first offloaded before the second.json": two_checkpoints,
+    "12 Flux dev split across two GPUs.json": split_across_gpus,
+    **{f"{family.title}.json": partial(family_split_files, family) for family in FAMILIES},
+    f"{FLUX_GGUF_EXAMPLE.title}.json": partial(family_split_files, FLUX_GGUF_EXAMPLE),
 }
 
 
@@ -340,7 +345,7 @@ def build(nodes: list[Node], object_info: dict[str, Any]) -> dict[str, Any]:
         "links": links,
         "groups": [],
         "config": {},
-        "extra": {"ds": {"scale": 0.6, "offset": [30, 20]}},
+        "extra": {},
         "version": 0.4,
     }
 
@@ -385,20 +390,44 @@ def _size(node: dict[str, Any], object_info: dict[str, Any]) -> list[int]:
     return [NODE_WIDTH, 46 + 24 * rows + 28 * widgets + 130 * text + report_box]
 
 
+def _reports(workflow: dict[str, Any]) -> dict[int, int]:
+    """Each VRAM Report on a wire from a node that is not a report: the id of that node, by the report's."""
+    source = {link[0]: link[1] for link in workflow["links"]}
+    kinds = {node["id"]: node["type"] for node in workflow["nodes"]}
+    found = {}
+    for node in workflow["nodes"]:
+        if node["type"] != "DeviceControl_VRAMReport":
+            continue
+        link = next((entry.get("link") for entry in node.get("inputs", []) if entry["name"] == "value"), None)
+        if link in source and kinds[source[link]] != "DeviceControl_VRAMReport":
+            found[node["id"]] = source[link]
+    return found
+
+
 def layout(workflow: dict[str, Any], object_info: dict[str, Any]) -> dict[str, Any]:
     """Pack the nodes in columns: nodes sharing an x form a column, in the order of their y, each below the one
-    before; each column starts right of the widest node of the one before. No two nodes overlap."""
+    before; each column starts right of the widest node of the one before. No two nodes overlap, and a VRAM Report
+    shares the column of the node it follows, so the graph reads left to right. The workflow opens at its start
+    (``OPEN_SCALE``)."""
+    place = {node["id"]: (int(node["pos"][0]), float(node["pos"][1])) for node in workflow["nodes"]}
+    for report, source in _reports(workflow).items():  # right below the node it follows
+        place[report] = (place[source][0], place[source][1] + 0.5)
     columns: dict[int, list[dict[str, Any]]] = {}
     for node in workflow["nodes"]:
         node["size"] = _size(node, object_info)
-        columns.setdefault(int(node["pos"][0]), []).append(node)
+        columns.setdefault(place[node["id"]][0], []).append(node)
     x = 20
     for _, column in sorted(columns.items()):
         y = 80
-        for node in sorted(column, key=lambda n: n["pos"][1]):
+        for node in sorted(column, key=lambda n: place[n["id"]][1]):
             node["pos"] = [x, y]
             y += node["size"][1] + GAP
         x += max(n["size"][0] for n in column) + GAP
+    left = min(n["pos"][0] for n in workflow["nodes"])
+    top = min(n["pos"][1] for n in workflow["nodes"]) - TITLE_HEIGHT
+    extra = workflow.setdefault("extra", {})
+    extra["ds"] = {"scale": OPEN_SCALE, "offset": [OPEN_MARGIN / OPEN_SCALE - left, OPEN_MARGIN / OPEN_SCALE - top]}
+    extra[TEMPLATE_MARK] = True
     return workflow
 
 

@@ -28,7 +28,7 @@ from tools.make_fixtures import SD15_CHECKPOINT
 from tools.workflow_api import load_workflow, ui_to_api
 
 REPO = Path(__file__).resolve().parents[1]
-WORKFLOW = REPO / "workflows" / "01_start_here_sd15_move_to_gpu_and_offload.json"
+WORKFLOW = REPO / "workflows" / "01 Start here - SD1.5 moved to the GPU, then offloaded.json"
 SECOND_NAME = SD15_CHECKPOINT.replace(".safetensors", "_b.safetensors")
 #: The example workflow's node ids.
 LOADER, MOVE, SAMPLER, OFFLOAD = "1", "3", "8", "9"

@@ -5,6 +5,7 @@
 import { api } from "../../scripts/api.js";
 import { app } from "../../scripts/app.js";
 import "./panel/device_warnings.js";
+import "./template_view.js";
 import { formatBytes } from "./panel/format.js";
 import { memoryReport } from "./panel/report.js";
 import { Timeline } from "./panel/timeline.js";

@@ -10,7 +10,7 @@ from tools.workflow_api import load_workflow, ui_to_api
 
 REPO = Path(__file__).resolve().parents[2]
 WORKFLOWS = sorted((REPO / "workflows").glob("*.json"))
-PLACED = REPO / "workflows" / "02_sd15_unet_on_gpu_text_encoder_on_cpu.json"
+PLACED = REPO / "workflows" / "02 SD1.5 - UNet on the GPU, text encoder on the CPU.json"
 
 
 def test_extension_loads_without_errors_of_ours(frontend):

@@ -18,7 +18,7 @@ from tests.browser.profile_checks import LISTEN_FOR_OWN_PROFILE, drawn_badges
 from tools.runtime import DEFAULT_VERSION, NEWEST_FRONTEND, RELEASES
 
 REPO = Path(__file__).resolve().parents[2]
-MOVE = REPO / "workflows" / "01_start_here_sd15_move_to_gpu_and_offload.json"
+MOVE = REPO / "workflows" / "01 Start here - SD1.5 moved to the GPU, then offloaded.json"
 #: 0.28.0's pinned frontend, the first tested with ComfyUI's own MatchType.
 FRONTEND_0_28 = RELEASES["0.28.0"].frontend
 FRONTENDS = [PINNED, *{FRONTEND_0_28, NEWEST_FRONTEND} - {RELEASES[DEFAULT_VERSION].frontend}]

@@ -25,8 +25,8 @@ from tests.passes import ONCE
 from tools.runtime import DEFAULT_VERSION, NEWEST_FRONTEND, RELEASES
 
 REPO = Path(__file__).resolve().parents[2]
-SEED = REPO / "workflows" / "01_start_here_sd15_move_to_gpu_and_offload.json"
-PLACED = REPO / "workflows" / "02_sd15_unet_on_gpu_text_encoder_on_cpu.json"
+SEED = REPO / "workflows" / "01 Start here - SD1.5 moved to the GPU, then offloaded.json"
+PLACED = REPO / "workflows" / "02 SD1.5 - UNet on the GPU, text encoder on the CPU.json"
 GIB = 1024**3
 UNET_BYTES = int(3.2 * GIB)  # the synthetic SD1.5 UNet, fp32
 
@@ -402,6 +402,4 @@ def test_a_run_pushed_before_the_pages_first_answer_keeps_its_badges(frontend):
     older = {**pushed, "prompt_id": "an-older-run", "nodes": [{**n, "wall": n["wall"] + 5} for n in pushed["nodes"]]}
     held[0].fulfill(status=200, content_type="application/json", body=json.dumps(older))
     page.wait_for_timeout(500)
-    assert_badges_show_the_profile(
-        page, frontend.server.get(f"/device_control/profile?prompt_id={pushed['prompt_id']}")
-    )
+    assert_badges_show_the_profile(page, pushed)

@@ -12,7 +12,7 @@ from tests.browser.test_panel import PANEL, open_panel, run_workflow
 from tests.passes import ONCE
 
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLE = REPO / "workflows" / "12_flux_split_across_two_gpus.json"
+EXAMPLE = REPO / "workflows" / "12 Flux dev split across two GPUs.json"
 #: Read by the ``browser_server`` fixture: two simulated GPUs.
 SIMULATE_GPU = "4GiB,4GiB"
 MiB = 1024**2

@@ -1,6 +1,6 @@
 """The example workflows as the template browser opens them: every node of every one laid out apart from the others
-(the frontend's own rectangles, after it sized each node), on the frontend ComfyUI pins and on 1.45.21 and the newest;
-each has its thumbnail beside it."""
+(the frontend's own rectangles, after it sized each node) and reading left to right, the starter at a zoom where the
+frontend draws node text, on the frontend ComfyUI pins and on 1.45.21 and the newest; each has its own thumbnail."""
 
 from __future__ import annotations
 
@@ -10,19 +10,39 @@ import pytest
 
 from tests.browser.conftest import PINNED
 from tools.runtime import DEFAULT_VERSION, NEWEST_FRONTEND, RELEASES
+from tools.workflow_api import load_workflow
 
 REPO = Path(__file__).resolve().parents[2]
 WORKFLOWS = sorted((REPO / "workflows").glob("*.json"))
+STARTER = WORKFLOWS[0]
 #: The pinned frontend, and 1.45.21 and the newest where the pinned one is neither.
 FRONTENDS = [PINNED, *sorted({"1.45.21", NEWEST_FRONTEND} - {RELEASES[DEFAULT_VERSION].frontend})]
 
 pytestmark = pytest.mark.parametrize("frontend_version", FRONTENDS, indirect=True, scope="module")
 
-#: Each node's rectangle [x, y, width, height] as the frontend holds it, its title bar included.
-RECTANGLES = """() => window.app.graph._nodes.map(n => {
-    const r = n.boundingRect ? Array.from(n.boundingRect) : [n.pos[0], n.pos[1] - 30, n.size[0], n.size[1] + 30];
-    return {id: n.id, title: n.title, rect: r};
+#: Each node's rectangle [x, y, width, height] as the frontend holds it, its title bar included, and the links
+#: (each [id, from node, from slot, to node, to slot, type]).
+RECTANGLES = """() => ({
+    nodes: window.app.graph._nodes.map(n => {
+        const r = n.boundingRect ? Array.from(n.boundingRect) : [n.pos[0], n.pos[1] - 30, n.size[0], n.size[1] + 30];
+        return {id: n.id, title: n.title, rect: r};
+    }),
+    links: window.app.graph.serialize().links,
 })"""
+
+#: Open a template as the template browser does (the frontends from 1.48 fit it to the window, older ones take its
+#: stored view; ours then opens a marked graph at its stored view where that fit draws no text), and read the view
+#: a few frames later: the scale, the node text's size on screen against the frontend's threshold, and where the
+#: first node (the loader) is on screen.
+OPEN_AS_TEMPLATE = """async ([wf, name]) => {
+    await window.app.loadGraphData(wf, true, true, name, {openSource: "template"});
+    for (let i = 0; i < 4; i++) await new Promise((done) => requestAnimationFrame(done));
+    const ds = window.app.canvas.ds;
+    const least = window.app.extensionManager?.setting?.get?.("LiteGraph.Canvas.MinFontSizeForLOD") ?? 8;
+    const first = window.app.graph._nodes.reduce((a, b) => (b.pos[0] + b.pos[1] < a.pos[0] + a.pos[1] ? b : a));
+    return {scale: ds.scale, textPx: 14 * ds.scale * Math.sqrt(window.devicePixelRatio || 1), least,
+            first: [(first.pos[0] + ds.offset[0]) * ds.scale, (first.pos[1] + ds.offset[1]) * ds.scale]};
+}"""
 
 
 def _overlaps(nodes: list[dict]) -> list[tuple[str, str]]:
@@ -36,24 +56,51 @@ def _overlaps(nodes: list[dict]) -> list[tuple[str, str]]:
     return found
 
 
-def test_no_two_nodes_of_a_template_overlap(frontend):
-    """One page load per frontend; each template loaded in turn, measured after the frontend sized its nodes."""
+def _backwards(nodes: list[dict], links: list[list]) -> list[tuple[str, str]]:
+    """The links that run from a node to one left of it in the same band (a node below the other's bottom starts a
+    band of its own: the second checkpoint of ``07``)."""
+    rect = {str(n["id"]): n["rect"] for n in nodes}  # ids are numbers on some frontends, strings on others
+    title = {str(n["id"]): n["title"] for n in nodes}
+    found = []
+    for _id, source, _slot, target, *_ in links:
+        source, target = str(source), str(target)
+        (sx, sy, _sw, sh), (tx, ty, _tw, _th) = rect[source], rect[target]
+        if tx < sx and ty < sy + sh:
+            found.append((title[source], title[target]))
+    return found
+
+
+def test_no_two_nodes_of_a_template_overlap_and_each_reads_left_to_right(frontend):
+    """One page load per frontend; each template loaded in turn, measured after the frontend sized its nodes. The
+    starter's report "after Offload To CPU" sat left of KSampler, before it: the graph read backwards."""
     frontend.open()
-    overlapping = {}
+    overlapping, backwards = {}, {}
     for workflow in WORKFLOWS:
         frontend.load_workflow(workflow)
         frontend.page.wait_for_timeout(100)
-        pairs = _overlaps(frontend.page.evaluate(RECTANGLES))
-        if pairs:
+        shown = frontend.page.evaluate(RECTANGLES)
+        if pairs := _overlaps(shown["nodes"]):
             overlapping[workflow.stem] = pairs
-    assert WORKFLOWS and overlapping == {}
+        if pairs := _backwards(shown["nodes"], shown["links"]):
+            backwards[workflow.stem] = pairs
+    assert WORKFLOWS and overlapping == {} and backwards == {}, (overlapping, backwards)
+
+
+def test_the_starter_opens_at_its_start_where_node_text_shows(frontend):
+    """It opened at 29 % on 1.48.7 (a fit of one row 4,200 px long), where the frontend draws boxes without text."""
+    frontend.open()
+    view = frontend.page.evaluate(OPEN_AS_TEMPLATE, [load_workflow(STARTER), STARTER.stem])
+    assert view["textPx"] >= view["least"], view
+    assert 0 <= view["first"][0] < 120 and 0 <= view["first"][1] < 160, view  # the loader, at the top left
 
 
 def test_every_template_has_a_small_thumbnail(frontend_version):
-    """The template browser shows ``<name>.jpg`` beside each custom-node template."""
+    """The template browser shows ``<name>.jpg`` beside each custom-node template: a card with its number, title
+    and placing steps (``tools/make_thumbnails.py``), not a shrunk graph, alike in every template."""
     if frontend_version != PINNED:
         pytest.skip("the files do not depend on the frontend")
-    for workflow in WORKFLOWS:
-        thumbnail = workflow.with_suffix(".jpg")
+    thumbnails = [workflow.with_suffix(".jpg") for workflow in WORKFLOWS]
+    for thumbnail in thumbnails:
         assert thumbnail.exists(), f"{thumbnail.name} is missing: run tools/make_thumbnails.py"
         assert thumbnail.stat().st_size < 60_000, thumbnail.name
+    assert len({thumbnail.read_bytes() for thumbnail in thumbnails}) == len(thumbnails)  # each a card of its own

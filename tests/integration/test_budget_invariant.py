@@ -22,7 +22,7 @@ from core.units import format_bytes, parse_size
 from tests.passes import ONCE
 
 REPO = Path(__file__).resolve().parents[2]
-MOVE = REPO / "workflows" / "01_start_here_sd15_move_to_gpu_and_offload.json"
+MOVE = REPO / "workflows" / "01 Start here - SD1.5 moved to the GPU, then offloaded.json"
 LORA = "device_control_sd15_lora_r4.safetensors"
 #: Report nodes the walk reads: after Move To GPU (the workflow's), after the sampler, after Offload To CPU.
 AFTER_MOVE, AFTER_SAMPLER, AFTER_OFFLOAD = "4", "14", "10"

@@ -115,7 +115,7 @@ ONCE_FOR_SDXL = [
 @EVERY_VERSION  # each ComfyUI builds each family its own way
 @pytest.mark.parametrize("family", ONCE_FOR_SDXL)
 def test_the_example_workflow_gives_the_stock_loaders_image(server, api, family: Family):
-    prompt = api.load_prompt(server, REPO / "workflows" / f"{family.stem}.json")
+    prompt = api.load_prompt(server, REPO / "workflows" / f"{family.title}.json")
     ours = _run_alone(server, prompt)
     assert api.moves_hold(ours, prompt), "the move was not checked against the books"
     again = watch(server, prompt)  # queued again unchanged: as with stock nodes, nothing runs
@@ -284,7 +284,7 @@ def test_each_loader_shows_its_fit_plan_on_the_node_before_reading_a_weight(serv
 def test_the_gguf_example_keeps_its_blocks_quantised_and_gives_the_fp16_models_image(server, api, synthetic_models):
     """The Flux GGUF example (Q8_0) against the stock graph on the fp16 model it was quantised from: the image
     differs only by Q8_0's rounding of the weights; the GPU holds the file's quantised bytes, not floats."""
-    prompt = api.load_prompt(server, REPO / "workflows" / f"{FLUX_GGUF_EXAMPLE.stem}.json")
+    prompt = api.load_prompt(server, REPO / "workflows" / f"{FLUX_GGUF_EXAMPLE.title}.json")
     ours = _run_alone(server, prompt)
     assert api.moves_hold(ours, prompt), "the move was not checked against the books"
     moved = api.report_json(ours, "3")["subject"]

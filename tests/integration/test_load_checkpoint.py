@@ -15,8 +15,8 @@ from tools.make_fixtures import SD15_CHECKPOINT
 from tools.workflow_api import load_workflow, ui_to_api
 
 REPO = Path(__file__).resolve().parents[2]
-STOCK = REPO / "workflows" / "03_txt2img_vram_report.json"
-OURS = REPO / "workflows" / "02_sd15_unet_on_gpu_text_encoder_on_cpu.json"
+STOCK = REPO / "workflows" / "03 Text to image with VRAM Reports.json"
+OURS = REPO / "workflows" / "02 SD1.5 - UNet on the GPU, text encoder on the CPU.json"
 GiB = 1024**3
 
 

@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 #: Several full-size models at once (the hook LoRA's stock graph held 11.7 GB in its server, killed for memory
 #: beside another tier's module): runs while no other tier's module does (tests/server_pool.py).
 HOLDS_MODELS = True
-LORA_WORKFLOW = REPO / "workflows" / "06_sd15_lora_unet_on_gpu.json"
+LORA_WORKFLOW = REPO / "workflows" / "06 SD1.5 - a LoRA on a UNet placed on the GPU.json"
 
 
 @pytest.fixture(scope="module")

@@ -18,9 +18,9 @@ from tools.make_fixtures import SD15_CHECKPOINT
 REPO = Path(__file__).resolve().parents[2]
 #: Several full-size models at once: runs while no other tier's module does (tests/server_pool.py).
 HOLDS_MODELS = True
-MOVE = REPO / "workflows" / "01_start_here_sd15_move_to_gpu_and_offload.json"
-LOW_VRAM = REPO / "workflows" / "04_sd15_low_vram_lora_budget.json"
-TWO = REPO / "workflows" / "07_two_checkpoints_offload_between.json"
+MOVE = REPO / "workflows" / "01 Start here - SD1.5 moved to the GPU, then offloaded.json"
+LOW_VRAM = REPO / "workflows" / "04 SD1.5 and a LoRA under a 1.5 GB VRAM budget.json"
+TWO = REPO / "workflows" / "07 Two checkpoints - the first offloaded before the second.json"
 GiB = 1024**3
 #: The synthetic SD1.5 UNet in fp32.
 UNET_BYTES = 3438091856

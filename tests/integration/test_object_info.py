@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from urllib.parse import quote
+
 import pytest
 
 from tools.comfy_server import ComfyError
@@ -44,12 +46,17 @@ def test_the_pack_loads_without_errors_and_serves_its_web_extension(comfy_server
     assert "/extensions/comfyui-device-control/device_control.js" in extensions
 
 
-def test_example_workflows_are_offered_as_templates(comfy_server, api):
-    templates = comfy_server.get("/workflow_templates")
-    assert sorted(templates["comfyui-device-control"]) == sorted(w.stem for w in api.workflows)
+def test_example_workflows_are_offered_as_templates_in_the_order_of_their_numbers(comfy_server, api):
+    """The template browser's default sort keeps the server's order, which ComfyUI takes from the disk (hash order
+    on Linux: "01 Start here" came last); the titles are the file names."""
+    for path in ("/workflow_templates", "/api/workflow_templates"):
+        templates = comfy_server.get(path)
+        assert templates["comfyui-device-control"] == sorted(w.stem for w in api.workflows), path
+    assert templates["comfyui-device-control"][0].startswith("01 Start here")
     for workflow in api.workflows:
-        served = comfy_server.get(f"/api/workflow_templates/comfyui-device-control/{workflow.name}")
+        served = comfy_server.get(f"/api/workflow_templates/comfyui-device-control/{quote(workflow.name)}")
         assert served["nodes"], f"{workflow.name} is not served to the frontend's template browser"
+        assert served["extra"]["device_control_template"] is True  # it opens readable (web/template_view.js)
 
 
 def test_move_and_offload_take_any_model_and_pass_a_trigger_through(comfy_server):

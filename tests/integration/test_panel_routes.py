@@ -19,8 +19,8 @@ from tools.comfy_server import ComfyError
 from tools.stress import run_coroutine
 
 REPO = Path(__file__).resolve().parents[2]
-PLACED = REPO / "workflows" / "02_sd15_unet_on_gpu_text_encoder_on_cpu.json"
-MOVE = REPO / "workflows" / "01_start_here_sd15_move_to_gpu_and_offload.json"
+PLACED = REPO / "workflows" / "02 SD1.5 - UNet on the GPU, text encoder on the CPU.json"
+MOVE = REPO / "workflows" / "01 Start here - SD1.5 moved to the GPU, then offloaded.json"
 GiB = 1024**3
 UNET_BYTES = int(3.2 * GiB)
 

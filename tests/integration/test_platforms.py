@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-LOW_VRAM = REPO / "workflows" / "04_sd15_low_vram_lora_budget.json"
+LOW_VRAM = REPO / "workflows" / "04 SD1.5 and a LoRA under a 1.5 GB VRAM budget.json"
 GiB = 1024**3
 
 

@@ -19,7 +19,7 @@ from tools.comfy_server import ComfyError
 from tools.stress import run_coroutine
 
 REPO = Path(__file__).resolve().parents[2]
-MOVE = REPO / "workflows" / "01_start_here_sd15_move_to_gpu_and_offload.json"
+MOVE = REPO / "workflows" / "01 Start here - SD1.5 moved to the GPU, then offloaded.json"
 GiB = 1024**3
 
 

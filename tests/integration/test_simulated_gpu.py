@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 GiB = 1024**3
-TXT2IMG = Path(__file__).resolve().parents[2] / "workflows" / "03_txt2img_vram_report.json"
+TXT2IMG = Path(__file__).resolve().parents[2] / "workflows" / "03 Text to image with VRAM Reports.json"
 
 
 @pytest.fixture(scope="module")

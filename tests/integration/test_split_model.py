@@ -20,7 +20,7 @@ GiB = 1024**3
 WORKFLOWS = Path(__file__).resolve().parents[2] / "workflows"
 #: Several full-size models at once: runs while no other tier's module does (tests/server_pool.py).
 HOLDS_MODELS = True
-EXAMPLE = WORKFLOWS / "12_flux_split_across_two_gpus.json"
+EXAMPLE = WORKFLOWS / "12 Flux dev split across two GPUs.json"
 ALLOCATION = "gpu:0=40%, gpu:1=30%, gpu:2=*"
 
 
@@ -357,7 +357,7 @@ def test_sdxl_larger_than_any_gpu_splits_over_two_of_them_and_over_one_and_ram(s
     (pipeline), then 600 MB on gpu:2 and the rest in RAM (stream); both give the image of the same model in RAM.
     The same code in every ComfyUI version as SD1.5's UNet (ComfyUI's openaimodel), so it runs once."""
     server = servers("split-small-gpus", SIMULATE_GPU=SMALL_GPUS)
-    prompt = api.load_prompt(server, WORKFLOWS / "09_sdxl_split_files_unet_on_gpu.json")
+    prompt = api.load_prompt(server, WORKFLOWS / "09 SDXL from separate files - UNet on the GPU.json")
     lora = {"model": ["1", 0], "lora_name": synthetic_models["lora_sdxl"].name, "strength_model": 1.0}
     prompt["39"] = {"class_type": "LoraLoaderModelOnly", "inputs": lora}
     split = {"allocation": "gpu:0=50%, gpu:1=*", "mode": "pipeline"}

@@ -19,9 +19,9 @@ REPO = Path(__file__).resolve().parents[2]
 HOLDS_MODELS = True
 #: The family workflows (and the GGUF one) run in ``test_families.py``, on a simulated GPU against ComfyUI's stock
 #: loaders.
-ELSEWHERE = {f.stem for f in (*FAMILIES, FLUX_GGUF_EXAMPLE)}
+ELSEWHERE = {f.title for f in (*FAMILIES, FLUX_GGUF_EXAMPLE)}
 WORKFLOWS = sorted(w for w in (REPO / "workflows").glob("*.json") if w.stem not in ELSEWHERE)
-TXT2IMG = REPO / "workflows" / "03_txt2img_vram_report.json"
+TXT2IMG = REPO / "workflows" / "03 Text to image with VRAM Reports.json"
 
 
 @pytest.fixture(scope="module")
