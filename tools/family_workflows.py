@@ -75,8 +75,9 @@ FAMILIES = (
         SD15_VAE,
         ("EmptyLatentImage", [64, 64, 1]),
         ("euler", "normal"),
-        "SDXL base in separate files: its UNet (fp16, 4.8 GiB) in models/diffusion_models, clip_l and clip_g in "
-        "models/text_encoders (type sdxl), the SDXL VAE in models/vae. The UNet fits an 8 GB budget whole.",
+        "SDXL base in separate files, no login needed: its UNet, sdxl_unet_fp16 (5.1 GB to download), in "
+        "models/diffusion_models; clip_l (0.25 GB to download) and clip_g (1.4 GB to download) in models/text_encoders "
+        "(type sdxl); sdxl_vae (0.34 GB to download) in models/vae. The UNet fits an 8 GB budget whole.",
         Released(
             "sdxl_unet_fp16.safetensors",
             ("clip_l.safetensors", "clip_g.safetensors"),
@@ -98,9 +99,10 @@ FAMILIES = (
         _vae("vae_16ch"),
         _SD3_LATENT,
         ("euler", "simple"),
-        "SD3.5 Large in separate files: sd3.5_large (7.6 GiB in fp8) in models/diffusion_models; clip_l, clip_g and "
-        "t5xxl in models/text_encoders (type sd3), on the CPU; the SD3.5 VAE in models/vae. A 7 GB budget keeps most "
-        "of the model on the GPU and streams the rest each step.",
+        "SD3.5 Large in separate files: sd3.5_large (16.3 GB to download; log in to Hugging Face and accept the "
+        "licence on its page first; 7.6 GiB in memory as fp8) in models/diffusion_models; clip_l, clip_g and "
+        "t5xxl_fp8_e4m3fn_scaled (4.9 GB to download) in models/text_encoders (type sd3), on the CPU; the SD3.5 VAE "
+        "in models/vae. A 7 GB budget keeps most of the model on the GPU and streams the rest each step.",
         Released(
             "sd3.5_large.safetensors",
             ("clip_l.safetensors", "clip_g.safetensors", "t5xxl_fp8_e4m3fn_scaled.safetensors"),
@@ -122,9 +124,11 @@ FAMILIES = (
         _vae("vae_16ch"),
         _SD3_LATENT,
         ("euler", "simple"),
-        "Flux.1 dev in separate files: flux1-dev (11.1 GiB in fp8) in models/diffusion_models; clip_l and t5xxl in "
-        "models/text_encoders (type flux), on the CPU; ae.safetensors in models/vae. A 9 GB budget leaves room on a "
-        "12 GB card for the activations; the rest streams each step. For Flux.1 schnell: 4 steps.",
+        "Flux.1 dev in separate files: flux1-dev (23.8 GB to download; log in to Hugging Face and accept the "
+        "licence on its page first; 11.1 GiB in memory as fp8) in models/diffusion_models; clip_l and "
+        "t5xxl_fp8_e4m3fn (4.9 GB to download) in models/text_encoders (type flux), on the CPU; ae (0.34 GB to "
+        "download) in models/vae. A 9 GB budget leaves room on a 12 GB card for the activations; the rest streams "
+        "each step. For Flux.1 schnell: 4 steps.",
         _FLUX,
         guidance=True,
     ),
@@ -139,8 +143,9 @@ FAMILIES = (
         _vae("vae_16ch"),
         _SD3_LATENT,
         ("euler", "simple"),
-        "Chroma in separate files: Chroma1-HD (8.3 GiB in fp8) in models/diffusion_models; t5xxl in "
-        "models/text_encoders (type chroma), on the CPU; the Flux ae.safetensors in models/vae.",
+        "Chroma in separate files, no login needed: Chroma1-HD (17.8 GB to download; 8.3 GiB in memory as fp8) in "
+        "models/diffusion_models; t5xxl_fp8_e4m3fn (4.9 GB to download) in models/text_encoders (type chroma), on "
+        "the CPU; the Flux ae (0.34 GB to download) in models/vae.",
         Released(
             "Chroma1-HD.safetensors",
             ("t5xxl_fp8_e4m3fn.safetensors",),
@@ -162,10 +167,11 @@ FAMILIES = (
         _vae("wan21_vae"),
         ("EmptyHunyuanLatentVideo", [64, 64, 5, 1]),
         ("euler", "simple"),
-        "Wan 2.1 text-to-video in separate files, 33 frames at 832x480 saved as images: wan2.1_t2v_14B (13.3 GiB in "
-        "fp8, more than the card holds) in models/diffusion_models; umt5_xxl in models/text_encoders (type wan), on "
-        "the CPU; wan_2.1_vae in models/vae. A 9 GB budget keeps about two thirds of the model on the GPU and streams "
-        "the rest each step.",
+        "Wan 2.1 text-to-video in separate files, 33 frames at 832x480 saved as images, no login needed: "
+        "wan2.1_t2v_14B_fp8_e4m3fn (14.3 GB to download; 13.3 GiB in memory, more than the card holds) in "
+        "models/diffusion_models; umt5_xxl in models/text_encoders (type wan), on the CPU; wan_2.1_vae (0.25 GB to "
+        "download) in models/vae. A 9 GB budget keeps about two thirds of the model on the GPU and streams the rest "
+        "each step.",
         Released(
             "wan2.1_t2v_14B_fp8_e4m3fn.safetensors",
             ("umt5_xxl_fp8_e4m3fn_scaled.safetensors",),
@@ -192,8 +198,9 @@ FLUX_GGUF_EXAMPLE = Family(
     _vae("vae_16ch"),
     _SD3_LATENT,
     ("euler", "simple"),
-    "Flux.1 dev as a GGUF file (Q8_0; Q4_K_S, Q5_K_S ... load the same way) in models/diffusion_models or "
-    "models/unet; clip_l and t5xxl in models/text_encoders (type flux), on the CPU; ae.safetensors in models/vae. The "
+    "Flux.1 dev as a GGUF file, no login needed: flux1-dev-Q8_0 (12.7 GB to download; Q4_K_S, Q5_K_S ... load the "
+    "same way) in models/diffusion_models or models/unet; clip_l and t5xxl in models/text_encoders (type flux), on "
+    "the CPU; ae.safetensors in models/vae. The "
     "weights stay quantised: the 6 GB budget counts their quantised bytes, the rest streams as blocks, and each layer "
     "is dequantised where it computes.",
     Released("flux1-dev-Q8_0.gguf", _FLUX_TE, "flux", "ae.safetensors", (1024, 1024), 20, 1.0),

@@ -154,3 +154,25 @@ TEXT_ENCODER_FIXTURES = {
 
 #: What the tests sample at: one step at cfg 1 on a 64x64 latent (five frames for video), as fast as before.
 FIXTURE_SIZE, FIXTURE_FRAMES, FIXTURE_STEPS, FIXTURE_CFG = 64, 5, 1, 1.0
+
+
+#: Released files behind a login: a gated repository, whose licence is accepted on its page first.
+GATED = frozenset({"flux1-dev.safetensors", "sd3.5_large.safetensors"})
+#: What a released file's download size is computed from (``tests/core/test_template_downloads.py``): the layout
+#: of the model it holds (``tests/data/model_layouts.json.gz``) and the bytes a parameter takes in the published
+#: file, where that is not the layout's own dtype (``None``: as the layout).
+DOWNLOAD_LAYOUTS: dict[str, tuple[str, float | None]] = {
+    "flux1-dev.safetensors": ("flux1_dev.diffusion_model.json", None),
+    "flux1-dev-Q8_0.gguf": ("flux1_dev.diffusion_model.json", 34 / 32),  # Q8_0: 32 bytes and a 2-byte scale a block
+    "sd3.5_large.safetensors": ("sd35_large.diffusion_model.json", None),
+    "Chroma1-HD.safetensors": ("chroma.diffusion_model.json", None),
+    "wan2.1_t2v_14B_fp8_e4m3fn.safetensors": ("wan21_t2v_14b.diffusion_model.json", 1),
+    "sdxl_unet_fp16.safetensors": ("sdxl_base.diffusion_model.json", None),
+    "clip_l.safetensors": ("te_clip_l.json", None),
+    "clip_g.safetensors": ("te_clip_g.json", None),
+    "t5xxl_fp8_e4m3fn.safetensors": ("te_t5xxl_fp8_e4m3fn_scaled.json", None),
+    "t5xxl_fp8_e4m3fn_scaled.safetensors": ("te_t5xxl_fp8_e4m3fn_scaled.json", None),
+    "ae.safetensors": ("vae_flux_sd3_16ch.json", None),
+    "sdxl_vae.safetensors": ("vae_sdxl.json", None),
+    "wan_2.1_vae.safetensors": ("vae_wan21.json", None),
+}

@@ -210,7 +210,10 @@ def assert_the_chart_is_readable(page: Any, timeline: Any) -> None:
     chart, the legend beside no other text, and a marker's node named on hover."""
     box = timeline.bounding_box()
     labels = json.loads(timeline.get_attribute("data-layout"))
-    assert {label["text"] for label in labels} >= {"0%", "50%", "100%", "now"}
+    texts = {label["text"] for label in labels}
+    assert texts >= {"0%", "50%", "100%", "now"}
+    # Node starts are named on the chart where a name fits before the next (they had hover names only).
+    assert [text for text in texts if not re.fullmatch(r"\d+%|now|-\d+ s", text)], texts
     assert_labels_readable(labels, box)
     # Measured in one step in the page: the panel re-renders every push, so an entry found first and measured
     # after may be gone by then.
@@ -226,6 +229,10 @@ def assert_the_chart_is_readable(page: Any, timeline: Any) -> None:
         PANEL,
     )
     assert legend and all(b["y"] + b["height"] <= chart["y"] + 0.5 for b in legend)  # above the chart
+    # The host's RAM is a line of its own, beside each GPU's.
+    assert "RAM" in page.evaluate(
+        "(p) => [...document.querySelectorAll(p + ' .dc-legend-entry')].map(e => e.textContent)", PANEL
+    )
     assert not any(overlap(a, b) for i, a in enumerate(legend) for b in legend[i + 1 :])
     # The pointer on the last marker, in one step in the page: the chart scrolls with time and redraws at every
     # push, so a marker found first and pointed at after may have moved by then.

@@ -1,12 +1,16 @@
 // Device Control panel: used memory per device over the last minutes, with markers where nodes started.
 // Pure module: it keeps samples and draws them on a canvas it is given, with axes in margins of their own
-// (share of each device on the left, seconds before now below) so no text sits on another. The names of
-// the nodes behind the markers are shown on hover (see nearestMarker), not written over each other.
+// (share of each device on the left, seconds before now below) so no text sits on another. Each device is a
+// line, the host's RAM a dashed one (a move to the GPU is a fall there and a rise here). Markers are named at the
+// top of the chart where a name lies on no other, the newest first; every marker's node is named on hover
+// (nearestMarker).
 
 export const COLORS = ["#4caf50", "#2196f3", "#ff9800", "#e91e63", "#9c27b0", "#00bcd4"];
 const FONT = "10px sans-serif";
 const LABEL_HEIGHT = 10;
 const MARGIN = { left: 34, right: 8, top: 6, bottom: 16 };
+const HOST = "cpu"; // the host's RAM: its line is dashed and listed last
+const MARKER_LABEL_CHARS = 18; // a marker's name on the chart is cut to this many characters (hover shows it whole)
 
 /**
  * Write a label on a chart and add its box (CSS pixels) to `labels`, so that hover and the tests know where text
@@ -21,6 +25,12 @@ export function drawLabel(ctx, labels, label, at, top, align) {
   labels.push({ text: label, x: left, y: y0, width, height: LABEL_HEIGHT });
 }
 
+/** A marker's name as the chart writes it: the node's title without its id, cut to a few words. */
+function shortName(label) {
+  const title = String(label ?? "").replace(/^#\S+\s*/, "");
+  return title.length <= MARKER_LABEL_CHARS ? title : `${title.slice(0, MARKER_LABEL_CHARS - 1).trimEnd()}…`;
+}
+
 export class Timeline {
   constructor(seconds = 300) {
     this.seconds = seconds;
@@ -29,7 +39,8 @@ export class Timeline {
     this.layout = { labels: [], plot: null }; // what the last drawing put where (CSS pixels), for hover and tests
   }
 
-  /** Record the devices of one snapshot at time t (seconds; accelerators only: RAM is shown in the bars). */
+  /** Record the devices of one snapshot at time t (seconds): each accelerator's used share, and the host's RAM
+   * (all that is not available, as the panel's CPU row counts it). */
   add(snapshot, t) {
     const used = {};
     const total = {};
@@ -37,6 +48,11 @@ export class Timeline {
       if (device.kind === "cpu" || device.total === null || device.error) continue;
       used[device.id] = device.total - device.free;
       total[device.id] = device.total;
+    }
+    const host = snapshot.report.host;
+    if (host?.total > 0 && typeof host.available === "number") {
+      used[HOST] = host.total - host.available;
+      total[HOST] = host.total;
     }
     this.samples.push({ t, used, total });
     this.trim(t);
@@ -57,7 +73,7 @@ export class Timeline {
   devices() {
     const ids = new Set();
     for (const sample of this.samples) for (const id of Object.keys(sample.used)) ids.add(id);
-    return [...ids].sort();
+    return [...ids].sort((a, b) => (a === HOST) - (b === HOST) || a.localeCompare(b));
   }
 
   /** The color each device's line is drawn in (the legend uses the same). */
@@ -121,18 +137,34 @@ export class Timeline {
     drawLabel(ctx, this.layout.labels, label, at, top, align);
   }
 
-  /** A vertical line where each node started; its name shows on hover. */
+  /** A vertical line where each node started, named at the top of the chart (its title cut to a few words; its
+   * whole name shows on hover). The names go from the newest node back, each beside its marker (left of it where
+   * the chart's edge is near) where it lies on no name already written: the node running now is always named. */
   drawMarkers(ctx, plot, x) {
     ctx.strokeStyle = "rgba(255,193,7,0.7)";
     this.layout.markers = [];
-    for (const marker of this.markers) {
-      const at = Math.round(x(marker.t)) + 0.5;
-      if (at < plot.left) continue;
+    const visible = this.markers
+      .map((marker) => ({ ...marker, x: Math.round(x(marker.t)) + 0.5 }))
+      .filter((marker) => marker.x >= plot.left);
+    for (const marker of visible) {
       ctx.beginPath();
-      ctx.moveTo(at, plot.top);
-      ctx.lineTo(at, plot.top + plot.height);
+      ctx.moveTo(marker.x, plot.top);
+      ctx.lineTo(marker.x, plot.top + plot.height);
       ctx.stroke();
-      this.layout.markers.push({ x: at, label: marker.label });
+      this.layout.markers.push({ x: marker.x, label: marker.label });
+    }
+    ctx.fillStyle = "rgba(255,213,79,0.95)";
+    ctx.textBaseline = "top";
+    const taken = [];
+    for (const marker of [...visible].reverse()) {
+      const label = shortName(marker.label);
+      if (!label) continue;
+      const width = ctx.measureText(label).width;
+      const right = marker.x + 2 + width <= plot.left + plot.width;
+      const from = right ? marker.x + 2 : marker.x - 2 - width;
+      if (from < plot.left || taken.some(([a, b]) => from < b + 4 && a < from + width + 4)) continue;
+      taken.push([from, from + width]);
+      this.text(ctx, label, from, plot.top + 1, "left");
     }
   }
 
@@ -140,6 +172,7 @@ export class Timeline {
     ctx.lineWidth = 1.5;
     for (const id of this.devices()) {
       ctx.strokeStyle = this.colorOf(id);
+      ctx.setLineDash(id === HOST ? [4, 3] : []);
       ctx.beginPath();
       let started = false;
       for (const sample of this.samples) {
@@ -152,6 +185,7 @@ export class Timeline {
       }
       ctx.stroke();
     }
+    ctx.setLineDash([]);
     ctx.lineWidth = 1;
   }
 

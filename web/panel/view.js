@@ -243,10 +243,13 @@ export class PanelView {
     action.style.opacity = allowed ? "1" : "0.5";
   }
 
-  /** One entry per device line: a swatch in its color and its name (text, so it never overlaps the chart). */
+  /** One entry per device line: a swatch in its color and its name (text, so it never overlaps the chart); the
+   * host's line is its RAM. */
   renderLegend(timeline) {
     this.legend.replaceChildren();
-    for (const id of timeline.devices()) this.legend.append(legendEntry("dc-legend", timeline.colorOf(id), id));
+    for (const id of timeline.devices()) {
+      this.legend.append(legendEntry("dc-legend", timeline.colorOf(id), id === "cpu" ? "RAM" : id));
+    }
   }
 
   /** The node a marker stands for, under the chart, when the pointer is on it. */
