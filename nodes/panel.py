@@ -35,8 +35,8 @@ from ..core.monitor.push import Pusher, check_interval
 from . import surface
 from .bridge import books
 from .bridge.reading import model_key, target_id
+from .memory_report import make_report
 from .state import inventory
-from .vram_report import make_report
 
 log = logging.getLogger("device_control")
 

@@ -277,3 +277,11 @@ def _no_profile(prompt_id: str | None, kept: list[str]) -> str:
         return "No run recorded yet: queue a prompt and its memory profile appears here."
     which = "the last one" if len(kept) == 1 else f"the last {len(kept)}"
     return f"No profile of prompt {prompt_id!r}: profiles are kept for {which} ({', '.join(kept)})."
+
+
+def so_far() -> str:
+    """The run's heaviest node so far, from the memory profile (or why there is none): a VRAM Report's last line."""
+    if not recording():
+        return f"profile: off ({PROFILE_ENV}=off)"
+    latest = recorder.latest()
+    return "profile: no prompt recorded yet" if latest is None else latest.summary()

@@ -3,65 +3,14 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from typing import Any
 
-from ..core.errors import DeviceControlError
-from ..core.monitor.report import MemoryReport, build_report
-from . import bridge
+from . import profiling
+from .memory_report import ALL_DEVICES, make_report
 from .state import inventory
-from .surface import comfyui_version, io
+from .surface import io
 
 log = logging.getLogger("device_control")
-
-ALL_DEVICES = "all"
-
-
-def make_report(value: Any = None, label: str = "", devices: str = ALL_DEVICES) -> MemoryReport:
-    """Collect the report. Never raises for bad input: every problem becomes a note in the report."""
-    snapshot = inventory.snapshot()
-    notes: list[str] = []
-    models, model_notes = bridge.loaded_models(snapshot)
-    notes += model_notes + bridge.pinning_notes()
-    try:
-        mode = bridge.memory_mode(snapshot)
-    except Exception as exc:  # an unreadable mode must not cost the rest of the report
-        mode = None
-        notes.append(f"could not read ComfyUI's memory mode: {type(exc).__name__}: {exc}")
-    subject = None
-    given = bridge.subject_of(value)
-    if given is not None:
-        try:
-            subject = bridge.residency_of(given.patcher, snapshot)
-        except Exception as exc:
-            notes.append(f"could not describe the input: {type(exc).__name__}: {exc}")
-    report = build_report(
-        snapshot,
-        models,
-        mode,
-        subject=subject,
-        label=label.strip(),
-        notes=notes,
-        versions={"comfyui": comfyui_version()},
-    )
-    wanted = (devices or ALL_DEVICES).strip()
-    if wanted.lower() != ALL_DEVICES:
-        try:
-            chosen = inventory.resolve(wanted, snapshot=snapshot).device
-        except DeviceControlError as exc:
-            return replace(report, notes=(*report.notes, f"{exc} Showing all devices."))
-        return replace(report, devices=tuple(d for d in report.devices if d.id == chosen.id))
-    return report
-
-
-def profile_so_far() -> str:
-    """The run's heaviest node so far, from the memory profile (or why there is none)."""
-    from .profiling import PROFILE_ENV, recorder, recording
-
-    if not recording():
-        return f"profile: off ({PROFILE_ENV}=off)"
-    latest = recorder.latest()
-    return "profile: no prompt recorded yet" if latest is None else latest.summary()
 
 
 class VRAMReport(io.ComfyNode):
@@ -149,6 +98,6 @@ class VRAMReport(io.ComfyNode):
         inventory.reset_peaks()
         text, as_json = report.to_text(), report.to_json()
         if profile:
-            text += "\n" + profile_so_far()
+            text += "\n" + profiling.so_far()
         log.info("[Device Control] VRAM Report (node %s)\n%s", cls.hidden.unique_id if cls.hidden else "?", text)
         return io.NodeOutput(value, text, as_json, ui={"text": (text,), "device_control_report": (as_json,)})

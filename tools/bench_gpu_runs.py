@@ -116,7 +116,7 @@ class Bench:
         pack = import_pack().__name__
         self.m = {
             name: importlib.import_module(f"{pack}.{name}")
-            for name in ("nodes.move_to_gpu", "nodes.offload_to_cpu", "nodes.vram_report", "nodes.state")
+            for name in ("nodes.move_to_gpu", "nodes.offload_to_cpu", "nodes.memory_report", "nodes.state")
         }
         self.prefetch_module = f"{pack}.core.placement.prefetch"
         self.card = self._card(pack)
@@ -327,7 +327,7 @@ class Bench:
 
     def residency(self, model: Any) -> dict[str, Any]:
         """Where the model is after sampling: the VRAM Report's reading, and the bytes torch says are on CUDA."""
-        reports = self.m["nodes.vram_report"]
+        reports = self.m["nodes.memory_report"]
         if hasattr(reports, "make_report"):  # the node's own reading, without its log of the whole report
             text = reports.make_report(model, "bench").to_json()
         else:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -34,7 +34,24 @@ from .marks import is_streamed
 from .reported import plain_class, reported_shape
 
 if TYPE_CHECKING:
-    from .simulated import SimulatedDevice
+    from .simlink import Link
+    from .simslots import Slots
+
+
+class Holder(Protocol):
+    """What a simulated tensor asks of the device it lives on (``core.devices.simulated.SimulatedDevice``): its
+    label, its link (streams, the compute clock), the slots a ring fills, and its books. Named here, so that the
+    device may make tensors and a tensor know its device without the two modules importing each other."""
+
+    label: str
+    link: Link
+    slots: Slots
+
+    def _register(self, tensor: torch.Tensor) -> None: ...
+
+    def raise_pending(self) -> None: ...
+
+    def check_landing(self, tensor: torch.Tensor) -> None: ...
 
 
 def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
@@ -59,14 +76,14 @@ _TRANSFERS = {torch.Tensor.copy_, torch.Tensor.to, torch.Tensor.cpu}
 _VALUE_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__bool__}
 
 
-def _read_on_host(device: SimulatedDevice | None) -> None:
+def _read_on_host(device: Holder | None) -> None:
     """The host reads a value from ``device`` (or copies a tensor to host memory): it waits for the computations
-    queued before (``core.devices.simstreams.ComputeClock``), as a real host waits for its GPU."""
+    queued before (``core.devices.simlink.ComputeClock``), as a real host waits for its GPU."""
     if device is not None:
         device.link.compute.wait()
 
 
-def _computed(func: Any, args: tuple, kwargs: dict, device: SimulatedDevice | None) -> Any:
+def _computed(func: Any, args: tuple, kwargs: dict, device: Holder | None) -> Any:
     """``func``'s result, computed on the host; where it is work on ``device``'s compute stream, the time it took is
     the device's (the host goes on as a real one would), and a value read waits for that work first."""
     if func in _VALUE_READS:
@@ -81,10 +98,10 @@ def _computed(func: Any, args: tuple, kwargs: dict, device: SimulatedDevice | No
 class SimTensor(torch.Tensor):
     """A tensor resident on a :class:`SimulatedDevice` (its data lives in host memory)."""
 
-    _sim_device: SimulatedDevice
+    _sim_device: Holder
 
     @property
-    def sim_device(self) -> SimulatedDevice:
+    def sim_device(self) -> Holder:
         """The simulated device this tensor is on."""
         return self._sim_device
 
@@ -95,7 +112,7 @@ class SimTensor(torch.Tensor):
         return reported_shape(self)
 
     @property
-    def placement_target(self) -> SimulatedDevice:
+    def placement_target(self) -> Holder:
         """Where the tensor is, for code that serves every backend (``core.devices.backends.target_of``)."""
         return self._sim_device
 
@@ -158,9 +175,9 @@ def original_class(tensor: torch.Tensor) -> type:
     return tensor.__dict__.get("_sim_class") or plain_class(tensor)
 
 
-def _common_device(func: Any, args: tuple, kwargs: dict) -> SimulatedDevice | None:
+def _common_device(func: Any, args: tuple, kwargs: dict) -> Holder | None:
     """The one simulated device the operands are on; raise as a real device mismatch would for a weight."""
-    device: SimulatedDevice | None = None
+    device: Holder | None = None
     stranded: torch.Tensor | None = None
     for tensor in _tensors_in((args, kwargs)):
         if isinstance(tensor, SimTensor):
@@ -232,7 +249,7 @@ def _to_names_a_device(args: tuple, kwargs: dict) -> bool:
     return device is not None
 
 
-def _wrap(result: Any, device: SimulatedDevice | None) -> Any:
+def _wrap(result: Any, device: Holder | None) -> Any:
     if device is None:
         return result
     if isinstance(result, torch.Tensor):

@@ -15,18 +15,14 @@ kept the old ones').
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..devices.backends import Target, same_target, target_of
 from ..devices.slices import SLICES
 from ..devices.transfer import GROUPED
-from .members import Group, Member, Piece
+from .members import Fetcher, Group, Member, Piece
 from .slabs import Part, Slab, aligned, bias_first, carried_bytes, in_slab_tensor, pack, parts_of, tensors_of
-
-if TYPE_CHECKING:
-    from .ring import Ring
 
 Members = list[tuple[torch.nn.Module, Member]]
 #: The slabs the last plan left, by the id of each layer they hold.
@@ -80,7 +76,7 @@ def _holds(slab: Slab) -> bool:
 class _Layout:
     """What :func:`lay_out` builds: groups, the slabs they lie in (each once) and the members."""
 
-    def __init__(self, ring: Ring, kept: Kept, target: Target) -> None:
+    def __init__(self, ring: Fetcher, kept: Kept, target: Target) -> None:
         self.ring, self.kept, self.target = ring, kept, target
         self.groups: list[Group] = []
         self.slabs: dict[int, Slab] = {}
@@ -162,7 +158,7 @@ def _moved(part: Part | None, start: int) -> Part | None:
 
 
 def lay_out(
-    ring: Ring, modules: Sequence[torch.nn.Module], group_bytes: int, kept: Kept, target: Target
+    ring: Fetcher, modules: Sequence[torch.nn.Module], group_bytes: int, kept: Kept, target: Target
 ) -> tuple[list[Group], list[Slab], Members]:
     """The groups, slabs and members of ``modules`` streamed to ``target`` through ``ring`` (each module marked with
     its member); the slabs of ``kept`` are streamed from where they hold a group's layers as they are."""

@@ -5,14 +5,24 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from .slabs import Part, Slab, tensors_of
 
 if TYPE_CHECKING:
-    from .ring import Ring
+    from ..devices.backends import Target
+
+
+class Fetcher(Protocol):
+    """What a layer asks of its ring (``core.placement.ring.Ring``): one of its pieces on ``target``, its copy
+    waited for by the compute stream, or ``None`` where the ring cannot serve it. Named here, so that the ring may
+    lay out its members and a member know its ring without the modules importing each other."""
+
+    def fetch(
+        self, member: Member, target: Target, index: int = 0
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None] | None: ...
 
 
 @dataclass(frozen=True)
@@ -54,7 +64,7 @@ class Member:
     """A streamed layer of a ring: its module, where its weight and bias lie in their slab, its pieces (one for a
     layer streamed whole, one per row slice for a layer streamed in slices), and their views in each slot."""
 
-    ring: Ring
+    ring: Fetcher
     module: torch.nn.Module
     weight: Part | None
     bias: Part | None

@@ -16,13 +16,25 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from ..devices.slices import ROW_QUANTUM, RowSlices, ready_bytes, row_slices
 from .slabs import aligned, groupable, layer_bytes
 
 if TYPE_CHECKING:
-    from .plan import Layer
+    import torch
+
+
+class Layer(Protocol):
+    """What slicing reads of a layer (``core.placement.plan.Layer`` is one): its name, its module, its bytes, and
+    its rows with the bytes of each (``rows`` is 0 for a layer that cannot stream in row slices)."""
+
+    name: str
+    module: torch.nn.Module
+    nbytes: int
+    rows: int
+    row_bytes: int
+
 
 #: While a streamed piece computes, its weights are on the device once in their stored dtype and once in the
 #: compute dtype (twice the bytes when fp16 computes in fp32), and the next piece is copied ahead: room for that

@@ -3,7 +3,7 @@ step left out. A rule that stops failing its wrong engine no longer guards anyth
 
 Rules here: the host memory a queued copy reads is neither unlocked nor freed before the host waited for the copy
 (``core.devices.simhost``), on every path that queues one; a steady streamed pass never makes the host wait for the
-device's computations (``core.devices.simstreams.ComputeClock``: the host runs ahead of a real GPU, and each such
+device's computations (``core.devices.simlink.ComputeClock``: the host runs ahead of a real GPU, and each such
 wait costs it its lead), and one from pageable slabs keeps the staging pool's groups queued when it waits; a tensor
 takes a caching allocator's block, not its bytes (``core.devices.allocator``), so room kept for a decode's
 temporaries in exact bytes is short.

