@@ -4,7 +4,7 @@ Every error the pack raises on purpose derives from :class:`DeviceControlError`,
 the problem *and* the fix, so that a user who sees it in ComfyUI's error dialog knows what to do next.
 Running out of device memory is not one of these: it is an expected outcome, reported as a value or as
 the backend's own exception (``torch.OutOfMemoryError``, or a runtime's ``torch.AcceleratorError``; see
-``core.devices.simulated``), which ``core.devices.memory.is_out_of_memory`` recognises.
+``core.devices.sim.device``), which ``core.devices.memory.is_out_of_memory`` recognises.
 """
 
 from __future__ import annotations

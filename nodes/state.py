@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import logging
 
-from ..core.devices.backends import simulated_backends
+from ..core.devices.backends import SIMULATE_ENV, SimulatedDevice, simulated_backends, simulated_devices_from_env
 from ..core.devices.host_memory import use_platform
 from ..core.devices.inventory import DeviceInventory
 from ..core.devices.pinned import DEFAULT_PINNED_FRACTION, pinned_fraction_from_env, use_pinned_fraction
 from ..core.devices.sim.platforms import PLATFORM_ENV, platform_from_env
-from ..core.devices.simspec import SIMULATE_ENV, simulated_devices_from_env
-from ..core.devices.simulated import SimulatedDevice
 from ..core.errors import InvalidSizeError
 from ..core.placement.prefetch import PREFETCH_ENV, prefetch_from_env, use_prefetch
 from ..core.units import format_bytes

@@ -29,7 +29,7 @@ resident layers take (its calls per layer with everything resident), over the st
 the forward's time less the same side's forward with everything resident, over the streamed layer calls.
 Figures are medians of ``--runs`` runs (counts do not vary). The latent is 8x8, one text context: compute is small.
 Per budget, a steady forward of ours also counts its group copies and its host waits for the device's computations
-(``core.devices.simlink.ComputeClock``: a synchronisation, an event after them, a blocking copy or a value read
+(``core.devices.sim.link.ComputeClock``: a synchronisation, an event after them, a blocking copy or a value read
 that waits for work the host had not waited for), which on a GPU cost the host its lead.
 """
 

@@ -5,7 +5,7 @@ whole, at a link speed; prints a markdown table (medians of ``--runs`` runs) and
         [--runs 3] [--latent 32] [--steps 2] [--raw docs/bench/raw/split_sd15.json]
 
 The checkpoint's UNet is loaded in fp32 by the pack's own loader and run as a sampler runs it (batch 2, a
-``LATENT`` x ``LATENT`` latent) on simulated GPUs whose copies take the link's time (``core.devices.simlink``;
+``LATENT`` x ``LATENT`` latent) on simulated GPUs whose copies take the link's time (``core.devices.sim.link``;
 ``compute=10x`` makes every copy ten times as long, for a GPU ten times faster than this machine: divide all times
 by ten for that GPU). A copy between the two simulated GPUs goes through host memory (two crossings, as between
 consumer GPUs without peer access). Rows, each on GPUs that can hold half of the UNet:
@@ -82,8 +82,8 @@ class Bench:
                 "core.placement.allocation",
                 "core.placement.plan",
                 "core.placement.split_model",
-                "core.devices.simulated",
-                "core.devices.simcost",
+                "core.devices.sim.device",
+                "core.devices.sim.cost",
                 "core.devices.tensors",
                 "nodes.bridge.splits",
             )
@@ -103,8 +103,8 @@ class Bench:
     def row(self, link_text: str, how: str, setting: Any, prefetch: bool, steps: int) -> dict[str, float]:
         """One row's step time and bytes moved per step (medians over ``steps`` after :data:`WARM_UP` steps)."""
         m = self.m
-        link = m["core.devices.simcost"].LinkCost.parse(link_text)
-        simulated = m["core.devices.simulated"]
+        link = m["core.devices.sim.cost"].LinkCost.parse(link_text)
+        simulated = m["core.devices.sim.device"]
         gpus = [simulated.SimulatedDevice(64 * 1024**3, ordinal=i, link=link) for i in (0, 1)]
         m["core.placement.prefetch"].use_prefetch(prefetch)
         undo = self._place(how, setting, gpus)
@@ -132,7 +132,7 @@ class Bench:
         half the model cross in the first one-device step (``speedup`` kept)."""
         balanced = link_text.endswith(BALANCED)
         base = link_text[: -len(BALANCED)].rstrip(",") if balanced else link_text
-        half = self.m["core.devices.simcost"].LinkCost.parse(base).seconds(self.total // 2)
+        half = self.m["core.devices.sim.cost"].LinkCost.parse(base).seconds(self.total // 2)
         if balanced and half <= 0:
             raise SystemExit(f"{link_text!r}: a balanced link needs a bandwidth, e.g. 7GB/s,10us,{BALANCED}")
         name, how, setting, on = ROWS[0]

@@ -6,7 +6,7 @@ speed; prints one JSON line.
 
 Run by ``tools/bench.py --only streaming``, a fresh process per checkpoint and link. The checkpoint is loaded
 with the pack's own loader (fp32, so the host computes without converting), its UNet is placed by the pack's
-engine on a simulated GPU whose copies take the link's time (``core.devices.simlink``: latency + bytes over
+engine on a simulated GPU whose copies take the link's time (``core.devices.sim.link``: latency + bytes over
 bandwidth, a copy engine each way, side-stream copies overlapping the host's computation), and one sampling
 step (a UNet forward, batch 2 as a sampler runs cond and uncond, at a ``LATENT`` x ``LATENT`` latent) is
 timed ``STEPS`` times after a first step
@@ -61,8 +61,8 @@ def measure(checkpoint: Path, link_text: str, latent: int, steps: int) -> dict:
     node = __import__(f"{pack}.nodes.load_checkpoint", fromlist=["x"])
     engines = __import__(f"{pack}.core.placement.engine", fromlist=["x"])
     prefetch = __import__(f"{pack}.core.placement.prefetch", fromlist=["x"])
-    simulated = __import__(f"{pack}.core.devices.simulated", fromlist=["x"])
-    simcost = __import__(f"{pack}.core.devices.simcost", fromlist=["x"])
+    simulated = __import__(f"{pack}.core.devices.sim.device", fromlist=["x"])
+    simcost = __import__(f"{pack}.core.devices.sim.cost", fromlist=["x"])
     tensors = __import__(f"{pack}.core.devices.tensors", fromlist=["x"])
     model = node.LoadCheckpointWithDevice.execute(checkpoint.name, "cpu", "cpu", "cpu", "fp32", "auto", "auto").args[0]
     unet = model.model.diffusion_model
@@ -139,8 +139,8 @@ def measure_slices(link_text: str, latent: int, steps: int) -> dict:
     pack = import_pack().__name__
     engines = __import__(f"{pack}.core.placement.engine", fromlist=["x"])
     streaming = __import__(f"{pack}.core.placement.streaming", fromlist=["x"])
-    simulated = __import__(f"{pack}.core.devices.simulated", fromlist=["x"])
-    simcost = __import__(f"{pack}.core.devices.simcost", fromlist=["x"])
+    simulated = __import__(f"{pack}.core.devices.sim.device", fromlist=["x"])
+    simcost = __import__(f"{pack}.core.devices.sim.cost", fromlist=["x"])
     tensors = __import__(f"{pack}.core.devices.tensors", fromlist=["x"])
 
     class WholeLayers(streaming.LayerHooks):

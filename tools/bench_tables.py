@@ -168,7 +168,7 @@ def soak(_runs: int, _paths: dict[str, Path], worker: Worker, aggregate: Callabl
 
 
 #: The links the streaming section measures: PCIe 4 x16 and PCIe 3 x8, for a GPU ten times faster than the
-#: host (the copies take ten times the link's time; see ``core.devices.simlink``).
+#: host (the copies take ten times the link's time; see ``core.devices.sim.link``).
 STREAM_LINKS = ("25GB/s,10us,compute=10x", "7GB/s,10us,compute=10x")
 #: Latent side per model: SDXL computes about four times more per pixel, so it runs at a quarter of the pixels.
 STREAM_LATENTS = {SD15: 32, SDXL: 16}

@@ -285,7 +285,7 @@ def policy(checkpoint: Path, repeats: int = 1) -> dict:
     node = __import__(f"{pack}.nodes.load_checkpoint", fromlist=["x"])
     loading = __import__(f"{pack}.core.placement.engine", fromlist=["x"])
     plans = __import__(f"{pack}.core.placement.plan", fromlist=["x"])
-    simulated = __import__(f"{pack}.core.devices.simulated", fromlist=["x"])
+    simulated = __import__(f"{pack}.core.devices.sim.device", fromlist=["x"])
     model = node.LoadCheckpointWithDevice.execute(checkpoint.name, "cpu", "cpu", "cpu", "fp16", "auto", "auto").args[0]
     unet = model.model.diffusion_model
     device = simulated.SimulatedDevice(64 * 1024**3)

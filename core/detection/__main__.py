@@ -10,9 +10,8 @@ import argparse
 import json
 import sys
 
-from ..devices.backends import simulated_backends
+from ..devices.backends import simulated_backends, simulated_devices_from_env
 from ..devices.inventory import DeviceInventory
-from ..devices.simspec import simulated_devices_from_env
 from ..errors import DeviceControlError
 from ..placement.fit import DEFAULT_HEADROOM, Choice, FitPlan, default_dtype, plan_fit
 from ..units import parse_size

@@ -3,8 +3,8 @@
 ``backends`` holds one module per kind of device (CUDA/ROCm, XPU, NPU, MLU, MPS, DirectML, the host, the simulated
 GPU), each implementing one interface (identity, memory, moves, streams and events, pinning); ``backend_of(target)``
 is how the rest of the product talks to a device. ``inventory`` numbers the devices (``gpu:N``), resolves device
-strings and reads the settings that add simulated GPUs; ``simulated`` is the simulated GPU (``simtensor`` its
-tensors, ``simlink`` its link: streams, events and copies; ``simcost`` what a copy costs); ``memory`` answers what
+strings; ``sim`` is the simulated machine (the simulated GPU: its device, tensors, link, streams and costs, and the
+settings that make it, reached through ``backends`` only; the simulated operating systems); ``memory`` answers what
 is free on one target; ``tensors`` moves one module's tensors in place and counts the bytes moved; ``transfer``
 copies a streamed weight to where it computes (side streams, events, pinning); ``marks`` marks weights that stream.
 Nothing here imports another package of ``core`` but ``errors`` and ``units``.

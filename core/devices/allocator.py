@@ -8,7 +8,7 @@ where the rest of the segment is split off only when more than 1 MiB of it is le
 
 :func:`block_bytes` is that bound. Room kept on a device for temporaries (a quantised weight's decode:
 ``core.weights.ggml_blocks.decode_bytes``) counts them so, and the simulated GPU books every tensor so in its
-``reserved`` figure (``core.devices.simulated``): a reserve counted in exact bytes fails there as it can on the
+``reserved`` figure (``core.devices.sim.device``): a reserve counted in exact bytes fails there as it can on the
 device. The free parts of segments the allocator keeps cached between uses are not a tensor's and are not counted
 here: on a real GPU they were 118-309 MiB at the peak of a streamed run (``docs/bench/gpu.md``).
 """

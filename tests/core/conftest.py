@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from core.devices.host_memory import platform, use_platform
+from core.devices.sim.host import REGISTRY
 from core.devices.sim.platforms import platform_from_env
-from core.devices.simhost import REGISTRY
 from tests.core.small_net import Net, width
 
 use_platform(platform_from_env())

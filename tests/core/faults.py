@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from core.devices.simulated import SimulatedDevice
+from core.devices.sim.device import SimulatedDevice
 
 
 def _accelerator_error(message: str, code: int | None = None) -> BaseException:

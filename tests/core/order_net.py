@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from core.devices.simcost import LinkCost
-from core.devices.simulated import SimulatedDevice
+from core.devices.sim.cost import LinkCost
+from core.devices.sim.device import SimulatedDevice
 from core.placement.engine import partial_model_of
 from core.weights import ops
 from tests.core.small_net import reserve_of, width

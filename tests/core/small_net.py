@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from core.devices.host_memory import page_size
-from core.devices.simtensor import SimTensor
-from core.devices.simulated import SimulatedDevice
+from core.devices.sim.device import SimulatedDevice
+from core.devices.sim.tensor import SimTensor
 from core.placement.plan import Layer, layers_of, stream_reserve
 from core.placement.slabs import layer_bytes
 from core.weights import ops

@@ -20,7 +20,7 @@ import torch
 
 from core.devices import backends
 from core.devices.inventory import DeviceInventory
-from core.devices.simulated import SimulatedDevice
+from core.devices.sim.device import SimulatedDevice
 
 GiB = 1024**3
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from core.devices.simulated import SimulatedDevice
+from core.devices.sim.device import SimulatedDevice
 from core.placement.engine import partial_model_of
 from core.weights import ops
 from tests.core.order_net import Net

@@ -12,8 +12,8 @@ import torch
 from core.devices.backends import CpuBackend, DeviceBackend, DeviceInfo, default_backends, simulated_backends
 from core.devices.inventory import DeviceInventory, parse_device_spec
 from core.devices.pinned import pinned_fraction_from_env
-from core.devices.simspec import simulated_devices_from_env
-from core.devices.simulated import SimulatedDevice
+from core.devices.sim.device import SimulatedDevice
+from core.devices.sim.spec import simulated_devices_from_env
 from core.errors import DeviceNotFoundError, InvalidDeviceSpecError, InvalidSizeError
 
 GiB = 1024**3

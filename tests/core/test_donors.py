@@ -10,8 +10,8 @@ import gc
 import pytest
 import torch
 
-from core.devices.simtensor import SimTensor
-from core.devices.simulated import SimulatedDevice
+from core.devices.sim.device import SimulatedDevice
+from core.devices.sim.tensor import SimTensor
 from core.devices.tensors import HOST, traffic
 from core.placement.donors import DONOR_COPIES, place_streamed, stream_room
 from core.placement.plan import STREAM_COPIES

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from core.devices.memory import is_out_of_memory
-from core.devices.simtensor import SimTensor
-from core.devices.simulated import SimulatedDevice
+from core.devices.sim.device import SimulatedDevice
+from core.devices.sim.tensor import SimTensor
 from core.devices.tensors import move_own, own_tensors
 from core.errors import DeviceControlError, first_line
 from core.placement.engine import partial_model_of

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.devices.simulated import SimulatedDevice
+from core.devices.sim.device import SimulatedDevice
 from core.placement.budget import Budget
 from core.placement.engine import partial_model_of
 from core.placement.eviction import make_room

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from core.detection.ggml_types import GGML_TYPES, ggml_type
-from core.devices.simulated import SimulatedDevice
+from core.devices.sim.device import SimulatedDevice
 from core.errors import ModelFileError
 from core.weights import ggml_blocks
 from core.weights.ggml_blocks import DECODERS, EXACT_IN_FP16, SCRATCH, decode_bytes, dequantize

@@ -8,8 +8,8 @@ import inspect
 import pytest
 import torch
 
-from core.devices.simtensor import SimTensor
-from core.devices.simulated import SimulatedDevice
+from core.devices.sim.device import SimulatedDevice
+from core.devices.sim.tensor import SimTensor
 from core.weights import ops
 
 MiB = 1024**2

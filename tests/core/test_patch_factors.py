@@ -16,7 +16,7 @@ import torch
 
 from core.devices.host_memory import page_size
 from core.devices.pinned import pinned_memory
-from core.devices.simulated import SimulatedDevice
+from core.devices.sim.device import SimulatedDevice
 from core.placement.engine import partial_model_of
 from core.placement.plan import Layer, plan_layers
 from core.placement.streaming import LayerHooks

@@ -11,7 +11,7 @@ import torch
 from core.devices.backends import CpuBackend, SimulatedBackend
 from core.devices.inventory import DeviceInventory
 from core.devices.peaks import KEEP, PEAKS_ENV, RESET, Mark, Peak, interval_peak, peaks_from_env
-from core.devices.simulated import SimulatedDevice
+from core.devices.sim.device import SimulatedDevice
 from core.monitor.report import build_report
 
 MiB = 1024**2

@@ -8,8 +8,8 @@ import gc
 import pytest
 import torch
 
-from core.devices.simtensor import SimTensor
-from core.devices.simulated import SimulatedDevice
+from core.devices.sim.device import SimulatedDevice
+from core.devices.sim.tensor import SimTensor
 from core.devices.tensors import HOST
 from core.placement.pipeline import attach_hops, place_split
 from tests.core.split_net import FluxShaped, inputs, split_of

@@ -25,9 +25,9 @@ from core.devices.backends.simulated import simulated_backends
 from core.devices.host_memory import page_block, page_size, platform, platform_in_use
 from core.devices.inventory import DeviceInventory
 from core.devices.pinned import PinnedMemory, count_foreign_registrations, pinned_memory
+from core.devices.sim.device import SimulatedDevice
+from core.devices.sim.host import ALREADY_MAPPED, OUT_OF_MEMORY, REGISTRY
 from core.devices.sim.platforms import PLATFORM_ENV, PROFILES, platform_from_env, simulated_platform
-from core.devices.simhost import ALREADY_MAPPED, OUT_OF_MEMORY, REGISTRY
-from core.devices.simulated import SimulatedDevice
 from core.files.reader import WeightReader
 from core.placement import slabs
 from core.placement.engine import partial_model_of

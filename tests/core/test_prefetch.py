@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from core.devices.backends import backend_of
-from core.devices.simlink import MissingWaitError
-from core.devices.simulated import SimulatedDevice
+from core.devices.sim.device import SimulatedDevice
+from core.devices.sim.link import MissingWaitError
 from core.devices.transfer import GROUPED
 from core.errors import InvalidSizeError
 from core.placement import prefetch, rings

@@ -12,7 +12,7 @@ import torch
 from core.devices.backends import CpuBackend, simulated_backends
 from core.devices.inventory import DeviceInventory
 from core.devices.peaks import KEEP, RESET, Peak
-from core.devices.simulated import SimulatedDevice
+from core.devices.sim.device import SimulatedDevice
 from core.monitor import profile as profiling
 from core.monitor.profile import Recorder
 from core.monitor.readings import Reading, model_events, streamed_events

@@ -18,8 +18,8 @@ import torch
 
 from core.detection.ggml_types import GGML_TYPES
 from core.devices.reported import ShapedParameter
-from core.devices.simtensor import SimTensor
-from core.devices.simulated import SimulatedDevice
+from core.devices.sim.device import SimulatedDevice
+from core.devices.sim.tensor import SimTensor
 from core.devices.slices import RowSlices, ready_bytes
 from core.errors import ModelFileError
 from core.placement.engine import partial_model_of

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from core.devices.simtensor import SimTensor
-from core.devices.simulated import SimulatedDevice
+from core.devices.sim.device import SimulatedDevice
+from core.devices.sim.tensor import SimTensor
 from core.placement.engine import partial_model_of
 from core.weights import ops
 

@@ -9,7 +9,7 @@ import torch
 
 from core.devices.backends import CpuBackend, DeviceBackend, DeviceInfo, simulated_backends
 from core.devices.inventory import DeviceInventory
-from core.devices.simulated import SimulatedDevice
+from core.devices.sim.device import SimulatedDevice
 from core.monitor.report import MemoryMode, ModelResidency, build_report
 
 GiB = 1024**3

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from core.devices.pinned import pinned_memory
-from core.devices.simcost import LinkCost
+from core.devices.sim.cost import LinkCost
 from core.devices.tensors import traffic
 from core.devices.transfer import GROUPED, to_target
 from core.placement import prefetch, rings

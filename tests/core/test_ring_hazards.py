@@ -15,8 +15,8 @@ import torch
 
 from core.devices.host_memory import page_size
 from core.devices.pinned import pinned_memory
-from core.devices.simcost import LinkCost
-from core.devices.simulated import SimulatedDevice
+from core.devices.sim.cost import LinkCost
+from core.devices.sim.device import SimulatedDevice
 from core.placement import rings
 from core.placement.engine import partial_model_of
 from core.placement.prefetch import PREFETCH_SLOTS

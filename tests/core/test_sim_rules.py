@@ -1,7 +1,7 @@
 """The simulated GPU fails where CUDA fails: each rule driven through the backend, as the engine drives it
 (``backend_of(target).pin/copy_into/record/wait/...``), and each shown to fail on a deliberately wrong use.
 
-Rules (``core.devices.simhost``, ``core.devices.simlink``, ``core.devices.simulated``): host registration is
+Rules (``core.devices.sim.host``, ``core.devices.sim.link``, ``core.devices.sim.device``): host registration is
 page-granular and its failure stays pending until read back; a copy from pageable memory holds the host; a blocking
 copy waits for the whole device; a ring slot is read only after its copy's event was waited for, and host memory a
 queued copy reads is neither written nor freed before the host waited for that copy; a view of a larger host block
@@ -23,9 +23,9 @@ import torch
 from core.devices.backends import HOST, backend_of
 from core.devices.host_memory import page_size
 from core.devices.pinned import PinnedMemory
-from core.devices.simcost import LinkCost
-from core.devices.simhost import REGISTRY, MissingWaitError, PendingDeviceError
-from core.devices.simulated import SimulatedDevice
+from core.devices.sim.cost import LinkCost
+from core.devices.sim.device import SimulatedDevice
+from core.devices.sim.host import REGISTRY, MissingWaitError, PendingDeviceError
 from tests.core.platform_marks import STREAMS_AND_PINNING
 
 MiB = 1024**2

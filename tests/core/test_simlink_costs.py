@@ -1,5 +1,5 @@
 """The simulated link's host costs: issuing a copy takes host time, memory that is not pinned copies slower and
-holds the host, and the host runs ahead of the device only by a bounded queue (``core.devices.simlink``).
+holds the host, and the host runs ahead of the device only by a bounded queue (``core.devices.sim.link``).
 
 These drive :class:`Link` directly with tiny bandwidths, so a few kilobytes take milliseconds: long enough to
 measure, short enough that each test takes a fraction of a second. Real sleeps never end early but may end late
@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from core.devices.simcost import DEFAULT_ISSUE_SECONDS, DEFAULT_QUEUE_DEPTH, PAGEABLE_RATIO, LinkCost
-from core.devices.simlink import Link, Pending
+from core.devices.sim.cost import DEFAULT_ISSUE_SECONDS, DEFAULT_QUEUE_DEPTH, PAGEABLE_RATIO, LinkCost
+from core.devices.sim.link import Link, Pending
 from core.errors import InvalidSizeError
 
 GiB = 1024**3

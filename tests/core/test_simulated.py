@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from core.devices.marks import mark_streamed
-from core.devices.simspec import SimulatedSpec
-from core.devices.simtensor import SimTensor
-from core.devices.simulated import SimulatedDevice
+from core.devices.sim.device import SimulatedDevice
+from core.devices.sim.spec import SimulatedSpec
+from core.devices.sim.tensor import SimTensor
 
 MiB = 1024**2
 

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from core.detection.headers import read_header
 from core.devices.backends import backend_of
-from core.devices.simulated import SimulatedDevice
+from core.devices.sim.device import SimulatedDevice
 from core.errors import ModelFileError
 from core.files import lineage
 from core.files.lineage import Tracer, capture_state_dict_loads, source_of, source_tensors

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from core.devices.pinned import pinned_memory
-from core.devices.simulated import SimulatedDevice
+from core.devices.sim.device import SimulatedDevice
 from core.devices.slices import SLICES, RowSlices
 from core.devices.transfer import GROUPED
 from core.placement.engine import partial_model_of

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.nn import functional as F  # noqa: N812
 
-from core.devices.simulated import SimulatedDevice
+from core.devices.sim.device import SimulatedDevice
 from core.devices.slices import ROW_QUANTUM, SLICEABLE, SLICES, RowSlices, row_geometry, row_slices
 from core.placement.plan import Layer
 from core.placement.streaming import NO_HOOKS, reset_flags, stream

@@ -9,8 +9,8 @@ import gc
 import pytest
 import torch
 
-from core.devices.simcost import LinkCost
-from core.devices.simulated import SimulatedDevice
+from core.devices.sim.cost import LinkCost
+from core.devices.sim.device import SimulatedDevice
 from core.devices.tensors import HOST
 from core.devices.transfer import to_target
 from core.errors import DeviceControlError

@@ -2,8 +2,8 @@
 step left out. A rule that stops failing its wrong engine no longer guards anything, and this module says so.
 
 Rules here: the host memory a queued copy reads is neither unlocked nor freed before the host waited for the copy
-(``core.devices.simhost``), on every path that queues one; a steady streamed pass never makes the host wait for the
-device's computations (``core.devices.simlink.ComputeClock``: the host runs ahead of a real GPU, and each such
+(``core.devices.sim.host``), on every path that queues one; a steady streamed pass never makes the host wait for the
+device's computations (``core.devices.sim.link.ComputeClock``: the host runs ahead of a real GPU, and each such
 wait costs it its lead), and one from pageable slabs keeps the staging pool's groups queued when it waits; a tensor
 takes a caching allocator's block, not its bytes (``core.devices.allocator``), so room kept for a decode's
 temporaries in exact bytes is short.
@@ -19,9 +19,9 @@ import torch
 from core.detection.ggml_types import GGML_TYPES
 from core.devices.backends import backend_of
 from core.devices.pinned import pinned_memory
-from core.devices.simcost import LinkCost
-from core.devices.simhost import MissingWaitError
-from core.devices.simulated import SimulatedDevice
+from core.devices.sim.cost import LinkCost
+from core.devices.sim.device import SimulatedDevice
+from core.devices.sim.host import MissingWaitError
 from core.placement import ring as ring_module
 from core.placement.engine import partial_model_of
 from core.placement.ring import Ring

@@ -20,7 +20,7 @@ def with_simulated_gpus(
     module: Callable[[str], Any], monkeypatch: Any, users: Iterable[str], count: int, capacity: int = 8 * GiB
 ) -> list[Any]:
     """``count`` simulated GPUs of ``capacity`` bytes each, as :func:`with_simulated_gpu` gives one."""
-    sims = [module("core.devices.simulated").SimulatedDevice(capacity, ordinal=i) for i in range(count)]
+    sims = [module("core.devices.sim.device").SimulatedDevice(capacity, ordinal=i) for i in range(count)]
     inventory = module("core.devices.inventory").DeviceInventory(
         extra=module("core.devices.backends").simulated_backends(sims)
     )

@@ -87,7 +87,7 @@ def test_the_result_of_a_step_is_comfyuis_bit_for_bit(comfy):
 
 def test_the_weights_are_written_straight_onto_a_simulated_gpu(comfy, monkeypatch):
     mm, _comfy_sd, module, files = comfy
-    sim = module("core.devices.simulated").SimulatedDevice(8 * GiB)
+    sim = module("core.devices.sim.device").SimulatedDevice(8 * GiB)
     inventory = module("core.devices.inventory").DeviceInventory(
         extra=module("core.devices.backends").simulated_backends([sim])
     )

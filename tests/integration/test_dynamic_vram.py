@@ -39,7 +39,7 @@ def comfy(comfy_runtime, synthetic_models):
         for name in ("nodes.bridge.moves", "nodes.bridge.books", "nodes.bridge.reading", "nodes.bridge.dynamic_vram")
     }
     modules["inventory"] = importlib.import_module(f"{pack.__name__}.core.devices.inventory")
-    modules["simulated"] = importlib.import_module(f"{pack.__name__}.core.devices.simulated")
+    modules["simulated"] = importlib.import_module(f"{pack.__name__}.core.devices.sim.device")
     modules["backends"] = importlib.import_module(f"{pack.__name__}.core.devices.backends")
     yield mm, patchers, modules, synthetic_models
     mm.unload_all_models()

@@ -34,7 +34,7 @@ def pack(comfy_runtime, synthetic_models):
 def gpu(pack, monkeypatch):
     """An 8 GiB simulated GPU as the node's gpu:0."""
     mm, module, _ = pack
-    sim = module("core.devices.simulated").SimulatedDevice(8 * GiB)
+    sim = module("core.devices.sim.device").SimulatedDevice(8 * GiB)
     inventory = module("core.devices.inventory").DeviceInventory(
         extra=module("core.devices.backends").simulated_backends([sim])
     )

@@ -160,7 +160,7 @@ def test_on_a_simulated_gpu_under_a_budget_it_holds_quantised_bytes_and_computes
     moved = module("nodes.move_to_gpu").MoveToGPU.execute(whole, "gpu:0", f"{budget / MiB:.3f}MiB", False).args[0]
     report = moved.model.device_control_last_load
     assert 0 < report.resident_bytes <= budget and report.streamed_bytes > 0
-    sim_tensor = module("core.devices.simtensor").SimTensor
+    sim_tensor = module("core.devices.sim.tensor").SimTensor
     on_device = [layer for layer, attr in blocks.values() if isinstance(getattr(layer, attr), sim_tensor)]
     assert 0 < len(on_device) < len(blocks)  # some blocks resident on the GPU, the rest streamed as blocks
     assert all(getattr(layer, attr).dtype == torch.uint8 for layer, attr in blocks.values())

@@ -8,7 +8,7 @@ import importlib
 import pytest
 import torch
 
-from core.devices.simulated import SimulatedDevice
+from core.devices.sim.device import SimulatedDevice
 from core.devices.slices import RowSlices, row_geometry
 from core.devices.transfer import GROUPED
 from core.placement.engine import partial_model_of

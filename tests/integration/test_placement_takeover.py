@@ -38,7 +38,7 @@ def comfy(comfy_runtime, synthetic_models):
             "nodes.bridge.reading",
             "core.devices.backends",
             "core.devices.inventory",
-            "core.devices.simulated",
+            "core.devices.sim.device",
             "core.errors",
         )
     }
@@ -95,7 +95,7 @@ def entries_of(mm, model) -> list:
 def test_a_model_comfyui_loaded_in_low_vram_mode_is_taken_over_exactly(comfy, kind):
     mm, modules, _files = comfy
     budget = MODELS[kind][3]
-    sim = modules["core.devices.simulated"].SimulatedDevice(8 * GiB)
+    sim = modules["core.devices.sim.device"].SimulatedDevice(8 * GiB)
     inventory = modules["core.devices.inventory"].DeviceInventory(
         extra=modules["core.devices.backends"].simulated_backends([sim])
     )
@@ -154,7 +154,7 @@ def test_a_load_that_does_not_go_through_device_control_is_an_error_not_a_succes
     """Another pack replacing the patcher's loading (as multi-GPU packs replace ComfyUI's functions) leaves the
     model where ComfyUI put it: Move To GPU says so and fails, and the model still works where it is."""
     mm, modules, _files = comfy
-    sim = modules["core.devices.simulated"].SimulatedDevice(8 * GiB)
+    sim = modules["core.devices.sim.device"].SimulatedDevice(8 * GiB)
     inventory = modules["core.devices.inventory"].DeviceInventory(
         extra=modules["core.devices.backends"].simulated_backends([sim])
     )

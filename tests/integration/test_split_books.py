@@ -39,7 +39,7 @@ def comfy(comfy_runtime, synthetic_models):
 def gpus(comfy, monkeypatch):
     """A simulated GPU ComfyUI sees as the host (gpu:0) and one it manages as ``mps:1`` (gpu:1)."""
     mm, module = comfy
-    simulated, backends = module("core.devices.simulated"), module("core.devices.backends")
+    simulated, backends = module("core.devices.sim.device"), module("core.devices.backends")
 
     class ManagedDevice(simulated.SimulatedDevice):
         """A simulated GPU that ComfyUI knows as a device of its own."""

@@ -77,7 +77,7 @@ def test_a_comfyui_model_split_over_two_gpus_and_the_cpu_computes_the_one_device
     with torch.no_grad():
         expected = net(*args, **kwargs)
 
-    simulated, splitting = module("core.devices.simulated"), module("core.placement.split")
+    simulated, splitting = module("core.devices.sim.device"), module("core.placement.split")
     blocks = splitting.blocks_of(net, module("core.placement.plan").layers_of(net))
     split = splitting.split_blocks(blocks, module("core.placement.allocation").parse_allocation(ALLOCATION))
     gpus = simulated.SimulatedDevice(1 << 34, ordinal=0), simulated.SimulatedDevice(1 << 34, ordinal=1)
@@ -160,7 +160,7 @@ def test_comfyuis_t5_text_encoder_split_over_two_gpus_and_the_cpu_encodes_as_on_
         clip, torch.device("cpu"), torch.device("cpu")
     )
     splits, tensors, simulated = (
-        module(name) for name in ("nodes.bridge.splits", "core.devices.tensors", "core.devices.simulated")
+        module(name) for name in ("nodes.bridge.splits", "core.devices.tensors", "core.devices.sim.device")
     )
     gpus = simulated.SimulatedDevice(1 << 30, ordinal=0), simulated.SimulatedDevice(1 << 30, ordinal=1)
     targets = (("gpu:0", gpus[0]), ("gpu:1", gpus[1]), ("cpu", tensors.HOST))

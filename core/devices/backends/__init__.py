@@ -3,14 +3,17 @@
 ``cuda`` (CUDA and ROCm), ``xpu``, ``npu``, ``mlu`` (these four share ``torch_module``), ``mps``, ``directml``,
 ``cpu`` and ``simulated``. :func:`default_backends` are the probes the inventory asks, in the order their devices
 are numbered ``gpu:0``, ``gpu:1``, ...; :func:`backend_of` is the backend that drives one target. Code that
-moves tensors or asks about memory goes through :func:`backend_of` and never asks which kind it got.
+moves tensors or asks about memory goes through :func:`backend_of` and never asks which kind it got. The simulated
+GPU (``core.devices.sim``) is reached through here only: the settings that make its devices
+(:func:`simulated_devices_from_env`) and :func:`simulated_backends` for them.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..simulated import SimulatedDevice
+from ..sim.device import SimulatedDevice
+from ..sim.spec import SIMULATE_ENV, simulated_devices_from_env
 from .base import (
     HOST,
     DeviceBackend,
@@ -34,6 +37,7 @@ from .xpu import XpuBackend
 
 __all__ = [
     "HOST",
+    "SIMULATE_ENV",
     "CpuBackend",
     "CudaBackend",
     "DeviceBackend",
@@ -44,6 +48,7 @@ __all__ = [
     "MpsBackend",
     "NpuBackend",
     "SimulatedBackend",
+    "SimulatedDevice",
     "Target",
     "TorchModuleBackend",
     "XpuBackend",
@@ -56,6 +61,7 @@ __all__ = [
     "label_of",
     "same_target",
     "simulated_backends",
+    "simulated_devices_from_env",
     "target_of",
     "this_process",
 ]

@@ -1,11 +1,11 @@
 """The simulated GPU as a backend: the same interface, and the same calls, as a real accelerator.
 
-Its devices are :class:`~core.devices.simulated.SimulatedDevice` objects, which torch does not know: ComfyUI
+Its devices are :class:`~core.devices.sim.device.SimulatedDevice` objects, which torch does not know: ComfyUI
 computes on the host for them (``comfy_device``) and does not make room on them (``comfy_makes_room``).
 Everything else is what a CUDA device does, and fails where CUDA fails: a loader fills weights straight onto it
 (``empty``; the bytes cross the link once), a copy stream and events with CUDA's ordering rules (checked: a missing
 wait raises), host memory page-locked in whole pages (a range touching a registered page fails, and the error stays
-pending for the next operation until :meth:`SimulatedBackend.take_error` reads it: ``core.devices.simhost``),
+pending for the next operation until :meth:`SimulatedBackend.take_error` reads it: ``core.devices.sim.host``),
 copies from it that overlap the host's work while copies from pageable memory hold the host, blocking copies that
 wait for the whole device, and a host that must wait for a queued copy before it writes to or frees its source.
 """
@@ -19,10 +19,10 @@ from typing import Any
 import torch
 
 from ..host_memory import platform
-from ..simhost import NOT_SUPPORTED, REGISTRY
-from ..simlink import SimEvent, SimStream
-from ..simtensor import SimTensor, own_storage, take_snapshot
-from ..simulated import SimulatedDevice
+from ..sim.device import SimulatedDevice
+from ..sim.host import NOT_SUPPORTED, REGISTRY
+from ..sim.link import SimEvent, SimStream
+from ..sim.tensor import SimTensor, own_storage, take_snapshot
 from .base import DeviceBackend, DeviceInfo, HiddenDevices, Target, describe, visibility_setting
 
 #: The compute dtypes a simulated GPU reports (it computes on the host, which has them all but fp8).
@@ -240,6 +240,6 @@ def _reads_until_waited(
 ) -> None:
     """A copy from ``source`` was just put on ``stream``: one ``queued`` (the host did not wait) from ``pinned`` host
     memory (not ``from_device``) reads that memory until the host waits for it, as a ring's fill does
-    (``core.devices.simhost``), whatever path queued it (a tensor moved on its own, a LoRA factor)."""
+    (``core.devices.sim.host``), whatever path queued it (a tensor moved on its own, a LoRA factor)."""
     if queued and pinned and not from_device and source.is_contiguous():
         target.link.reads.add(source, stream, stream.queued)

@@ -3,7 +3,7 @@
 A slot is filled by a copy on the side stream and read by computations on the main stream, then filled again with
 another group's weights. On a real GPU nothing stops a computation from reading a slot before its copy ended, or a
 copy from overwriting a slot the previous computation still reads: both give a wrong image, rarely. Here each is an
-error (:class:`~core.devices.simhost.MissingWaitError`): a read needs the stream it runs on to have waited for the
+error (:class:`~core.devices.sim.host.MissingWaitError`): a read needs the stream it runs on to have waited for the
 fill, and a fill on the side stream needs it to have waited for the main stream's last read of the old contents.
 Slots are known by their storage, so views of one count as the slot.
 """
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .simhost import MissingWaitError
+from .host import MissingWaitError
 
 if TYPE_CHECKING:
-    from .simlink import Link, Pending
+    from .link import Link, Pending
 
 
 class Slots:

@@ -21,9 +21,9 @@ Tensors on the device are instances of :class:`SimTensor`, a ``torch.Tensor`` su
 host tensor it was made from (a move costs no host memory). Moving back with :meth:`SimulatedDevice.to_host`,
 ``.cpu()`` or ``.to("cpu")`` returns a plain tensor.
 
-Every move crosses the device's :class:`~core.devices.simlink.Link`: it is counted there, takes the time the link's
+Every move crosses the device's :class:`~core.devices.sim.link.Link`: it is counted there, takes the time the link's
 cost says (none by default), and a copy queued on the side stream carries its stream position until a wait makes it
-usable on the main stream. The device fails where CUDA fails (``core.devices.simhost``). It is driven through its
+usable on the main stream. The device fails where CUDA fails (``core.devices.sim.host``). It is driven through its
 backend (``core.devices.backends.simulated``), like any other.
 """
 
@@ -37,15 +37,15 @@ from collections.abc import Iterable
 
 import torch
 
-from ..units import format_bytes
-from .allocator import block_bytes
-from .simcost import LinkCost
-from .simhost import REGISTRY
-from .simlink import Link
-from .simslots import Slots
-from .simtensor import SimTensor, own_storage
+from ...units import format_bytes
+from ..allocator import block_bytes
+from .cost import LinkCost
+from .host import REGISTRY
+from .link import Link
+from .slots import Slots
+from .tensor import SimTensor, own_storage
 
-#: A fault's placement or release takes this long (``slow_moves``, ``core.devices.simspec.KNOWN_FAULTS``).
+#: A fault's placement or release takes this long (``slow_moves``, ``core.devices.sim.spec.KNOWN_FAULTS``).
 SLOW_MOVE_SECONDS = 0.005
 
 
@@ -67,7 +67,7 @@ class SimulatedDevice:
         capacity: total bytes the device holds.
         ordinal: index among simulated devices; the device calls itself ``sim:<ordinal>`` in errors.
         used_by_others: bytes another process is pretending to hold (lowers what is free).
-        faults: names from ``core.devices.simspec.KNOWN_FAULTS`` to inject, for fault-tolerance tests.
+        faults: names from ``core.devices.sim.spec.KNOWN_FAULTS`` to inject, for fault-tolerance tests.
         link: what a copy to or from the device costs (default: nothing).
     """
 
@@ -241,7 +241,7 @@ class SimulatedDevice:
     def raise_pending(self) -> None:
         """Raise what a computation or a copy on this device reports before its own work, as CUDA's launch check
         does: a failed host registration's error nobody read back (``PendingDeviceError``, cleared by raising), or
-        host memory freed while a queued copy still read it (``MissingWaitError``): ``core.devices.simhost``."""
+        host memory freed while a queued copy still read it (``MissingWaitError``): ``core.devices.sim.host``."""
         if REGISTRY.pending:
             REGISTRY.raise_pending(self.label)
         self.link.reads.raise_faults()
@@ -278,7 +278,7 @@ class SimulatedDevice:
 
     def copy_into(self, destination: SimTensor, source: torch.Tensor, *, pinned: bool, host_waits: bool) -> None:
         """Copy ``source`` (host memory) into ``destination``, a buffer on this device (a ring's slot, checked:
-        ``core.devices.simslots``), on the link's current stream: the bytes really move, and the link charges the
+        ``core.devices.sim.slots``), on the link's current stream: the bytes really move, and the link charges the
         copy. One the host does not wait for (from ``pinned`` memory) reads ``source`` until the host waits for it
         (:attr:`Link.reads`).
 

@@ -1,8 +1,8 @@
 """What a copy over the simulated GPU's link costs, as ``DEVICE_CONTROL_SIMULATE_LINK`` says: the setting's
 grammar and the figures it fills in (pageable bandwidth, the host's issue time, the launch queue's depth).
 
-The link that charges these costs, its clocks and its waits, is ``core.devices.simlink``; this module is the
-setting alone, which ``core.devices.simspec`` reads with the simulated GPU's other settings and the benchmarks read
+The link that charges these costs, its clocks and its waits, is ``core.devices.sim.link``; this module is the
+setting alone, which ``core.devices.sim.spec`` reads with the simulated GPU's other settings and the benchmarks read
 to describe a link.
 """
 
@@ -12,8 +12,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import InvalidSizeError
-from ..units import parse_size
+from ...errors import InvalidSizeError
+from ...units import parse_size
 
 LINK_ENV = "DEVICE_CONTROL_SIMULATE_LINK"
 

@@ -2,7 +2,7 @@
 what other programs hold on them and what a copy over their link costs.
 
 A ComfyUI started with ``DEVICE_CONTROL_SIMULATE_GPU`` sees these devices beside (or instead of) real ones; the
-devices themselves (``core.devices.simulated``) know nothing of the environment.
+devices themselves (``core.devices.sim.device``) know nothing of the environment.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from ..units import parse_size
-from .simcost import LINK_ENV, LinkCost
-from .simulated import SimulatedDevice
+from ...units import parse_size
+from .cost import LINK_ENV, LinkCost
+from .device import SimulatedDevice
 
 #: Faults a simulated device can be told to inject (see ``SimulatedDevice(faults=...)``):
 #: ``stats``: memory statistics queries fail, as a broken driver query would;

@@ -8,7 +8,7 @@ simulated device (counted in its books). Computing with a tensor on one simulate
 as uploaded inputs. ``.cpu()`` and ``.to("cpu")`` give plain host tensors.
 
 A tensor copied on a side stream carries the stream position of its copy (``_sim_pending``); computing with
-it on a stream that has not waited for that position raises (``core.devices.simlink``).
+it on a stream that has not waited for that position raises (``core.devices.sim.link``).
 
 A copy shares host memory with what it was copied from, where a real device's copy is a snapshot: a write to
 the source after the copy was made would reach the copy here and never on a real device. So a copy carries a
@@ -16,10 +16,10 @@ sample of its values (:func:`take_snapshot`), and its first computation raises i
 product used a copy of a weight that was rewritten in place after the copy was queued.
 
 Before its own work, every operation on the device raises what the device left pending for it (a failed host
-registration's error, a queued copy's source freed: ``core.devices.simhost``), as CUDA's launch check does.
+registration's error, a queued copy's source freed: ``core.devices.sim.host``), as CUDA's launch check does.
 
 The device is any object with ``label``, ``link``, ``raise_pending()`` and ``_register(tensor)``
-(``core.devices.simulated``).
+(``core.devices.sim.device``).
 """
 
 from __future__ import annotations
@@ -30,16 +30,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from .marks import is_streamed
-from .reported import plain_class, reported_shape
+from ..marks import is_streamed
+from ..reported import plain_class, reported_shape
 
 if TYPE_CHECKING:
-    from .simlink import Link
-    from .simslots import Slots
+    from .link import Link
+    from .slots import Slots
 
 
 class Holder(Protocol):
-    """What a simulated tensor asks of the device it lives on (``core.devices.simulated.SimulatedDevice``): its
+    """What a simulated tensor asks of the device it lives on (``core.devices.sim.device.SimulatedDevice``): its
     label, its link (streams, the compute clock), the slots a ring fills, and its books. Named here, so that the
     device may make tensors and a tensor know its device without the two modules importing each other."""
 
@@ -78,7 +78,7 @@ _VALUE_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torc
 
 def _read_on_host(device: Holder | None) -> None:
     """The host reads a value from ``device`` (or copies a tensor to host memory): it waits for the computations
-    queued before (``core.devices.simlink.ComputeClock``), as a real host waits for its GPU."""
+    queued before (``core.devices.sim.link.ComputeClock``), as a real host waits for its GPU."""
     if device is not None:
         device.link.compute.wait()
 

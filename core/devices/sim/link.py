@@ -2,7 +2,7 @@
 a real host would spend on them.
 
 A copy costs ``latency + bytes / bandwidth`` (``DEVICE_CONTROL_SIMULATE_LINK``, e.g. ``16GB/s,10us``, read by
-``core.devices.simcost``; unset, copies are free, as they always were). An optional part ``compute=10x`` says the
+``core.devices.sim.cost``; unset, copies are free, as they always were). An optional part ``compute=10x`` says the
 simulated GPU computes ten times faster than the host: the host cannot compute faster, so every copy (and every host
 cost below) takes ten times longer instead, which keeps the ratio of copying to computing a real GPU that fast would
 see (times are then host times, ten times a real GPU's). Each direction of the link is a copy engine with its own
@@ -34,8 +34,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from .simcost import LinkCost
-from .simhost import HostReads, MissingWaitError
+from .cost import LinkCost
+from .host import HostReads, MissingWaitError
 
 
 @dataclass(eq=False)
@@ -180,7 +180,7 @@ class Link:
         self.synchronizations = 0
         #: Copies from memory that is not page-locked: the host waits for each, whatever the caller asked.
         self.pageable_copies = 0
-        #: Host memory that copies queued without the host waiting still read (``core.devices.simhost``).
+        #: Host memory that copies queued without the host waiting still read (``core.devices.sim.host``).
         self.reads = HostReads()
         self.compute = ComputeClock(self.main, cost.queue_depth)  # the host runs ahead of its computations
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .host_memory import page_size, platform
+from ..host_memory import page_size, platform
 
 #: CUDA's text for a registration that overlaps a registered page (``cudaErrorHostMemoryAlreadyRegistered``).
 ALREADY_MAPPED = "part or all of the requested memory range is already mapped"
