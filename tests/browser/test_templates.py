@@ -96,6 +96,31 @@ def test_the_starter_opens_at_its_start_where_node_text_shows(frontend):
     assert 0 <= view["first"][0] < 120 and 0 <= view["first"][1] < 160, view  # the loader, at the top left
 
 
+#: What the template browser is given, through the frontend's own client: the list of each pack's templates, and
+#: for ours whether each thumbnail is served as an image.
+LISTED = """async () => {
+    const listing = await window.app.api.getWorkflowTemplates();
+    const [pack, names] = Object.entries(listing).find(([, found]) => found.some((n) => n.startsWith("01 ")));
+    const images = [];
+    for (const name of names) {
+        const answer = await fetch(window.app.api.apiURL(`/workflow_templates/${pack}/${name}.jpg`));  // as the card
+        images.push(answer.ok && answer.headers.get("content-type") === "image/jpeg");
+    }
+    return {names, images};
+}"""
+
+
+def test_the_template_browser_lists_ours_in_their_numbers_order_with_readable_titles(frontend):
+    """The browser's default sort keeps this order; the title it shows is the file name ("01 Start here - ...",
+    not "01_start_here_sd15_..."), listed last on a Linux disk before the pack sorted it."""
+    frontend.open()
+    listed = frontend.page.evaluate(LISTED)
+    assert listed["names"] == sorted(workflow.stem for workflow in WORKFLOWS), listed["names"]
+    assert listed["names"][0] == STARTER.stem and STARTER.stem.startswith("01 Start here - ")
+    assert all("_" not in name for name in listed["names"]), listed["names"]  # words, not a file's snake case
+    assert all(listed["images"]), listed
+
+
 def test_every_template_has_a_small_thumbnail(frontend_version):
     """The template browser shows ``<name>.jpg`` beside each custom-node template: a card with its number, title
     and placing steps (``tools/make_thumbnails.py``), not a shrunk graph, alike in every template."""
