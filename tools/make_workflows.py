@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 NODE_WIDTH, REPORT_SIZE, GAP, OUR_TEXT_BOX, TITLE_HEIGHT = 340, (520, 360), 50, 160, 30
 #: The view a template opens at: its start (top left), at a zoom where the frontend draws node text (it draws bare
 #: boxes below 8 px over its 14 px text, 0.57, on a screen of device pixel ratio 1). The frontends that fit a
-#: template to the window (1.48 on) would open a graph of a dozen nodes at about 30 %: the pack's extension
+#: template to the window (1.45 on) would open a graph of a dozen nodes at about 30 %: the pack's extension
 #: (web/template_view.js) opens a graph marked with TEMPLATE_MARK at this view instead, where the fit draws no text.
 OPEN_SCALE, OPEN_MARGIN, TEMPLATE_MARK = 0.75, 30, "device_control_template"
 PROMPT = "a lighthouse on a cliff at sunset, oil painting"

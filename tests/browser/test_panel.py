@@ -212,7 +212,7 @@ def assert_the_chart_is_readable(page: Any, timeline: Any) -> None:
     labels = json.loads(timeline.get_attribute("data-layout"))
     texts = {label["text"] for label in labels}
     assert texts >= {"0%", "50%", "100%", "now"}
-    # Node starts are named on the chart where a name fits before the next (they had hover names only).
+    # Node starts are named on the chart where a name lies on no other (they had hover names only).
     assert [text for text in texts if not re.fullmatch(r"\d+%|now|-\d+ s", text)], texts
     assert_labels_readable(labels, box)
     # Measured in one step in the page: the panel re-renders every push, so an entry found first and measured

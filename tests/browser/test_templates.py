@@ -31,7 +31,7 @@ RECTANGLES = """() => ({
     links: window.app.graph.serialize().links,
 })"""
 
-#: Open a template as the template browser does (the frontends from 1.48 fit it to the window, older ones take its
+#: Open a template as the template browser does (the frontends from 1.45 fit it to the window, older ones take its
 #: stored view; ours then opens a marked graph at its stored view where that fit draws no text), and read the view
 #: a few frames later: the scale, the node text's size on screen against the frontend's threshold, and where the
 #: first node (the loader) is on screen.
