@@ -34,8 +34,8 @@ def node_id_of(node: type | None) -> str | None:
 
 
 def remember(node: type | None, values: Iterable[Any]) -> None:
-    """Node ``node`` (the class ComfyUI runs) gave out ``values``: the MODEL, CLIP or VAE among them are kept,
-    weakly, for its text when it comes from the cache."""
+    """Node ``node`` (the class ComfyUI runs) gave out ``values``: the models among them (of any kind Move To GPU
+    takes) are kept, weakly, for its text when it comes from the cache."""
     node_id = node_id_of(node)
     if node_id is None:
         return

@@ -16,17 +16,19 @@ from ..core.placement.fit import Choice, FitPlan
 from ..core.units import format_bytes
 from . import surface
 from .bridge.checkpoint import BuiltCheckpoint, build_checkpoint, built_dtypes
+from .model_files import (
+    detection_for_this_comfyui,
+    model_path,
+    require_kind,
+)
 from .placing import (
     VAE_DTYPES,
     check_devices,
-    detection_for_this_comfyui,
     device_input,
     dtype_input,
     loaded,
-    model_path,
     plan_load,
     progress_bar,
-    require_kind,
     resolve_placement,
     summary_output,
     vae_dtype_problem,

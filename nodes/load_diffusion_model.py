@@ -16,20 +16,22 @@ from ..core.placement.fit import Choice, FitPlan
 from ..core.units import format_bytes
 from . import surface
 from .bridge.diffusion_model import build_diffusion_model
-from .bridge.reading import dominant_storage
+from .bridge.storage import dominant_storage
+from .model_files import (
+    detection_for_this_comfyui,
+    gguf_blocks,
+    model_files,
+    model_path,
+    require_kind,
+)
 from .placing import (
     DTYPES,
     check_devices,
-    detection_for_this_comfyui,
     device_input,
     dtype_input,
-    gguf_blocks,
     loaded,
-    model_files,
-    model_path,
     plan_load,
     progress_bar,
-    require_kind,
     resolve_placement,
     summary_output,
     with_fit,

@@ -21,22 +21,24 @@ from ..core.placement.fit import Choice, FitPlan
 from ..core.units import format_bytes
 from . import surface
 from .bridge.comfy_detection import COMFY_DETECTED, text_encoder_with_comfyui
-from .bridge.reading import storage_bytes
+from .bridge.storage import storage_bytes
 from .bridge.text_encoders import build_text_encoders
-from .placing import (
-    check_devices,
-    device_input,
-    dtype_input,
+from .model_files import (
     gguf_blocks,
-    loaded,
     model_files,
     model_path,
-    plan_load,
-    progress_bar,
     quantized_refusal,
     quantizes_scaled_fp8,
     refuse_unmapped_gguf,
     require_kind,
+)
+from .placing import (
+    check_devices,
+    device_input,
+    dtype_input,
+    loaded,
+    plan_load,
+    progress_bar,
     resolve_placement,
     summary_output,
     with_fit,

@@ -15,16 +15,18 @@ from ..core.placement.fit import Choice, FitPlan
 from ..core.units import format_bytes
 from . import surface
 from .bridge.vae import build_vae
+from .model_files import (
+    model_path,
+    require_kind,
+)
 from .placing import (
     VAE_DTYPES,
     check_devices,
     device_input,
     dtype_input,
     loaded,
-    model_path,
     plan_load,
     progress_bar,
-    require_kind,
     resolve_placement,
     summary_output,
     vae_dtype_problem,

@@ -1,6 +1,6 @@
 """The memory report our nodes and the panel read: every device, RAM, and every loaded model, with what one value
-given (a MODEL, CLIP or VAE) holds where. VRAM Report shows it at its point in the graph; the panel's snapshot and
-push carry it; neither needs the other to make it."""
+given (a model of any kind Move To GPU takes) holds where. VRAM Report shows it at its point in the graph; the
+panel's snapshot and push carry it; neither needs the other to make it."""
 
 from __future__ import annotations
 

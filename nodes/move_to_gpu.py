@@ -1,4 +1,5 @@
-"""Move To GPU: put a MODEL, CLIP or VAE on a device, under a VRAM budget, at this point of the graph."""
+"""Move To GPU: put a model (a MODEL, CLIP, VAE, ControlNet, CLIP vision model, upscale model, model patch
+or GLIGEN) on a device, under a VRAM budget, at this point of the graph."""
 
 from __future__ import annotations
 
@@ -10,30 +11,34 @@ from ..core.errors import InvalidDeviceSpecError, InvalidSizeError
 from ..core.placement.budget import Budget
 from . import panel, surface
 from .bridge.moves import MoveResult, move
+from .bridge.subjects import PLACEABLE_KINDS
 from .cached_texts import remember
 from .device_warnings import warn_missing_devices
 from .state import device_options, device_tooltip, inventory
 
 log = logging.getLogger("device_control")
 
-MODEL_TYPES = "the MODEL, CLIP or VAE"
 #: The types the model input takes, and its output's (the editor narrows the output to the type connected to the
 #: input: ``web/panel/device_warnings.js``), as ComfyUI writes them.
-MODEL_IO_TYPE = "MODEL,CLIP,VAE"
-MODEL_TOOLTIP = "A MODEL, CLIP or VAE from any loader (ComfyUI's own or Load Checkpoint With Device)."
+MODEL_IO_TYPE = ",".join(PLACEABLE_KINDS)
+MODEL_TOOLTIP = (
+    "A MODEL, CLIP or VAE from any loader (ComfyUI's own or Load Checkpoint With Device), or a CONTROL_NET, "
+    "CLIP_VISION, UPSCALE_MODEL (ComfyUI 0.33 on), MODEL_PATCH or GLIGEN from ComfyUI's loaders."
+)
 MOVED_TOOLTIP = (
     "The same model (a clone that carries the placement), of the type connected to the input: a CLIP in, a CLIP out."
 )
 
 
 def model_input(optional: bool = False) -> Any:
-    """The input that takes a MODEL, a CLIP or a VAE."""
+    """The input that takes a model of any of :data:`PLACEABLE_KINDS`."""
     io = surface.io
-    return io.MultiType.Input("model", types=[io.Model, io.Clip, io.Vae], optional=optional, tooltip=MODEL_TOOLTIP)
+    types = [io.Model, io.Clip, io.Vae, *(io.Custom(kind) for kind in PLACEABLE_KINDS[3:])]
+    return io.MultiType.Input("model", types=types, optional=optional, tooltip=MODEL_TOOLTIP)
 
 
 def model_output() -> Any:
-    """The output that gives back what came in: typed with all three here, narrowed by the editor to the type
+    """The output that gives back what came in: typed with every kind here, narrowed by the editor to the type
     connected to the input. (ComfyUI's MatchType would do that where it works, 0.28 on; on 0.3.75 it does not, and
     the node's Info would read COMFY_MATCHTYPE_V3: one mechanism for every ComfyUI and frontend tested.)"""
     return surface.io.Custom(MODEL_IO_TYPE).Output("moved", display_name="model", tooltip=MOVED_TOOLTIP)
@@ -67,13 +72,14 @@ class MoveToGPU(surface.io.ComfyNode):
             display_name="Move To GPU",
             category="Device Control",
             description=(
-                "Moves a model (MODEL, CLIP or VAE) to a GPU now, keeping as much of it resident as the VRAM budget "
-                "allows; the rest stays in RAM and streams layer by layer when it runs. The weights move in place: "
-                "nothing is read from disk again, LoRAs are kept, and later nodes (KSampler, CLIP Text Encode, VAE "
-                "Decode) keep the placement instead of loading the model their own way. The dtype stays, except that a "
-                "diffusion model loaded with dtype auto takes ComfyUI's dtype for the new device (fp16 on a GPU). "
-                "Cached like any node: the placement belongs to the model, so after an Offload To CPU the next node "
-                "that computes with it loads it back here, under this budget, without this node running again."
+                "Moves a model (MODEL, CLIP, VAE, ControlNet, CLIP vision, upscale model, model patch, GLIGEN) to a "
+                "GPU now, keeping as much of it resident as the VRAM budget allows; the rest stays in RAM and "
+                "streams layer by layer when it runs. The weights move in place: nothing is read from disk again, "
+                "LoRAs are kept, and later nodes (KSampler, CLIP Text Encode, VAE Decode) keep the placement instead "
+                "of loading the model their own way. The dtype stays, except that a diffusion model loaded with "
+                "dtype auto takes ComfyUI's dtype for the new device (fp16 on a GPU). Cached like any node: the "
+                "placement belongs to the model, so after an Offload To CPU the next node that computes with it "
+                "loads it back here, under this budget, without this node running again."
             ),
             inputs=[
                 model_input(),

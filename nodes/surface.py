@@ -7,7 +7,7 @@ imports ComfyUI. Each symbol is looked up by feature, never by version number; a
 ComfyUI module symbols used: :data:`COMFY_SYMBOLS` below (a test keeps it complete). The attributes of the objects
 ComfyUI hands us (patchers, loaded-model entries, CLIP, VAE, model configs, the server), used by attribute, are
 :data:`COMFY_ATTRIBUTES`, by the class that defines them; :data:`OPTIONAL` names those looked up by feature, which
-a ComfyUI may lack. ``python -m tools.surface_check PATH`` checks both tables against any ComfyUI source tree.
+a ComfyUI may lack. ``python -m tools.runtime.surface_check PATH`` checks both tables against any ComfyUI source tree.
 """
 
 from __future__ import annotations

@@ -34,7 +34,8 @@ class VRAMReport(io.ComfyNode):
                     optional=True,
                     tooltip=(
                         "Any value (MODEL, CLIP, VAE, LATENT, IMAGE...). It is passed through unchanged; connecting it "
-                        "makes the report run after the node that produced it. A MODEL, CLIP or VAE is also described."
+                        "makes the report run after the node that produced it. A model (MODEL, CLIP, VAE, CONTROL_NET, "
+                        "CLIP_VISION, UPSCALE_MODEL, MODEL_PATCH, GLIGEN) is also described."
                     ),
                 ),
                 io.String.Input(

@@ -23,9 +23,9 @@ import pytest
 
 from tests.passes import keep_to_their_passes
 from tests.server_pool import ServerPool
-from tools.comfy_forkserver import ForkServer
-from tools.comfy_server import FORK_SERVERS, ComfyServer, server_environment
-from tools.runtime import DEFAULT_VERSION, comfyui_dir, missing_source, venv_python
+from tools.runtime.forkserver import ForkServer
+from tools.runtime.provision import DEFAULT_VERSION, comfyui_dir, missing_source, venv_python
+from tools.runtime.server import FORK_SERVERS, ComfyServer, server_environment
 
 REPO = Path(__file__).resolve().parent.parent
 STRICT = (
@@ -256,14 +256,14 @@ def comfy_runtime() -> Path:
     root = comfyui_dir()
     if not (root / "main.py").exists():
         reason = missing_source(DEFAULT_VERSION)
-        unavailable(reason or f"ComfyUI is not provisioned at {root}; run 'python3 tools/runtime.py'")
+        unavailable(reason or f"ComfyUI is not provisioned at {root}; run 'python3 tools/runtime/provision.py'")
     return root
 
 
 @pytest.fixture(scope="session")
 def synthetic_models(comfy_runtime: Path) -> dict[str, Path]:
     """The synthetic SD1.5 checkpoint and LoRA (made once, cached between runs)."""
-    code = "import json, tools.make_fixtures as m; print(json.dumps({k: str(v) for k, v in m.make_all().items()}))"
+    code = "import json, tools.fixtures.make as m; print(json.dumps({k: str(v) for k, v in m.make_all().items()}))"
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         pytest.fail(f"could not make the synthetic models:\n{done.stderr[-3000:]}")
@@ -306,7 +306,7 @@ PLAIN_STARTS_ENV = "DEVICE_CONTROL_PLAIN_STARTS"
 
 @pytest.fixture(scope="session", autouse=True)
 def fork_server() -> Iterator[None]:
-    """The servers of this pass's ComfyUI start through a fork server (:mod:`tools.comfy_forkserver`): five of a
+    """The servers of this pass's ComfyUI start through a fork server (:mod:`tools.runtime.forkserver`): five of a
     start's 7-9 s are imports every start repeats. Linux only: forking a process that has loaded torch is not safe
     on macOS, and Windows cannot fork."""
     if os.environ.get(PLAIN_STARTS_ENV) == "1" or not sys.platform.startswith("linux"):

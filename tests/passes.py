@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.runtime import DEFAULT_VERSION, MIDDLE_VERSIONS, PRIMARY_VERSION, long_checks_version
+from tools.runtime.provision import DEFAULT_VERSION, MIDDLE_VERSIONS, PRIMARY_VERSION, long_checks_version
 
 #: Whether this pass is the primary ComfyUI's (0.3.75: the one that runs every tier).
 PRIMARY_PASS = DEFAULT_VERSION == PRIMARY_VERSION
@@ -60,6 +60,7 @@ EVERY_VERSION_MODULES = frozenset(
         "test_load_checkpoint",
         "test_lora_coverage",
         "test_manager_install",
+        "test_move_model_types",
         "test_move_offload",
         "test_queue_time",
         "test_object_info",
@@ -100,6 +101,7 @@ MIDDLE_VERSION_MODULES = frozenset(
         "test_fixtures",
         "test_fork_server",
         "test_lora_coverage",
+        "test_move_model_types",
         "test_object_info",
         "test_ops_oracle",
         "test_patch_oracle",

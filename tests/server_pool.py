@@ -27,7 +27,7 @@ from pathlib import Path
 
 import psutil
 
-from tools.comfy_server import ComfyServer
+from tools.runtime.server import ComfyServer
 
 log = logging.getLogger("device_control.tests")
 

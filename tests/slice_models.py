@@ -1,12 +1,11 @@
-"""Files the row-slice integration tests make for themselves, in a folder of the test session (nothing is
-committed): a Flux-layout diffusion model as the issue describes it, LoRAs for any diffusion-model file, and a
+"""Files the row-slice integration tests use beside the fixtures, in a folder of the test session (nothing is
+committed): the Flux-layout diffusion model the issue describes, LoRAs for any diffusion-model file, and a
 test-only custom node that makes a text conditioning of any width.
 
-* The Flux-layout model is FLUX.1-dev's layout (``tests/data``, hidden size 3072, the one ComfyUI 0.3.52's
-  detection fixes) cut to one double and one single block: 2.03 GiB in fp32, 23 Linear layers of up to 264 MB.
-  The running ComfyUI reads its configuration from that layout, builds its own Flux class on torch's ``meta``
-  device, checks its detection names the result the same, and it is filled with small seeded random weights
-  (N(0, 0.02) for matrices, 1 for norm scales, 0 for biases) and written in bf16.
+* The Flux-layout model is the Flux family fixture (``tools.fixtures.families``): FLUX.1-dev's layout (hidden
+  size 3072) cut to one double and one single block, 2.05 GiB in fp32, 23 Linear layers of up to 264 MB, its
+  pooled input 2048 wide (the width of SD3's two CLIP encoders, which its family tests condition it with). The
+  folder links it under its own name, and the running ComfyUI's detection is checked to name it Flux each time.
 * A LoRA for a diffusion-model file has a rank-4 factor pair for every matrix, in the generic naming every ComfyUI
   maps (``diffusion_model.<weight>``); for Flux, the first double block's attention also in diffusers naming
   (``transformer.transformer_blocks.0.attn.to_q``...), which ComfyUI maps to parts of the fused qkv weight (patches
@@ -14,16 +13,14 @@ test-only custom node that makes a text conditioning of any width.
 * The custom node exists because a Flux layout needs a 4096-wide text conditioning (its T5 width, fixed by
   ComfyUI 0.3.52's detection) and no text encoder that small exists: the node draws one from a seed.
 
-Run with the runtime's Python from the repository: ``python -m tests.slice_models FOLDER [SD35_FILE]`` writes
-them all (and a LoRA for the SD3.5-layout fixture when its file is given). The model and the LoRAs are made once
-per layout and seed in the runtime's ``fixtures/slices`` (each ComfyUI version's pass links them: drawing 2 GiB
-of random weights took 20 s a pass), and the running ComfyUI's detection is checked every time.
+Run with the runtime's Python from the repository: ``python -m tests.slice_models FOLDER FLUX_FILE [SD35_FILE]``
+writes them all (and a LoRA for the SD3.5-layout fixture when its file is given). The LoRAs are made once per
+layout and seed in the runtime's ``fixtures/slices`` (each ComfyUI version's pass links them).
 """
 
 from __future__ import annotations
 
 import hashlib
-import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -32,8 +29,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tools.layouts import layouts
-from tools.runtime import fixtures_dir
+from tools.fixtures.files import file_on_meta
+from tools.runtime.provision import fixtures_dir
 
 FLUX_FILE = "device_control_flux_3072_1x1.safetensors"
 #: Part of every cached file's name: raise it when what a file holds for a layout and seed changes.
@@ -64,19 +61,6 @@ NODE_CLASS_MAPPINGS = {"DeviceControlTestConditioning": DeviceControlTestConditi
 '''
 
 
-def _materialise(key: str, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    if key.endswith(".bias"):
-        return torch.zeros(like.shape)
-    if like.dim() == 1:
-        return torch.ones(like.shape)
-    return torch.randn(like.shape, generator=generator) * 0.02
-
-
-def _later_block(key: str) -> bool:
-    """Whether ``key`` belongs to a double or single block after the first."""
-    return re.match(r"(double|single)_blocks\.[1-9]", key) is not None
-
-
 def _linked(target: Path, key: str, build: Callable[[Path], None]) -> Path:
     """``target`` as a link to the cached file for ``key``, which ``build`` writes when it is not there yet."""
     cached = fixtures_dir() / "slices" / f"{key}_v{CACHE_VERSION}.safetensors"
@@ -95,30 +79,20 @@ def _digest(shapes: dict[str, tuple[int, ...]]) -> str:
     return hashlib.sha256(repr(sorted(shapes.items())).encode()).hexdigest()[:16]
 
 
-def make_flux(target: Path, seed: int = 3) -> Path:
-    """Write the Flux-layout model (see the module's docstring), checked against the running ComfyUI's detection."""
-    from tools.comfy_inprocess import import_comfy
+def link_flux(family_file: Path, target: Path) -> Path:
+    """``target`` as a link to the Flux family fixture, checked against the running ComfyUI's detection."""
+    from tools.runtime.inprocess import import_comfy
 
     import_comfy()
     import comfy.model_detection
 
-    real = layouts()["flux1_dev.diffusion_model.json"]["tensors"]
-    cut = {k: torch.empty(shape, device="meta") for k, (shape, _dtype) in real.items() if not _later_block(k)}
-    config = comfy.model_detection.model_config_from_unet(cut, "")  # the running ComfyUI's own reading of it
-    with torch.device("meta"):
-        model = config.get_model({}, "", device=torch.device("meta"))
-    layout = model.diffusion_model.state_dict()
-    detected = comfy.model_detection.model_config_from_unet(layout, "")
-    if type(detected).__name__ != "Flux" or detected.unet_config != config.unet_config:
-        raise RuntimeError(f"ComfyUI detects the Flux-layout file as {type(detected).__name__}")
-
-    def build(path: Path) -> None:
-        generator = torch.Generator().manual_seed(seed)
-        tensors = {k: _materialise(k, layout[k], generator).to(torch.bfloat16).contiguous() for k in sorted(layout)}
-        save_file(tensors, str(path))
-
-    key = _digest({k: tuple(v.shape) for k, v in layout.items()})
-    return _linked(target, f"flux_{key}_seed{seed}", build)
+    detected = comfy.model_detection.model_config_from_unet(file_on_meta(family_file), "")
+    if type(detected).__name__ != "Flux":
+        raise RuntimeError(f"ComfyUI detects {family_file.name} as {type(detected).__name__}, not Flux")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.unlink(missing_ok=True)
+    target.symlink_to(family_file)
+    return target
 
 
 def make_lora(model_file: Path, target: Path, seed: int = 5, flux_diffusers: bool = False) -> Path:
@@ -161,12 +135,13 @@ SD35_LORA = "device_control_sd35_tiny_lora.safetensors"
 
 
 def main() -> None:
-    """``FOLDER [SD35_FILE]``: the Flux-layout model and its LoRA, the node, and a LoRA for the SD3.5 fixture."""
+    """``FOLDER FLUX_FILE [SD35_FILE]``: the Flux-layout model and its LoRA, the node, and a LoRA for the SD3.5
+    fixture."""
     folder = Path(sys.argv[1])
-    flux = make_flux(folder / "diffusion_models" / FLUX_FILE)
+    flux = link_flux(Path(sys.argv[2]), folder / "diffusion_models" / FLUX_FILE)
     make_lora(flux, folder / "loras" / FLUX_LORA, flux_diffusers=True)
-    if len(sys.argv) > 2:
-        make_lora(Path(sys.argv[2]), folder / "loras" / SD35_LORA)
+    if len(sys.argv) > 3:
+        make_lora(Path(sys.argv[3]), folder / "loras" / SD35_LORA)
     write_conditioning_node(folder / "custom_nodes")
 
 

@@ -28,9 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from any folder
 
-from tools.comfy_server import ComfyServer, free_port
-from tools.runtime import DEFAULT_VERSION, REPO, TESTED_VERSIONS, provision, runtime_dir, venv_python
-from tools.workflow_api import load_workflow, ui_to_api
+from tools.runtime.provision import DEFAULT_VERSION, REPO, TESTED_VERSIONS, provision, runtime_dir, venv_python
+from tools.runtime.server import ComfyServer, free_port
+from tools.templates.workflow_api import load_workflow, ui_to_api
 
 log = logging.getLogger("device_control.tools")
 WORKFLOW = REPO / "workflows" / "01 Start here - SD1.5 moved to the GPU, then offloaded.json"
@@ -90,7 +90,7 @@ def main() -> int:
     provision(args.comfyui)
     log.info("[Device Control] making the synthetic SD1.5 checkpoint (cached after the first run)")
     fixtures_env = {**os.environ, "DEVICE_CONTROL_COMFYUI": args.comfyui}
-    command = [str(venv_python()), "-m", "tools.make_fixtures", "--without-families"]
+    command = [str(venv_python()), "-m", "tools.fixtures.make", "--without-families"]
     subprocess.run(command, cwd=REPO, check=True, env=fixtures_env)
     gpu = _gpu_present()
     simulate = args.simulate_gpu or (None if gpu else "8GiB")

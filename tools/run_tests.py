@@ -42,7 +42,15 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from any folder
 
 from tests.quick import QUICK
-from tools.runtime import NEWEST_TESTED, PRIMARY_VERSION, RELEASES, REPO, TESTED_VERSIONS, missing_source, provision
+from tools.runtime.provision import (
+    NEWEST_TESTED,
+    PRIMARY_VERSION,
+    RELEASES,
+    REPO,
+    TESTED_VERSIONS,
+    missing_source,
+    provision,
+)
 
 log = logging.getLogger("device_control.tools")
 #: Each pass ends with its slowest tests: where the time of a run goes, in every CI log.
@@ -50,8 +58,8 @@ DURATIONS = ("--durations=25",)
 #: What a run from a fresh clone writes, in GB (du after one): the runtime in .runtime (packages and ComfyUI, 7),
 #: the synthetic models in .runtime/fixtures (12, sparse files counted as what they use), and pytest's folder
 #: (one module's files at a time: at most 0.9 seen).
-DISK_NEEDED_GB = 20
-ROOM = f"a run from a fresh clone writes about {DISK_NEEDED_GB} GB; make that much room and run again."
+DISK_NEEDED_GB = 21
+ROOM = f"a run from a fresh clone needs about {DISK_NEEDED_GB} GB at its peak; make that much room and run again."
 
 
 def disk_free_gb() -> float:
@@ -92,7 +100,7 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     started = time.monotonic()
     log.info(
-        "[Device Control] %.1f GB free on the disk; a run from a fresh clone writes about %d GB",
+        "[Device Control] %.1f GB free on the disk; a run from a fresh clone needs about %d GB at its peak",
         disk_free_gb(),
         DISK_NEEDED_GB,
     )
@@ -236,7 +244,7 @@ def full_run(python: Path, versions: list[str], pytest_args: list[str]) -> list[
     # Torch's threads that spin while they wait for work take the core another process computes on: ComfyUI's tiers
     # wait passively, and the core tier computes on one thread, at a lower priority, in what the others leave of the
     # two cores (its tests have no deadline; the browser's have). Measured side by side: docs/bench/ci_threads.txt.
-    fixtures = Job.of([str(python), "-m", "tools.make_fixtures"], primary, **weights("fixtures"))
+    fixtures = Job.of([str(python), "-m", "tools.fixtures.make"], primary, **weights("fixtures"))
     jobs = [fixtures]
     for name in (None, *PROFILES):
         command = [*pytest, "tests/core", f"--basetemp={SCRATCH}-{name or 'core'}"]

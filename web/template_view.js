@@ -3,7 +3,7 @@
 // The frontends from 1.45 fit a template to the window when it opens. A graph of a dozen nodes in a row then opens
 // at about 30 %, where the frontend draws bare boxes (its text goes below 8 px, 0.57 of its size, on a screen of
 // device pixel ratio 1): a new user sees nothing to read. Our templates carry the view they open at (extra.ds: the
-// graph's top left at 75 %) and a mark (tools/make_workflows.py); when the frontend's own view of a marked graph
+// graph's top left at 75 %) and a mark (tools/templates/make_workflows.py); when the frontend's own view of a marked graph
 // draws no text, the graph takes its stored view instead. A saved copy keeps the mark and stores the user's view,
 // which is the view the frontend itself restores for a saved workflow: a view that draws text is never changed.
 import { app } from "../../scripts/app.js";

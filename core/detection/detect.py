@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from os import PathLike
 from typing import Any
 
+from .branches import BRANCHES, Branch, find_branch
 from .components import Component, measure, text_encoder_kind, vae_kind
 from .diffusers_branches import DIFFUSERS_BRANCHES, DIFFUSERS_UNETS
-from .families import BRANCHES, Branch, Family, find_branch
-from .family_table import FAMILIES, match_family
+from .family_table import FAMILIES, Family, match_family
 from .headers import FileHeader, TensorInfo, read_header
 from .keyview import KeyView
 from .lora_info import LoraInfo, describe_lora, is_lora

@@ -6,7 +6,7 @@ is reported as a native family, with a ``diffusers names`` variant.
 
 from __future__ import annotations
 
-from .families import Branch, Fields, _either
+from .branches import Branch, Fields, _either
 from .keyview import KeyView
 
 

@@ -1,17 +1,61 @@
 """The families table: every diffusion-model family ComfyUI builds (0.3.75, 0.28 and 0.33), in its matching order.
 
 Each row names the ``comfy.supported_models`` class, what users call the family, the architecture branch
-(see ``core.families``), the hyper-parameters that must match, the prediction type, where the VAE sits in a
+(see ``core.detection.branches``), the hyper-parameters that must match, the prediction type, where the VAE sits in a
 full checkpoint, and the dtypes ComfyUI computes it in. The first row that matches wins: the order matters
 where one family's hyper-parameters are a subset of another's (SD 1.5 instruct-pix2pix before SD 1.5).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
-from .families import Branch, Family, Fields
+from .branches import Branch, Fields
 from .keyview import KeyView
+
+
+@dataclass(frozen=True)
+class Family:
+    """A family of diffusion models, as ComfyUI knows it.
+
+    Args:
+        comfy_class: the ``comfy.supported_models`` class name.
+        name: what users call it.
+        branch: the architecture branch it belongs to.
+        match: hyper-parameters (from the branch's ``fields``) that must all be equal.
+        required_keys: keys that must exist anywhere in the file (outside the diffusion-model prefix too).
+        model_type: the prediction type, or a rule computing it from the file.
+        vae_prefix: where the VAE sits in a full checkpoint (text encoders are found by their own rules).
+        dtypes: dtypes ComfyUI computes this family in, preferred first.
+    """
+
+    comfy_class: str
+    name: str
+    branch: str
+    match: Mapping[str, Any] = field(default_factory=dict)
+    required_keys: tuple[str, ...] = ()
+    model_type: str | Callable[[KeyView], str] = "EPS"
+    vae_prefix: str = "first_stage_model."
+    dtypes: tuple[str, ...] = ("fp16", "bf16", "fp32")
+
+    def mismatches(self, fields: Fields, view: KeyView) -> list[str]:
+        """Why this family does not match (empty when it does)."""
+        reasons = [
+            f"{name} is {fields.get(name, 'absent')!r}, {self.comfy_class} needs {wanted!r}"
+            for name, wanted in self.match.items()
+            if fields.get(name, _ABSENT) != wanted
+        ]
+        reasons += [f"key {key!r} is missing" for key in self.required_keys if not view.root_has(key)]
+        return reasons
+
+    def type_of(self, view: KeyView) -> str:
+        """The model's prediction type (``EPS``, ``V_PREDICTION``, ``FLOW``, ...)."""
+        return self.model_type(view) if callable(self.model_type) else self.model_type
+
+
+_ABSENT = object()
 
 # -- prediction types that depend on the file --------------------------------------------------------------
 

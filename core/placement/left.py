@@ -15,9 +15,7 @@ import torch
 
 from ..devices.tensors import moves_in_place
 from .plan import Layer
-
-#: ComfyUI's mark of a layer that casts its weights on each use (``streaming.is_streaming`` reads it too).
-_STREAMING_MARK = "prev_comfy_cast_weights"
+from .streaming import STREAMING_MARK
 
 
 def tree_state(layers: list[Layer]) -> list:
@@ -31,7 +29,7 @@ def tree_state(layers: list[Layer]) -> list:
         for layer in layers:
             module = layer.module
             params, buffers = module._parameters, module._buffers
-            state.append((_STREAMING_MARK in module.__dict__, len(params), len(buffers)))
+            state.append((STREAMING_MARK in module.__dict__, len(params), len(buffers)))
             for tensors in (params, buffers):
                 for tensor in tensors.values():
                     if tensor is not None:  # a weak reference: the state must not keep a moved-away tensor alive

@@ -24,8 +24,8 @@ the patcher on the others).
 **Policy.** Which streamable layers stay resident when not all fit: ``largest-first`` (as ComfyUI does) keeps the
 biggest layers, so the fewest bytes per layer stream and the reserve is smallest; ``execution-order`` keeps the
 first layers, so the copies of the later ones could overlap with the computation of the earlier ones.
-``tools/bench.py`` measures both (``--only policy``); the default is :data:`DEFAULT_POLICY`, for the reason given
-there.
+``tools/bench/run_all.py`` measures both (``--only policy``); the default is :data:`DEFAULT_POLICY`, for the reason
+given there.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from enum import Enum
 import torch
 
 from ..devices.slices import RowSlices, row_geometry
-from ..devices.tensors import HOST, Target, is_on, own_tensors, tensor_bytes
+from ..devices.tensors import Target, is_on, own_tensors, tensor_bytes
 from .pieces import STREAM_COPIES, Multiples, Option, largest, options_of, room_for, stream_reserve, widened
 
 __all__ = ["STREAM_COPIES", "stream_reserve"]  # reckoned in core.placement.pieces, read by the plan's users here
@@ -63,7 +63,7 @@ class Policy(str, Enum):
 
 
 #: Largest-first streams the fewest bytes per streamed layer and needs the smallest casting room (see
-#: ``tools/bench.py --only policy`` and docs/bench/policy.md for the measurements behind this choice).
+#: ``tools/bench/run_all.py --only policy`` and docs/bench/policy.md for the measurements behind this choice).
 DEFAULT_POLICY = Policy.LARGEST_FIRST
 
 
@@ -347,13 +347,3 @@ def _longest_prefix(
     if rest[length] > room:
         return []
     return list(candidates[:length])
-
-
-def is_streaming(layer: Layer) -> bool:
-    """Whether ``layer`` is marked to cast its weights on each use (ComfyUI's own mark of a streaming layer)."""
-    return hasattr(layer.module, "prev_comfy_cast_weights")
-
-
-def on_host(layer: Layer) -> bool:
-    """Whether all of ``layer``'s tensors are in host memory."""
-    return layer.is_resident(HOST)

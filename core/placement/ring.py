@@ -234,7 +234,7 @@ class Ring:
         """The first layer of ``group`` computes: its copy (and the next ones') queued, the compute stream made to
         wait for it; ``False`` where the ring cannot serve it (another device, a layer that left the ring, no room
         for a slot). Once per group per pass, in one call with what follows it (the host work of a streamed layer
-        is counted in calls: ``tools/bench_host.py``): everything else a layer does is a lookup."""
+        is counted in calls: ``tools/bench/host.py``): everything else a layer does is a lookup."""
         if group < 0 or self._failed or (target is not self.target and not same_target(target, self.target)):
             return False
         if not self._buffers and not self._allocate():

@@ -50,11 +50,13 @@ class LayerHooks:
 
 
 NO_HOOKS = LayerHooks()
+#: ComfyUI's mark of a layer that casts its weights on each use: the ``comfy_cast_weights`` it had before.
+STREAMING_MARK = "prev_comfy_cast_weights"
 
 
 def is_streaming(layer: Layer) -> bool:
     """Whether ``layer`` is marked to cast its weights on each use."""
-    return hasattr(layer.module, "prev_comfy_cast_weights")
+    return hasattr(layer.module, STREAMING_MARK)
 
 
 def to_host(layer: Layer) -> None:

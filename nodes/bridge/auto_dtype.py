@@ -40,7 +40,7 @@ from ...core.placement.engine import partial_model_of
 from ...core.weights.ops import set_cast_flags
 from .. import surface
 from .books import clone_entries, unload_entries
-from .reading import forget_dtype
+from .storage import forget_dtype
 
 log = logging.getLogger("device_control")
 

@@ -31,7 +31,7 @@ from .filling import (
     torch_device,
 )
 from .patcher import DeviceControlPatcher, adopt
-from .reading import dominant_storage
+from .storage import dominant_storage
 from .tracing import Traced, build_traced, config_of, stand_ins
 
 

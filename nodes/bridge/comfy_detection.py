@@ -13,7 +13,7 @@ import logging
 import torch
 
 from ...core.detection.detect import Detection, detection_for, single_component
-from ...core.detection.families import Family
+from ...core.detection.family_table import Family
 from ...core.detection.headers import FileHeader
 from ...core.files.reader import WeightReader
 from .. import surface

@@ -23,7 +23,7 @@ from .filling import (
     torch_device,
 )
 from .patcher import DeviceControlPatcher
-from .reading import GGUF_FILE_TYPE
+from .storage import GGUF_FILE_TYPE
 from .tracing import build_traced_model, diffusion_config_of, stand_ins
 
 

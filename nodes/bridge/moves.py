@@ -1,4 +1,4 @@
-"""Move To GPU and Offload To CPU on ComfyUI's MODEL, CLIP and VAE objects.
+"""Move To GPU on ComfyUI's MODEL, CLIP and VAE objects (Offload To CPU: ``bridge.offloads``).
 
 A move works on a clone (ComfyUI's values are shared between nodes, so the input itself is never changed):
 the clone's patcher carries the placement, the VAE object its device. The weights are the same tensors,
@@ -61,19 +61,21 @@ def _classic_clone(patcher: Any) -> Any:
 
 
 def clone_subject(subject: Subject) -> Subject:
-    """A clone sharing the weights, whose patcher is a :class:`DeviceControlPatcher`."""
-    if subject.kind == "MODEL":
-        patcher = _classic_clone(subject.patcher)
-        value = patcher
+    """A clone sharing the weights, whose patcher is a :class:`DeviceControlPatcher`: ComfyUI's value (a cached
+    loader's output, another branch's input) is never changed."""
+    if subject.kind in ("MODEL", "MODEL_PATCH", "GLIGEN"):  # the value is its patcher
+        value = patcher = _classic_clone(subject.patcher)
     elif subject.kind == "CLIP":
         value = subject.value.clone()
         if is_dynamic(value.patcher):
             value.patcher = _classic_clone(subject.patcher)
         patcher = value.patcher
-    else:
-        value = copy.copy(subject.value)  # ComfyUI's VAE has no clone(); its patcher does
-        value.patcher = _classic_clone(subject.patcher)
-        patcher = value.patcher
+    elif subject.kind == "CONTROL_NET":
+        value = subject.value.copy()  # ComfyUI's copy shares the patcher: the clone gets its own
+        value.control_model_wrapped = patcher = _classic_clone(subject.patcher)
+    else:  # a VAE, a CLIP vision model, an upscale model: no clone() of their own; their patchers have one
+        value = copy.copy(subject.value)
+        value.patcher = patcher = _classic_clone(subject.patcher)
     if not isinstance(patcher, DeviceControlPatcher):
         adopt(patcher, None)
     return Subject(subject.kind, value, patcher)
@@ -149,6 +151,8 @@ def placed_clone(subject: Subject, placement: Placement) -> Subject:
     patcher.load_device = backend_of(target).comfy_device(target)
     if moved.kind == "VAE":
         moved.value.device = patcher.load_device
+    elif moved.kind == "CLIP_VISION":  # its encode sends the image to its own load device, not its patcher's
+        moved.value.load_device = patcher.load_device
     return moved
 
 

@@ -7,28 +7,24 @@ freed in the meantime, or one whose sizes cannot be read, becomes a note instead
 
 from __future__ import annotations
 
-import contextlib
-import weakref
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from ...core.detection.ggml_types import GGML_TYPES, ggml_type, storage_label
+from ...core.detection.ggml_types import GGML_TYPES
 from ...core.devices.inventory import InventorySnapshot
 from ...core.devices.tensors import label_of
-from ...core.errors import ModelFileError
 from ...core.monitor.report import MemoryMode, ModelResidency
 from ...core.placement.engine import engine_of
 from ...core.placement.split_model import SplitModel, split_of
 from ...core.units import format_bytes
-from ...core.weights.foreign import is_foreign_quantized
-from ...core.weights.quantized import layout_of
 from .. import surface
 from .books import holding_of, placement_of
 from .dynamic_vram import dynamic_vram_enabled, is_dynamic
 from .pinning import pinned_figures
 from .split_books import is_part
+from .storage import dominant_storage, quantised_label
 from .subjects import component_of, model_label
 
 _VRAM_STATES = {
@@ -158,78 +154,16 @@ def _pending_note(patcher: Any, holding: Any, loaded: int) -> str | None:
     )
 
 
-#: The attribute of a model built from a GGUF file naming the file's type (``Q4_K_M``, from ``general.file_type``).
-GGUF_FILE_TYPE = "device_control_gguf_file_type"
-
-
 def model_key(patcher: Any) -> str:
     """The panel's name for a loaded model: its module tree's identity (shared by every clone of it)."""
     return f"m{id(patcher.model):x}"
-
-
-def storage_bytes(module: Any) -> dict[str, int]:
-    """The bytes of a module's weights by how they are stored: a dtype (``float16``), or a GGML type (``Q8_0``)
-    for quantised blocks (ours, ``core.weights.quantized``, or ComfyUI-GGUF's), so a GGUF model is not called
-    ``uint8``."""
-    sizes: dict[str, int] = {}
-    seen: set[int] = set()
-    for owner in module.modules():
-        for name, param in owner.named_parameters(recurse=False):
-            if id(param) in seen:  # a tied weight, counted once
-                continue
-            seen.add(id(param))
-            kind = _stored_as(owner, name, param)
-            sizes[kind] = sizes.get(kind, 0) + param.numel() * param.element_size()
-    return sizes
-
-
-def _stored_as(owner: Any, name: str, param: Any) -> str:
-    """``Q8_0`` for our quantised blocks and another pack's (ComfyUI-GGUF's), else the dtype's name."""
-    layout = layout_of(owner, name)
-    if layout is not None:
-        return layout.kind.name
-    if is_foreign_quantized(param) and param.tensor_type is not None:
-        try:
-            return ggml_type(int(param.tensor_type)).name
-        except ModelFileError:
-            return f"GGML type {int(param.tensor_type)}"
-    return str(param.dtype).replace("torch.", "")
-
-
-def dominant_storage(module: Any) -> str | None:
-    """How most of a module's weight bytes are stored (:func:`storage_bytes`; ``None`` for a module without
-    weights)."""
-    sizes = _kept_sizes(module)
-    return max(sizes, key=sizes.__getitem__) if sizes else None
-
-
-def _kept_sizes(module: Any) -> dict[str, int]:
-    """:func:`storage_bytes`, kept per module (the panel asks every second); a conversion forgets it
-    (:func:`forget_dtype`)."""
-    try:
-        return _sizes[module]
-    except (KeyError, TypeError):
-        pass
-    sizes = storage_bytes(module)
-    with contextlib.suppress(TypeError):  # an object that cannot be weakly referenced is asked each time
-        _sizes[module] = sizes
-    return sizes
-
-
-_sizes: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDictionary()
-
-
-def forget_dtype(module: Any) -> None:
-    """Forget what :func:`dominant_storage` kept for ``module`` (its weights were converted: ``bridge.auto_dtype``)."""
-    with contextlib.suppress(TypeError):
-        _sizes.pop(module, None)
 
 
 def _storage_dtype(patcher: Any) -> str | None:
     """How the model is stored: a GGUF model's GGML types (``Q4_K_M: Q4_K/Q6_K blocks, F32 plain``:
     ``storage_label``), else the dtype ComfyUI reports for it, else the one most weights use (CLIP and VAE report
     none)."""
-    quantised = storage_label(_kept_sizes(patcher.model), getattr(patcher.model, GGUF_FILE_TYPE, None))
+    quantised = quantised_label(patcher.model)
     if quantised is not None:
         return quantised
     stored = dominant_storage(patcher.model)

@@ -12,15 +12,22 @@ import logging
 import uuid
 from typing import Any
 
+import torch
+
 from ...core.devices.backends import backend_of
-from ...core.devices.inventory import DeviceInventory
-from ...core.errors import DeviceControlError
-from ...core.placement.split_model import plan_split, split_of
+from ...core.devices.inventory import DeviceInventory, DeviceSpec, InventorySnapshot, parse_device_spec
+from ...core.devices.tensors import HOST, same_target
+from ...core.errors import DeviceControlError, DeviceNotFoundError, InvalidAllocationError
+from ...core.placement.allocation import Allocation, Entry, parse_allocation
+from ...core.placement.pipeline import hop_beside
+from ...core.placement.split import Split, auto_allocation
+from ...core.placement.split_model import MODES, plan_split, split_of
+from ...core.units import format_bytes
 from .. import surface
 from .foreign import placeable
 from .moves import MoveResult, clone_subject, state_before
-from .splits import check_fits, join_skip, kind_check, request_of, resolve_allocation, split_in_force
-from .subjects import require_subject
+from .splits import SplitPlacement, request_of, split_in_force
+from .subjects import Subject, require_subject
 
 log = logging.getLogger("device_control")
 
@@ -64,3 +71,101 @@ def split_model(value: Any, allocation: str, mode: str, inventory: DeviceInvento
     text = "\n".join(lines)
     log.info("[Device Control] Split Model Across Devices: %s", text)
     return MoveResult(moved.value, text)
+
+
+#: Room left on every accelerator for activations when the allocation is ``auto``.
+AUTO_RESERVE = 512 * 1024**2
+
+
+def resolve_allocation(
+    text: str, mode: str, inventory: DeviceInventory, snapshot: InventorySnapshot
+) -> tuple[SplitPlacement, list[str]]:
+    """``text`` parsed and its devices found on this machine; warnings for devices it lacks (left out, so a
+    workflow from another machine still runs; RAM takes what no device is left to hold).
+
+    Raises:
+        InvalidAllocationError: malformed, a device named twice (also as two names of one device), or an
+            unknown mode.
+    """
+    if mode not in MODES:
+        raise InvalidAllocationError(f"unknown mode '{mode}': choose 'pipeline' or 'stream'.")
+    allocation = parse_allocation(text)
+    if allocation.is_auto:
+        allocation = auto_allocation(_free_memory(inventory, snapshot), AUTO_RESERVE)
+    entries, warnings = _entries_here(allocation, text, inventory, snapshot)
+    if not entries or (warnings and not entries[-1].takes_rest):
+        if any(str(entry.device) == "cpu" for entry in entries):
+            raise InvalidAllocationError(f"devices of '{text}' are missing here: {'; '.join(warnings)}")
+        entries.append(Entry(DeviceSpec("cpu")))
+        warnings.append("what the missing devices would hold stays in RAM (cpu=*)")
+    targets = tuple((str(e.device), inventory.target(str(e.device), snapshot)) for e in entries)
+    return SplitPlacement(Allocation(tuple(entries)), mode, targets, text), warnings
+
+
+def _entries_here(
+    allocation: Allocation, text: str, inventory: DeviceInventory, snapshot: InventorySnapshot
+) -> tuple[list[Entry], list[str]]:
+    """The allocation's entries for the devices this machine has (named by their ids), and a warning for each
+    device it lacks."""
+    entries: list[Entry] = []
+    warnings: list[str] = []
+    for entry in allocation.entries:
+        try:
+            found = inventory.resolve(str(entry.device), snapshot=snapshot).device.id
+        except DeviceNotFoundError as exc:
+            warnings.append(f"{exc} Left out of the split.")
+            continue
+        if any(str(e.device) == found for e in entries):
+            raise InvalidAllocationError(f"'{entry.device}' is {found}, named twice in '{text}': name it once.")
+        entries.append(Entry(parse_device_spec(found), entry.size, entry.share))
+    return entries, warnings
+
+
+def _free_memory(inventory: DeviceInventory, snapshot: InventorySnapshot) -> dict[DeviceSpec, int]:
+    """Free bytes on every usable device (``auto``'s order), the CPU included."""
+    free = {}
+    for info in snapshot.devices:
+        if info.id and info.error is None and info.free is not None:
+            free[parse_device_spec(info.id)] = int(info.free)
+    return free
+
+
+def check_fits(split: Split, placement: SplitPlacement, snapshot: InventorySnapshot) -> None:
+    """Refuse, before anything moves, a part larger than its whole device.
+
+    Raises:
+        InvalidAllocationError: with the device, the part and what it has.
+    """
+    ids = dict(placement.targets)
+    for part in split.parts:
+        info = snapshot.get(str(part.device))
+        if info is None or info.total is None or same_target(ids[str(part.device)], HOST):
+            continue
+        if part.nbytes > info.total:
+            raise InvalidAllocationError(
+                f"{part.device} has {format_bytes(info.total)} in all, and its part of this model is "
+                f"{format_bytes(part.nbytes)}: give it a smaller size or share, or add another device."
+            )
+
+
+def join_skip(h: torch.Tensor, skip: torch.Tensor, _options: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """ComfyUI's ``output_block_patch``: a UNet's skip connection joins the hidden state on its device."""
+    return h, hop_beside(skip, h)
+
+
+def kind_check(subject: Subject) -> None:
+    """A MODEL or a CLIP is shared out.
+
+    Raises:
+        DeviceControlError: a VAE, or another kind of model, with what to do instead.
+    """
+    if subject.kind == "VAE":
+        raise DeviceControlError(
+            "a VAE cannot be split: it decodes one image in one piece and is small; put it on one device with "
+            "Move To GPU (or Load VAE With Device)."
+        )
+    if subject.kind not in ("MODEL", "CLIP"):
+        raise DeviceControlError(
+            f"a {subject.name} cannot be split: Split Model shares out a MODEL or a CLIP; put it on one device "
+            "with Move To GPU."
+        )

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from tools.runtime import CHROMIUM, frontend_root
-from tools.workflow_api import load_workflow
+from tools.runtime.provision import CHROMIUM, frontend_root
+from tools.templates.workflow_api import load_workflow
 
 CHROMIUM_FLAGS = [
     "--no-sandbox",
@@ -76,11 +76,11 @@ class FrontendPage:
 @pytest.fixture(scope="session")
 def browser(comfy_runtime, require) -> Iterator[Any]:
     if not CHROMIUM.exists():
-        require(f"Chromium is not installed at {CHROMIUM}; run 'python3 tools/runtime.py --browser'")
+        require(f"Chromium is not installed at {CHROMIUM}; run 'python3 tools/runtime/provision.py --browser'")
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
-        require("playwright is not installed in the runtime; run 'python3 tools/runtime.py'")
+        require("playwright is not installed in the runtime; run 'python3 tools/runtime/provision.py'")
     with sync_playwright() as playwright:
         instance = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS)
         yield instance

@@ -6,7 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
-from tools.workflow_api import load_workflow, ui_to_api
+from tools.templates.workflow_api import load_workflow, ui_to_api
 
 REPO = Path(__file__).resolve().parents[2]
 WORKFLOWS = sorted((REPO / "workflows").glob("*.json"))

@@ -1,8 +1,8 @@
 """In the real editor, Move To GPU's model output takes the type of what is connected to its input (a CLIP in, a CLIP
 out), so the editor refuses to wire a moved CLIP into a KSampler's model input; what ComfyUI lists for the node, and
-its Info shows, reads ``MODEL,CLIP,VAE``. Saved workflows keep their links. A device this machine does not have is a
-warning the editor shows when the prompt is queued. On the frontend the running ComfyUI pins (1.32.9 on 0.3.75) and
-on 1.45.21 (0.28.0's) and the newest served."""
+its Info shows, reads every type it takes (:data:`TAKES`); a moved ControlNet is a CONTROL_NET. Saved workflows
+keep their links. A device this machine does not have is a warning the editor shows when the prompt is queued. On
+the frontend the running ComfyUI pins (1.32.9 on 0.3.75) and on 1.45.21 (0.28.0's) and the newest served."""
 
 from __future__ import annotations
 
@@ -15,10 +15,12 @@ import pytest
 
 from tests.browser.conftest import PINNED
 from tests.browser.profile_checks import LISTEN_FOR_OWN_PROFILE, drawn_badges
-from tools.runtime import DEFAULT_VERSION, NEWEST_FRONTEND, RELEASES
+from tools.runtime.provision import DEFAULT_VERSION, NEWEST_FRONTEND, RELEASES
 
 REPO = Path(__file__).resolve().parents[2]
 MOVE = REPO / "workflows" / "01 Start here - SD1.5 moved to the GPU, then offloaded.json"
+#: The types Move To GPU's model input takes and its output declares (``nodes.bridge.subjects.PLACEABLE_KINDS``).
+TAKES = "MODEL,CLIP,VAE,CONTROL_NET,CLIP_VISION,UPSCALE_MODEL,MODEL_PATCH,GLIGEN"
 #: 0.28.0's pinned frontend, the first tested with ComfyUI's own MatchType.
 FRONTEND_0_28 = RELEASES["0.28.0"].frontend
 FRONTENDS = [PINNED, *{FRONTEND_0_28, NEWEST_FRONTEND} - {RELEASES[DEFAULT_VERSION].frontend}]
@@ -85,10 +87,17 @@ def editor(frontend):
 
 def test_a_moved_clip_is_a_clip_and_cannot_feed_a_sampler(editor):
     wired = _wire(editor, "CLIPLoader", "CLIP")
-    assert wired["typeBefore"] == wired["inputType"] == "MODEL,CLIP,VAE", str(wired)  # readable, as the Info shows it
+    assert wired["typeBefore"] == wired["inputType"] == TAKES, str(wired)  # readable, as the Info shows it
     assert wired["fed"] and wired["typeAfter"] == "CLIP", str(wired)
     assert wired["valid"] is False and wired["toSampler"] is False and not wired["samplerLinked"], str(wired)
     assert wired["toEncoder"] and wired["encoderLinked"], str(wired)
+    assert editor.our_errors() == []
+
+
+def test_a_moved_controlnet_is_a_controlnet_and_feeds_neither_a_sampler_nor_an_encoder(editor):
+    wired = _wire(editor, "ControlNetLoader", "CONTROL_NET")
+    assert wired["fed"] and wired["typeAfter"] == "CONTROL_NET", str(wired)
+    assert wired["toSampler"] is False and wired["toEncoder"] is False, str(wired)
     assert editor.our_errors() == []
 
 

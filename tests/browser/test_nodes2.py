@@ -19,7 +19,7 @@ from tests.browser.profile_checks import (
 )
 from tests.browser.test_panel import GPU_ROW, PANEL, PLACED, UNET_BYTES, open_panel, run_workflow
 from tests.passes import ONCE
-from tools.runtime import NEWEST_FRONTEND
+from tools.runtime.provision import NEWEST_FRONTEND
 
 VUE_NODES_SETTING = "Comfy.VueNodes.Enabled"
 

@@ -22,7 +22,7 @@ from tests.browser.profile_checks import (
     seconds,
 )
 from tests.passes import ONCE
-from tools.runtime import DEFAULT_VERSION, NEWEST_FRONTEND, RELEASES
+from tools.runtime.provision import DEFAULT_VERSION, NEWEST_FRONTEND, RELEASES
 
 REPO = Path(__file__).resolve().parents[2]
 SEED = REPO / "workflows" / "01 Start here - SD1.5 moved to the GPU, then offloaded.json"

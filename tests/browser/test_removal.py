@@ -13,8 +13,8 @@ from typing import Any
 from tests.browser.conftest import FrontendPage
 from tests.browser.test_panel import open_panel
 from tests.passes import ONCE
-from tools.comfy_server import ComfyServer
-from tools.runtime import PACK_FOLDER
+from tools.runtime.provision import PACK_FOLDER
+from tools.runtime.server import ComfyServer
 
 # What the page shows of its extensions, sidebar tabs, settings and node types, and any element of ours.
 PAGE_STATE = """() => {

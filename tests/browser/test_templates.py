@@ -10,8 +10,8 @@ import pytest
 
 from tests.browser.conftest import PINNED
 from tests.passes import EVERY_VERSION
-from tools.runtime import DEFAULT_VERSION, NEWEST_FRONTEND, RELEASES
-from tools.workflow_api import load_workflow
+from tools.runtime.provision import DEFAULT_VERSION, NEWEST_FRONTEND, RELEASES
+from tools.templates.workflow_api import load_workflow
 
 REPO = Path(__file__).resolve().parents[2]
 WORKFLOWS = sorted((REPO / "workflows").glob("*.json"))
@@ -123,11 +123,11 @@ def test_the_template_browser_lists_ours_in_their_numbers_order_with_readable_ti
 
 def test_every_template_has_a_small_thumbnail(frontend_version):
     """The template browser shows ``<name>.jpg`` beside each custom-node template: a card with its number, title
-    and placing steps (``tools/make_thumbnails.py``), not a shrunk graph, alike in every template."""
+    and placing steps (``tools/templates/make_thumbnails.py``), not a shrunk graph, alike in every template."""
     if frontend_version != PINNED:
         pytest.skip("the files do not depend on the frontend")
     thumbnails = [workflow.with_suffix(".jpg") for workflow in WORKFLOWS]
     for thumbnail in thumbnails:
-        assert thumbnail.exists(), f"{thumbnail.name} is missing: run tools/make_thumbnails.py"
+        assert thumbnail.exists(), f"{thumbnail.name} is missing: run tools/templates/make_thumbnails.py"
         assert thumbnail.stat().st_size < 60_000, thumbnail.name
     assert len({thumbnail.read_bytes() for thumbnail in thumbnails}) == len(thumbnails)  # each a card of its own

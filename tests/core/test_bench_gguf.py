@@ -3,7 +3,7 @@ medians with their ranges, each step over the fp16 model's in the same round, an
 
 from __future__ import annotations
 
-from tools.bench_gguf import COMFYUI, OURS, table
+from tools.bench.gguf_step import COMFYUI, OURS, table
 
 GiB = 1024**3
 

@@ -1,5 +1,5 @@
-"""The host-cost benchmark's own arithmetic (``tools/bench_host.py``): its call counter, the figures per layer call and
-the table with what misses its target. ``python -m tools.bench_host --quick`` runs the whole tool on a small UNet."""
+"""The host-cost benchmark's own arithmetic (``tools/bench/host.py``): its call counter, the figures per layer call and
+the table with what misses its target. ``python -m tools.bench.host --quick`` runs the whole tool on a small UNet."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import json
 import time
 from pathlib import Path
 
-from tools.bench_host import per_layer
-from tools.host_counters import BackendTime, Calls
-from tools.host_report import SHARES, from_json, table
+from tools.bench.host import per_layer
+from tools.bench.host_counters import BackendTime, Calls
+from tools.bench.host_report import SHARES, from_json, table
 
 
 def _inner() -> int:
@@ -82,7 +82,7 @@ def test_figures_per_layer_call_and_the_misses():
     assert rows[0.25]["ours_calls"] == 20.0 and abs(rows[0.25]["ours_us"] - 200.0) < 1e-6
     results = {"sd15": {"ours": ours, "comfy": comfy, "per_layer": rows}}
     text, misses = table(results)
-    assert table(from_json(json.loads(json.dumps(results)))) == (text, misses)  # as tools/bench.py reads it
+    assert table(from_json(json.loads(json.dumps(results)))) == (text, misses)  # as tools/bench/run_all.py reads it
     assert (
         "| sd15 | 25% | 50 / 50 of 100 | 20.0 / 12.0 (<= 20) | 200.0 / 1000.0 | 100 (<= 5000), 10 ms | 10 / 10, 0 |"
         in text

@@ -3,8 +3,8 @@ targets are judged from the medians (with a stand-in worker: no ComfyUI, no mode
 
 from __future__ import annotations
 
-from tools.bench import aggregate
-from tools.bench_loads import LOAD_RULE, SPLIT_MODELS, paired, settle_page_cache, split_loaders, warm_page_cache
+from tools.bench.loads import LOAD_RULE, SPLIT_MODELS, paired, settle_page_cache, split_loaders, warm_page_cache
+from tools.bench.run_all import aggregate
 
 GiB = 1024**3
 
@@ -25,8 +25,8 @@ def test_the_split_loaders_table_has_a_row_per_model_and_loader_and_judges_the_t
     asked: list[tuple[str, ...]] = []
     floors: list[tuple[str, ...]] = []
 
-    def worker(*args: str, module: str = "tools.bench_workers") -> dict:
-        if module == "tools.bench_floor":
+    def worker(*args: str, module: str = "tools.bench.workers") -> dict:
+        if module == "tools.bench.floor":
             floors.append(args)
             return {"floor": 6.0, "cores": 2}
         asked.append(args)
@@ -71,7 +71,7 @@ def test_a_file_too_large_for_the_page_cache_is_left_out(tmp_path, monkeypatch):
     small.write_bytes(b"x" * 1000)
     with open(large, "wb") as handle:
         handle.truncate(10**6)  # sparse
-    monkeypatch.setattr("tools.bench_loads._available_bytes", lambda: 2 * 10**5)
+    monkeypatch.setattr("tools.bench.loads._available_bytes", lambda: 2 * 10**5)
     assert warm_page_cache([small, large]) == [large]
 
 
@@ -84,8 +84,8 @@ def test_before_a_run_the_other_files_and_a_file_too_large_to_cache_are_dropped_
     with open(large, "wb") as handle:
         handle.truncate(10**6)  # sparse
     dropped, read = [], []
-    monkeypatch.setattr("tools.bench_loads._available_bytes", lambda: 2 * 10**5)
-    monkeypatch.setattr("tools.bench_loads.drop_from_page_cache", dropped.append)
-    monkeypatch.setattr("tools.bench_loads.warm_page_cache", read.append)
+    monkeypatch.setattr("tools.bench.loads._available_bytes", lambda: 2 * 10**5)
+    monkeypatch.setattr("tools.bench.loads.drop_from_page_cache", dropped.append)
+    monkeypatch.setattr("tools.bench.loads.warm_page_cache", read.append)
     settle_page_cache([small, large], [small, large, other, tmp_path / "absent"])
     assert dropped == [large, other] and read == [[small, large]]  # (warm_page_cache leaves the large one out)

@@ -35,7 +35,7 @@ def test_the_matrix_runs_on_windows_macos_and_linux_and_says_it_has_not_run():
 
 def test_the_matrix_runs_the_core_tier_and_the_starter_end_to_end():
     scripts = [command[1] for command in commands()]
-    assert scripts == ["tools/runtime.py", "tools/run_tests.py", "tools/demo.py"]
+    assert scripts == ["tools/runtime/provision.py", "tools/run_tests.py", "tools/demo.py"]
     assert "--core" in commands()[1] and "--no-serve" in commands()[2]
 
 

@@ -15,7 +15,7 @@ from core.detection.headers import FileHeader, TensorInfo
 from core.detection.lora_info import layer_names
 from core.devices.backends import DeviceInfo
 from core.placement.fit import Choice, plan_fit
-from tools.layouts import layouts, write_sparse_safetensors
+from tools.fixtures.layouts import layouts, write_sparse_safetensors
 
 GiB = 1024**3
 LAYOUTS = layouts()

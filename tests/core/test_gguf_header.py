@@ -16,8 +16,8 @@ from core.detection.ggml_types import FILE_TYPES, file_type_name, storage_label
 from core.detection.gguf_header import ORIG_SHAPE
 from core.detection.headers import FileHeader, TensorInfo, read_header
 from core.errors import ModelFileError
-from tools.gguf_tokenizers import add_tokenizer
-from tools.layouts import layouts
+from tools.fixtures.gguf_tokenizers import add_tokenizer
+from tools.fixtures.layouts import layouts
 
 LAYOUTS = layouts()
 Q = gguf.GGMLQuantizationType
@@ -36,7 +36,7 @@ def write_sparse_gguf(
     tensors: dict[str, tuple[list[int], Q]], path: Path, arch: str, tokenizer: dict | None = None, **arrays: list
 ) -> Path:
     """A GGUF file written by ``gguf``'s own writer whose data is a hole (no disk used), carrying ``tokenizer``
-    (``tools.gguf_tokenizers.llama_cpp_tokenizer``'s metadata) where given."""
+    (``tools.fixtures.gguf_tokenizers.llama_cpp_tokenizer``'s metadata) where given."""
     writer = gguf.GGUFWriter(str(path), arch)
     if tokenizer is not None:
         add_tokenizer(writer, tokenizer)

@@ -12,8 +12,8 @@ from core.detection.detect import detect
 from core.detection.gguf_names import comfy_names
 from core.detection.headers import read_header
 from tests.core.test_gguf_header import quantised_type, write_sparse_gguf
-from tools.gguf_files import QWEN3_06B, T5_BASE, llama_cpp_name
-from tools.layouts import layouts
+from tools.fixtures.gguf_files import QWEN3_06B, T5_BASE, llama_cpp_name
+from tools.fixtures.layouts import layouts
 
 LAYOUTS = layouts()
 #: Real layouts and what detection calls their encoder.
@@ -47,7 +47,7 @@ def test_t5_base_without_a_gate_maps_its_up_projection_to_wi():
 
 
 def _qwen3_names(layers: int) -> list[str]:
-    """ComfyUI's names of a Qwen3 text encoder's tensors (as ``tools.gguf_files.write_qwen3`` writes them)."""
+    """ComfyUI's names of a Qwen3 text encoder's tensors (as ``tools.fixtures.gguf_files.write_qwen3`` writes them)."""
     parts = [f"self_attn.{p}_proj" for p in "qkvo"] + ["self_attn.q_norm", "self_attn.k_norm", "input_layernorm"]
     parts += ["post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
     layered = [f"model.layers.{i}.{part}.weight" for i in range(layers) for part in parts]

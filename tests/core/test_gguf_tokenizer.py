@@ -12,7 +12,7 @@ import sentencepiece
 from core.detection.gguf_tokenizer import read_tokenizer, sentencepiece_model
 from core.detection.headers import read_header
 from tests.core.test_gguf_header import write_sparse_gguf
-from tools.gguf_tokenizers import PROMPTS, llama_cpp_tokenizer, train_unigram
+from tools.fixtures.gguf_tokenizers import PROMPTS, llama_cpp_tokenizer, train_unigram
 
 #: Tokenizers: a small vocabulary (rare characters unknown), one with byte fallback (none unknown), and one with
 #: special pieces of its own names at other ids and no dummy prefix (what the rebuilt model must carry over, not

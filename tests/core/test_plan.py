@@ -12,7 +12,7 @@ from core.devices.slices import ROW_QUANTUM, RowSlices, row_slices
 from core.placement.plan import MIN_UNIT, STREAM_COPIES, STREAM_SHARE, Layer, Policy, layers_of, plan_layers
 from core.weights import ops
 from tests.core.small_net import reserve_of, sizes, width
-from tools.layouts import ITEM_SIZE, layouts
+from tools.fixtures.layouts import ITEM_SIZE, layouts
 
 MiB = 1024**2
 

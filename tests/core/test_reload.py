@@ -21,7 +21,7 @@ CORE = str(Path(__file__).resolve().parents[2] / "core") + "/"
 
 def _calls_in_core(run: Callable[[], object]) -> int:
     """Python calls into ``core/`` while ``run`` runs, the simulated device's own modules left out (the count
-    ``tools/bench_host.py`` makes of a sampling call)."""
+    ``tools/bench/host.py`` makes of a sampling call)."""
     calls = 0
 
     def profile(frame, event, _arg):

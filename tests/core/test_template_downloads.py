@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tools.family_workflows import FAMILIES, FLUX_GGUF_EXAMPLE
-from tools.template_models import DOWNLOAD_LAYOUTS, GATED, MODELS
+from tools.templates.families import FAMILIES, FLUX_GGUF_EXAMPLE
+from tools.templates.models import DOWNLOAD_LAYOUTS, GATED, MODELS
 
 LAYOUTS = Path(__file__).resolve().parents[1] / "data" / "model_layouts.json.gz"
 BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "U8": 1}

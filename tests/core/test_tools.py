@@ -30,7 +30,7 @@ def test_the_surface_check_names_a_missing_symbol_and_fails(tmp_path):
     (tmp_path / "comfy" / "model_management.py").write_text("def load_models_gpu(models): ...\nvram_state = 0\n")
     (tmp_path / "comfyui_version.py").write_text('__version__ = "9.9.9"\n')
     done = subprocess.run(
-        [sys.executable, "-m", "tools.surface_check", str(tmp_path)], cwd=REPO, capture_output=True, text=True
+        [sys.executable, "-m", "tools.runtime.surface_check", str(tmp_path)], cwd=REPO, capture_output=True, text=True
     )
     assert done.returncode == 1 and "(version 9.9.9)" in done.stdout
     assert "comfy.model_management.load_models_gpu" in done.stdout and "MISSING" in done.stdout
@@ -42,13 +42,13 @@ def test_the_surface_check_names_a_missing_symbol_and_fails(tmp_path):
 
 def test_the_surface_check_refuses_a_folder_that_is_not_comfyui(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "tools.surface_check", str(tmp_path)], cwd=REPO, capture_output=True, text=True
+        [sys.executable, "-m", "tools.runtime.surface_check", str(tmp_path)], cwd=REPO, capture_output=True, text=True
     )
     assert done.returncode == 2 and "is not a ComfyUI folder" in done.stderr
 
 
 def test_the_split_benchmark_table_gives_medians_and_the_floor():
-    from tools.bench_split import ROWS, table
+    from tools.bench.split import ROWS, table
 
     def run(compute: float) -> dict:
         rows = {name: {"step_s": 2 * compute, "moved": 2 * 1024**3, "transfer_s": 1.0} for name, *_ in ROWS}
@@ -63,7 +63,7 @@ def test_the_split_benchmark_table_gives_medians_and_the_floor():
 def test_hollow_keeps_every_byte_and_gives_back_the_disk_of_zero_blocks(tmp_path):
     """The UMT5 fixture's unused embedding rows take no disk: the file reads back the same, leading, inner and
     trailing zeros included."""
-    from tools.fixture_files import hollow
+    from tools.fixtures.files import hollow
 
     zeros = bytes(8 << 20)
     for name, data in {"inner": os.urandom(5000) + zeros + os.urandom(100), "ends": zeros + b"x" + zeros}.items():
@@ -93,7 +93,7 @@ def test_a_run_is_every_tier_on_every_version_each_in_a_folder_of_its_own():
     folders = [arg for job in jobs for arg in job.command if arg.startswith("--basetemp=")]
     # Each ComfyUI's integration, light modules' and browser jobs, the families' job, the core tier's
     assert len(folders) == len(set(folders)) == 3 * 3 + 1 + 1 + len(run_tests.PROFILES)
-    fixtures = next(job for job in jobs if "tools.make_fixtures" in job.command)
+    fixtures = next(job for job in jobs if "tools.fixtures.make" in job.command)
     tiers = {
         (job.settings["DEVICE_CONTROL_COMFYUI"], job.command[4], job.settings.get(run_tests.MODULES_ENV)): job
         for job in jobs
@@ -162,7 +162,7 @@ def test_the_models_come_first_then_the_longest_chain_and_one_integration_tier_a
 
     _, jobs = run_tests.full_run(Path("python"), ["0.3.75", "0.28.0", "0.33.0"], [])
     ordered = run_tests.order(jobs)
-    assert "tools.make_fixtures" in ordered[0].command
+    assert "tools.fixtures.make" in ordered[0].command
     assert ordered[1].command[4] == "tests/integration" and ordered[1].settings["DEVICE_CONTROL_COMFYUI"] == "0.3.75"
     assert ordered[1].settings[run_tests.MODULES_ENV] == "heavy"
     by_part = {"light": [], "heavy": []}
@@ -238,10 +238,43 @@ def test_a_test_server_drops_cached_models_only_when_the_machine_is_nearly_out_o
     jobs side by side reach on the 24 GB CI machine: the tests' servers lower that headroom; 0.3.x, which caches
     classically unless asked, is started as it is."""
     from tests.conftest import CACHE_HEADROOM_GIB
-    from tools.comfy_server import cache_headroom_args
-    from tools.runtime import PRIMARY_VERSION, TESTED_VERSIONS, comfyui_dir
+    from tools.runtime.provision import PRIMARY_VERSION, TESTED_VERSIONS, comfyui_dir
+    from tools.runtime.server import cache_headroom_args
 
     for version in (version for version in TESTED_VERSIONS if comfyui_dir(version).is_dir()):
         expected = () if version.startswith("0.3.") else ("--cache-ram", "0.5")
         assert cache_headroom_args(CACHE_HEADROOM_GIB, version) == expected, version
     assert cache_headroom_args(CACHE_HEADROOM_GIB, PRIMARY_VERSION) == ()
+
+
+#: What sits at the top of tools/: README's two commands; everything else lives in a package of its concern.
+TOP_LEVEL_TOOLS = {"__init__.py", "demo.py", "run_tests.py"}
+
+
+def test_tools_sit_in_packages_by_concern_each_saying_what_it_is_for_and_who_runs_it():
+    import ast
+
+    tools = REPO / "tools"
+    assert {p.name for p in tools.glob("*.py")} == TOP_LEVEL_TOOLS
+    packages = [p for p in tools.iterdir() if p.is_dir() and not p.name.startswith((".", "__"))]
+    assert {p.name for p in packages} >= {"bench", "fixtures", "gpu", "runtime", "templates"}
+    for package in packages:
+        init = package / "__init__.py"
+        assert init.exists(), f"{package} holds tools but is no package"
+        docstring = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert " run" in docstring, f"{init}'s docstring says neither what the package is for nor who runs it"
+        for module in package.glob("*.py"):
+            assert ast.get_docstring(ast.parse(module.read_text())), f"{module} has no docstring"
+
+
+def test_the_runtime_installs_every_pin_once_and_leaves_torchs_compiler_backend_out(tmp_path):
+    from tools.runtime.provision import LEFT_OUT, PINS, REPO, pinned_packages
+
+    first = tmp_path / "first.txt"
+    first.write_text("# a comment\ntorch==2.14.1\nFoo_Bar==1.0  # why\n")
+    second = tmp_path / "second.txt"
+    second.write_text("foo-bar==2.0\ntriton==3.8.0\nsafetensors>=0.4.2\n")
+    assert pinned_packages(first, second) == ["torch==2.14.1", "Foo_Bar==1.0", "safetensors>=0.4.2"]
+    pins = pinned_packages(PINS / "requirements.txt", PINS / "constraints.txt", REPO / "requirements.txt")
+    assert {"triton"} == LEFT_OUT and all("==" in pin for pin in pins)  # the pack's own ranges are pinned too
+    assert {"torch==2.14.1", "safetensors==0.8.0", "psutil==7.2.2"} <= set(pins)

@@ -21,8 +21,8 @@ from core.units import format_bytes
 from tests.passes import LIGHT_MODULES, collects
 from tests.server_pool import ServerPool
 from tests.server_pool import machine_ram as share_machine_ram
-from tools.comfy_server import ComfyServer
-from tools.workflow_api import load_workflow, ui_to_api
+from tools.runtime.server import ComfyServer
+from tools.templates.workflow_api import load_workflow, ui_to_api
 
 REPO = Path(__file__).resolve().parents[2]
 

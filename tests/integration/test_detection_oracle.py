@@ -14,8 +14,8 @@ import torch
 from core.detection.detect import detect_header
 from core.detection.family_table import FAMILIES
 from core.detection.headers import SAFETENSORS_DTYPES, FileHeader, TensorInfo
-from tools.layouts import layouts
-from tools.runtime import DEFAULT_VERSION
+from tools.fixtures.layouts import layouts
+from tools.runtime.provision import DEFAULT_VERSION
 
 #: How many model classes each tested ComfyUI builds (``comfy.supported_models.models``): the counts users read.
 MODEL_CLASSES = {"0.3.52": 54, "0.3.75": 65, "0.28.0": 96, "0.33.0": 100}
@@ -25,7 +25,7 @@ CHECKPOINTS = sorted(name for name, layout in layouts().items() if layout["kind"
 
 @pytest.fixture(scope="module")
 def model_detection(comfy_runtime):
-    from tools.comfy_inprocess import import_comfy
+    from tools.runtime.inprocess import import_comfy
 
     import_comfy()
     return importlib.import_module("comfy.model_detection")

@@ -26,7 +26,7 @@ DTYPES = {
 
 @pytest.fixture(scope="module")
 def comfy(comfy_runtime, synthetic_models):
-    from tools.comfy_inprocess import import_comfy, import_pack
+    from tools.runtime.inprocess import import_comfy, import_pack
 
     mm = import_comfy()
     folder_paths = importlib.import_module("folder_paths")
@@ -155,7 +155,7 @@ def test_a_scaled_fp8_file_loads_as_comfyui_loads_it_or_is_refused_where_comfyui
     importlib.import_module("folder_paths").add_model_folder_path("diffusion_models", str(tmp_path))
     path = _scaled_fp8_copy(files["sd35_tiny"], tmp_path / "sd35_scaled_fp8.safetensors")
     node = module("nodes.load_diffusion_model").LoadDiffusionModelWithDevice
-    if module("nodes.placing").quantizes_scaled_fp8():  # ComfyUI 0.2x: quantized layers, built while reading
+    if module("nodes.model_files").quantizes_scaled_fp8():  # ComfyUI 0.2x: quantized layers, built while reading
         read = []
         monkeypatch.setattr(module("core.files.reader").WeightReader, "read_into", lambda *a, **k: read.append(a))
         with pytest.raises(module("core.errors").DeviceControlError, match="stores its layers in fp8 with scales"):
@@ -201,7 +201,7 @@ def _builds_nothing(surface, layout) -> bool:
 
 def test_a_family_this_comfyui_cannot_build_is_refused_before_reading_saying_to_update(comfy, tmp_path, monkeypatch):
     _mm, _comfy_sd, module, _files = comfy
-    from tools.layouts import new_layouts, write_sparse_safetensors
+    from tools.fixtures.layouts import new_layouts, write_sparse_safetensors
 
     surface = module("nodes.surface")
     newer = next((layout for layout in new_layouts().values() if _builds_nothing(surface, layout)), None)

@@ -27,7 +27,7 @@ GPU = torch.device("cuda", 0)
 
 @pytest.fixture(scope="module")
 def comfy(comfy_runtime, synthetic_models):
-    from tools.comfy_inprocess import import_comfy, import_pack
+    from tools.runtime.inprocess import import_comfy, import_pack
 
     mm = import_comfy()
     patchers = importlib.import_module("comfy.model_patcher")

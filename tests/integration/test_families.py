@@ -13,7 +13,7 @@ For each family:
   image is the stock graph's (no node of ours, everything resident in RAM); Offload To CPU then gives the simulated
   GPU's books back to what they were before the move, and the VRAM Report names the family and where its bytes are.
 
-The diffusion models are ComfyUI's own classes at reduced depth (``tools/make_family_fixtures.py``); SDXL's UNet is
+The diffusion models are ComfyUI's own classes at reduced depth (``tools/fixtures/families.py``); SDXL's UNet is
 SDXL 1.0 base's layout at Segmind Vega's depth (ComfyUI builds it as one of its SDXL classes). The text conditioning
 comes from CLIP-L (and CLIP-G for SDXL) as ComfyUI's ``sd3`` type (for SDXL, ``sdxl``): the files these families
 really use for text (T5-XXL, UMT5-XXL) are too big to generate, and the ``sd3`` type's output has the widths the
@@ -40,9 +40,9 @@ from core.detection.headers import read_header
 from tests.host_math import same_result
 from tests.integration.executions import watch
 from tests.passes import EVERY_VERSION, ONCE
-from tools.family_workflows import FAMILIES, FLUX_GGUF_EXAMPLE, Family
-from tools.make_family_fixtures import DIFFUSION_FIXTURES
-from tools.stress import run_coroutine
+from tools.bench.stress import run_coroutine
+from tools.fixtures.families import DIFFUSION_FIXTURES
+from tools.templates.families import FAMILIES, FLUX_GGUF_EXAMPLE, Family
 
 REPO = Path(__file__).resolve().parents[2]
 #: Several full-size models at once: runs while no other tier's module does (tests/server_pool.py).

@@ -18,10 +18,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tools.comfy_inprocess import import_comfy
-from tools.fixture_files import file_on_meta, same_shapes
-from tools.make_family_fixtures import CONDITIONING, DIFFUSION_FIXTURES
-from tools.make_family_parts import SPARSE_TEXT_ENCODERS, VAE_CLASSES
+from tools.fixtures.families import CONDITIONING, DIFFUSION_FIXTURES
+from tools.fixtures.family_parts import SPARSE_TEXT_ENCODERS, VAE_CLASSES
+from tools.fixtures.files import file_on_meta, same_shapes
+from tools.runtime.inprocess import import_comfy
 
 #: Where each diffusion model takes its text: (tensor, dimension) of its per-token input and of its pooled input.
 TEXT_INPUTS = {

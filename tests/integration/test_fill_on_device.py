@@ -19,7 +19,7 @@ GiB = 1024**3
 
 @pytest.fixture(scope="module")
 def pack(comfy_runtime, synthetic_models):
-    from tools.comfy_inprocess import import_comfy, import_pack
+    from tools.runtime.inprocess import import_comfy, import_pack
 
     mm = import_comfy()
     import folder_paths

@@ -13,8 +13,8 @@ import torch
 from safetensors import safe_open
 
 from core.detection.headers import SAFETENSORS_DTYPES
-from tools import make_fixtures
-from tools.comfy_inprocess import import_comfy
+from tools.fixtures import make as make_fixtures
+from tools.runtime.inprocess import import_comfy
 
 
 def _on_meta(path) -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""The fork server the tests start ComfyUI through (``tools/comfy_forkserver.py``) gives the ComfyUI a plain start
+"""The fork server the tests start ComfyUI through (``tools/runtime/forkserver.py``) gives the ComfyUI a plain start
 gives: it imports nothing a plain start does not, a forked server serves and stops as a plain one, and a server whose
 settings could change an import starts as a plain process."""
 
@@ -13,9 +13,9 @@ import psutil
 import pytest
 
 from tests.conftest import PLAIN_STARTS_ENV
-from tools.comfy_forkserver import PREIMPORTED, ForkedProcess
-from tools.comfy_server import FORK_SERVERS, ComfyServer, server_environment
-from tools.runtime import DEFAULT_VERSION, comfyui_dir
+from tools.runtime.forkserver import PREIMPORTED, ForkedProcess
+from tools.runtime.provision import DEFAULT_VERSION, comfyui_dir
+from tools.runtime.server import FORK_SERVERS, ComfyServer, server_environment
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """GGUF diffusion models in Load Diffusion Model With Device, in this process, against ComfyUI's own Load Diffusion
 Model given the same model dequantised (the oracle: every tensor as the GGML project's ``gguf`` package reads it,
 saved as float32 safetensors). The files are our synthetic Wan 2.1 and SD3.5 models quantised by ``gguf`` itself
-(``tools/gguf_files.py``): SD3.5 in Q4_0 blocks with vectors in F32; Wan as ComfyUI-GGUF's tools leave it, Q8_0
+(``tools/fixtures/gguf_files.py``): SD3.5 in Q4_0 blocks with vectors in F32; Wan as ComfyUI-GGUF's tools leave it, Q8_0
 from an fp16 model (F16 plain tensors) and Q4_K_M from a bf16 one (Q4_K and Q6_K blocks, BF16 and F32 plain
 tensors), its patch embedding a five-dimensional F32 tensor.
 
@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from tests.integration.simulated import with_simulated_gpu
-from tools.comfy_server import ComfyError
-from tools.gguf_files import dequantised_twin, write_comfyui_gguf, write_gguf
+from tools.fixtures.gguf_files import dequantised_twin, write_comfyui_gguf, write_gguf
+from tools.runtime.server import ComfyError
 
 MiB = 1024**2
 
@@ -60,7 +60,7 @@ def write_model(synthetic_models: dict, name: str, folder) -> object:
 
 @pytest.fixture(scope="module")
 def comfy(comfy_runtime, synthetic_models, module_folder):
-    from tools.comfy_inprocess import import_comfy, import_pack
+    from tools.runtime.inprocess import import_comfy, import_pack
 
     mm = import_comfy()
     folder = module_folder
@@ -104,7 +104,7 @@ def _quantised(model: torch.nn.Module, module) -> dict[str, tuple[torch.nn.Modul
 def test_the_blocks_stay_quantised_and_the_model_computes_as_its_dequantised_twin(comfy, key):
     mm, comfy_sd, module, files, _models = comfy
     gguf_file, twin_file = files[key]
-    listed = module("nodes.placing").model_files("diffusion_models", gguf=True)
+    listed = module("nodes.model_files").model_files("diffusion_models", gguf=True)
     assert gguf_file.name in listed and twin_file.name in listed  # ComfyUI's own list has no .gguf
     assert gguf_file.name not in importlib.import_module("folder_paths").get_filename_list("diffusion_models")
     ours, summary = _load(module, gguf_file.name)

@@ -19,14 +19,14 @@ import pytest
 import torch
 
 from tests.integration.gguf_encoders import gguf_encoder_in_process
-from tools.gguf_files import QWEN3_06B, write_qwen3
+from tools.fixtures.gguf_files import QWEN3_06B, write_qwen3
 
 PROMPT = "a red fox in fresh snow, photographed at dawn"
 
 
 @pytest.fixture(scope="module")
 def comfy(comfy_runtime, module_folder):
-    from tools.comfy_inprocess import import_comfy
+    from tools.runtime.inprocess import import_comfy
 
     import_comfy()
     if not hasattr(importlib.import_module("comfy.sd").TEModel, "QWEN3_06B"):

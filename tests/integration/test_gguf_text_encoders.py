@@ -26,7 +26,7 @@ from tests.core.test_gguf_header import write_sparse_gguf
 from tests.integration.gguf_encoders import gguf_encoder_in_process
 from tests.integration.simulated import with_simulated_gpu
 from tests.integration.test_gguf_loader import record_reads
-from tools.gguf_files import T5_BASE, write_t5_base
+from tools.fixtures.gguf_files import T5_BASE, write_t5_base
 
 MiB = 1024**2
 PROMPT = "a red fox in fresh snow, photographed at dawn"
@@ -67,7 +67,7 @@ def _blocks(clip, module) -> dict[str, torch.Tensor]:
 
 def test_the_encoder_keeps_its_blocks_and_encodes_as_its_dequantised_twin(comfy):
     mm, module, encoder, twin = comfy
-    listed = module("nodes.placing").model_files("text_encoders", gguf=True)
+    listed = module("nodes.model_files").model_files("text_encoders", gguf=True)
     assert encoder.name in listed
     ours, summary = _load(module, encoder.name)
     theirs = _stock(twin)

@@ -27,14 +27,14 @@ from tests.core.test_gguf_header import quantised_type, write_sparse_gguf
 from tests.core.test_gguf_names import t5_weights
 from tests.integration.test_gguf_loader import record_reads
 from tests.passes import ONCE
-from tools.fixture_files import hollow
-from tools.gguf_files import UMT5_BASE, llama_cpp_name, write_gguf, write_t5_base
-from tools.gguf_tokenizers import PROMPTS, llama_cpp_tokenizer, train_unigram
+from tools.fixtures.files import hollow
+from tools.fixtures.gguf_files import UMT5_BASE, llama_cpp_name, write_gguf, write_t5_base
+from tools.fixtures.gguf_tokenizers import PROMPTS, llama_cpp_tokenizer, train_unigram
 
 
 @pytest.fixture(scope="module")
 def comfy(comfy_runtime, module_folder):
-    from tools.comfy_inprocess import import_comfy, import_pack
+    from tools.runtime.inprocess import import_comfy, import_pack
 
     mm = import_comfy()
     folder = module_folder

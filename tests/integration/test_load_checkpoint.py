@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tools.comfy_server import ComfyError
-from tools.make_fixtures import SD15_CHECKPOINT
-from tools.workflow_api import load_workflow, ui_to_api
+from tools.fixtures.make import SD15_CHECKPOINT
+from tools.runtime.server import ComfyError
+from tools.templates.workflow_api import load_workflow, ui_to_api
 
 REPO = Path(__file__).resolve().parents[2]
 STOCK = REPO / "workflows" / "03 Text to image with VRAM Reports.json"

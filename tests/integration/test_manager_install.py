@@ -14,9 +14,9 @@ import subprocess
 
 import pytest
 
-from tools.comfy_server import ComfyServer
-from tools.manager import cm_cli, manager_reads, served_repository
-from tools.runtime import PACK_FOLDER, REPO, comfyui_dir
+from tools.runtime.manager import cm_cli, manager_reads, served_repository
+from tools.runtime.provision import PACK_FOLDER, REPO, comfyui_dir
+from tools.runtime.server import ComfyServer
 
 
 def _registered_nodes() -> set[str]:

@@ -12,8 +12,8 @@ import pytest
 
 from tests.integration.executions import watch
 from tests.passes import LONG, ONCE
-from tools.comfy_server import ComfyError
-from tools.make_fixtures import SD15_CHECKPOINT
+from tools.fixtures.make import SD15_CHECKPOINT
+from tools.runtime.server import ComfyError
 
 REPO = Path(__file__).resolve().parents[2]
 #: Several full-size models at once: runs while no other tier's module does (tests/server_pool.py).
@@ -310,7 +310,7 @@ def test_cancelling_a_move_half_way_leaves_a_model_the_next_run_uses(slow_server
     "To CPU gives it all back, and the image equals ComfyUI's own"
 )
 def test_a_real_gpu_moves_and_gives_back_vram(synthetic_models, tmp_path_factory, api):
-    from tools.comfy_server import ComfyServer
+    from tools.runtime.server import ComfyServer
 
     server = ComfyServer(tmp_path_factory.mktemp("move-cuda"), cpu=False).start()
     try:

@@ -6,11 +6,13 @@ from urllib.parse import quote
 
 import pytest
 
-from tools.comfy_server import ComfyError
-from tools.make_fixtures import SD15_CLIP_L
+from tools.fixtures.make import SD15_CLIP_L
+from tools.runtime.server import ComfyError
 
 #: A type only a template-following input or output has; the node's Info would show it as such.
 MATCH_TYPE = "COMFY_MATCHTYPE_V3"
+#: The types Move To GPU and Offload To CPU take (``nodes.bridge.subjects.PLACEABLE_KINDS``).
+TAKES = "MODEL,CLIP,VAE,CONTROL_NET,CLIP_VISION,UPSCALE_MODEL,MODEL_PATCH,GLIGEN"
 
 
 def test_our_nodes_are_registered_with_descriptions_and_tooltips(comfy_server, api):
@@ -62,12 +64,12 @@ def test_example_workflows_are_offered_as_templates_in_the_order_of_their_number
 def test_move_and_offload_take_any_model_and_pass_a_trigger_through(comfy_server):
     info = comfy_server.get("/object_info")
     move, offload = info["DeviceControl_MoveToGPU"], info["DeviceControl_OffloadToCPU"]
-    assert move["input"]["required"]["model"][0] == "MODEL,CLIP,VAE"
+    assert move["input"]["required"]["model"][0] == TAKES
     assert move["output"][1:] == ["*", "STRING"]
     assert move["input"]["optional"]["trigger"][0] == "*"
     assert move["input"]["required"]["device"][1]["options"][0] == "auto"
     assert offload["output_node"] is True and offload["output"] == ["*", "STRING"]
-    assert offload["input"]["optional"]["model"][0] == "MODEL,CLIP,VAE"
+    assert offload["input"]["optional"]["model"][0] == TAKES
     modes = offload["input"]["required"]["mode"][1]["options"]
     assert modes == ["full", "free N GB", "all models", "all except this one"]
 
@@ -119,17 +121,17 @@ def test_a_fresh_offload_to_cpu_runs_and_says_when_free_amount_is_not_read(comfy
     assert "free_amount '1GB' was not read: only mode 'free N GB' reads it." in ignored["outputs"]["1"]["text"][0]
 
 
-def test_move_to_gpu_reads_as_the_three_types_it_takes_on_every_comfyui(comfy_server):
+def test_move_to_gpu_reads_as_the_types_it_takes_on_every_comfyui(comfy_server):
     # The editor narrows the output to the type connected to the input (web/panel/device_warnings.js, tested in
     # tests/browser/test_move_types.py); what ComfyUI lists, and the node's Info shows, is readable everywhere.
     move = comfy_server.get("/object_info/DeviceControl_MoveToGPU")["DeviceControl_MoveToGPU"]
     model = move["input"]["required"]["model"]
-    assert model[0] == "MODEL,CLIP,VAE" and "template" not in model[1]
-    assert move["output"][0] == "MODEL,CLIP,VAE" and move["output_name"][0] == "model"
+    assert model[0] == TAKES and "template" not in model[1]
+    assert move["output"][0] == TAKES and move["output_name"][0] == "model"
     assert MATCH_TYPE not in move["output"] and not any(move.get("output_matchtypes") or [])
     assert model[1]["tooltip"] and move["output_tooltips"][0]
     offload = comfy_server.get("/object_info/DeviceControl_OffloadToCPU")["DeviceControl_OffloadToCPU"]
-    assert offload["input"]["optional"]["model"][0] == "MODEL,CLIP,VAE"  # no model output: nothing to follow
+    assert offload["input"]["optional"]["model"][0] == TAKES  # no model output: nothing to follow
 
 
 def _moved_clip_prompt(encoder: str = "CLIPTextEncode") -> dict:

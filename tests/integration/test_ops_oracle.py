@@ -21,7 +21,7 @@ STORAGE = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, to
 
 @pytest.fixture(scope="module")
 def manual_cast(comfy_runtime):
-    from tools.comfy_inprocess import import_comfy
+    from tools.runtime.inprocess import import_comfy
 
     import_comfy()
     return importlib.import_module("comfy.ops").manual_cast
@@ -89,7 +89,7 @@ def test_a_converted_comfyui_layer_computes_as_before(manual_cast, name):
 @pytest.fixture(scope="module")
 def comfy_ops(manual_cast):
     """ComfyUI's ops, and the standard layer classes the pack's surface names (as ComfyUI loads the pack)."""
-    from tools.comfy_inprocess import import_pack
+    from tools.runtime.inprocess import import_pack
 
     surface = importlib.import_module(f"{import_pack().__name__}.nodes.surface")
     return importlib.import_module("comfy.ops"), surface.standard_layer_classes()

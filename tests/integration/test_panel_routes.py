@@ -15,8 +15,8 @@ import aiohttp
 import numpy as np
 import pytest
 
-from tools.comfy_server import ComfyError
-from tools.stress import run_coroutine
+from tools.bench.stress import run_coroutine
+from tools.runtime.server import ComfyError
 
 REPO = Path(__file__).resolve().parents[2]
 PLACED = REPO / "workflows" / "02 SD1.5 - UNet on the GPU, text encoder on the CPU.json"

@@ -21,7 +21,7 @@ from core.weights.patching import OnTheFlyPatch, key_seed, round_to
 
 @pytest.fixture(scope="module")
 def comfy(comfy_runtime):
-    from tools.comfy_inprocess import import_comfy
+    from tools.runtime.inprocess import import_comfy
 
     import_comfy()
     return (
@@ -195,7 +195,7 @@ def test_model_as_lora_and_nested_patches_equal_comfyui(comfy):
 @pytest.fixture(scope="module")
 def fp8_noise(comfy):
     """How the pack draws fp8 rounding noise on the running ComfyUI (with or without comfy-kitchen's rounding)."""
-    from tools.comfy_inprocess import import_pack
+    from tools.runtime.inprocess import import_pack
 
     return importlib.import_module(f"{import_pack().__name__}.nodes.surface").fp8_rounding_noise()
 
@@ -230,7 +230,7 @@ def test_the_on_the_fly_patch_equals_comfyui_lowvram_patch(comfy, fp8_noise):
 @pytest.fixture(scope="module")
 def our_patcher(comfy):
     """Device Control's model patcher class, as ComfyUI loads the pack (the class users' models get)."""
-    from tools.comfy_inprocess import import_pack
+    from tools.runtime.inprocess import import_pack
 
     return importlib.import_module(f"{import_pack().__name__}.nodes.bridge.patcher").DeviceControlPatcher
 
@@ -238,7 +238,7 @@ def our_patcher(comfy):
 @pytest.fixture(scope="module")
 def patch_error(comfy):
     """The error class the pack raises, as ComfyUI loads the pack."""
-    from tools.comfy_inprocess import import_pack
+    from tools.runtime.inprocess import import_pack
 
     return importlib.import_module(f"{import_pack().__name__}.core.errors").PatchError
 

@@ -19,7 +19,7 @@ import pytest
 from safetensors import safe_open
 
 from tests.host_math import same_result
-from tools.make_fixtures import SD15_CHECKPOINT, SD15_CLIP_L, SD15_UNET, SD15_VAE, SD35_TINY
+from tools.fixtures.make import SD15_CHECKPOINT, SD15_CLIP_L, SD15_UNET, SD15_VAE, SD35_TINY
 
 GiB = 1024**3
 MiB = 1024**2

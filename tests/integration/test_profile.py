@@ -15,8 +15,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tools.comfy_server import ComfyError
-from tools.stress import run_coroutine
+from tools.bench.stress import run_coroutine
+from tools.runtime.server import ComfyError
 
 REPO = Path(__file__).resolve().parents[2]
 MOVE = REPO / "workflows" / "01 Start here - SD1.5 moved to the GPU, then offloaded.json"

@@ -13,7 +13,7 @@ import pytest
 from tests.integration.executions import watch
 from tests.integration.test_move_offload import MOVE, cycles_prompt, text, unet
 from tests.passes import ONCE
-from tools.comfy_server import ComfyError
+from tools.runtime.server import ComfyError
 
 HOLDS_MODELS = True
 

@@ -1,7 +1,7 @@
 """Reliability in a real ComfyUI: bad input refused with the fix, faults survived, a soak and a load with figures.
 
 Each bad input must give an error that names the problem and the fix, keep the server serving, and leave the
-next prompt working. The soak and the load run through ``tools/stress.py``, which the benchmarks run at full
+next prompt working. The soak and the load run through ``tools/bench/stress.py``, which the benchmarks run at full
 size; here the soak is sized for CI (``--soak-cycles 200`` runs the long one).
 """
 
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from tests.passes import LONG
-from tools.comfy_server import ComfyError
-from tools.stress import AFTER_OFFLOAD, LOADER, example_prompt, fresh, snapshot_load, soak
+from tools.bench.stress import AFTER_OFFLOAD, LOADER, example_prompt, fresh, snapshot_load, soak
+from tools.runtime.server import ComfyError
 
 GiB = 1024**3
 MiB = 1024**2

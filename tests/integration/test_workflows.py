@@ -12,7 +12,7 @@ import pytest
 from PIL import Image, ImageStat
 
 from tests.integration.executions import watch
-from tools.family_workflows import FAMILIES, FLUX_GGUF_EXAMPLE
+from tools.templates.families import FAMILIES, FLUX_GGUF_EXAMPLE
 
 REPO = Path(__file__).resolve().parents[2]
 #: Several full-size models at once: runs while no other tier's module does (tests/server_pool.py).

@@ -1,0 +1,205 @@
+"""Move To GPU, Offload To CPU and the VRAM Report on the models a workflow loads beside its checkpoint, through a
+real ComfyUI on a simulated GPU: a ControlNet, a CLIP vision model, a model patch, GLIGEN and an upscale model, each
+from ComfyUI's own loader (``tools/fixtures/model_types.py``).
+
+Each move is checked against the bytes a VRAM Report measures after it (``moves_hold``), and again after ComfyUI's
+own node used the model (the sampler with the ControlNet applied, CLIP Vision Encode, the upscale node), which
+must keep the placement rather than load the model its own way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tools.fixtures.make import SD15_CHECKPOINT
+from tools.fixtures.model_types import FILES
+from tools.runtime.provision import DEFAULT_VERSION
+from tools.runtime.server import ComfyError
+
+MiB = 1024**2
+#: ComfyUI gives an upscale model a ModelPatcher from 0.33 (0.3.75 is older than 0.28).
+UPSCALE_PATCHER = tuple(int(part) for part in DEFAULT_VERSION.split(".")[:2]) >= (0, 33)
+REPORT = {"label": "", "devices": "all"}
+NAMES = {kind: name for kind, (_folder, name) in FILES.items()}
+#: ComfyUI's loader of each kind: its class and the input naming the file.
+LOADERS = {
+    "controlnet": ("ControlNetLoader", "control_net_name"),
+    "clip_vision": ("CLIPVisionLoader", "clip_name"),
+    "model_patch": ("ModelPatchLoader", "name"),
+    "gligen": ("GLIGENLoader", "gligen_name"),
+    "upscale_model": ("UpscaleModelLoader", "model_name"),
+}
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers("model-types-8g", SIMULATE_GPU="8GiB")
+
+
+def loader(kind: str) -> dict[str, Any]:
+    node, name_input = LOADERS[kind]
+    return {"class_type": node, "inputs": {name_input: NAMES[kind]}}
+
+
+def moved(source: list[Any], budget: str = "all") -> dict[str, Any]:
+    inputs = {"model": source, "device": "gpu:0", "vram_budget": budget, "keep_resident": False}
+    return {"class_type": "DeviceControl_MoveToGPU", "inputs": inputs}
+
+
+def report(value: list[Any]) -> dict[str, Any]:
+    return {"class_type": "DeviceControl_VRAMReport", "inputs": {"value": value, **REPORT}}
+
+
+def subject(api, entry: dict, node: str) -> dict:
+    return api.report_json(entry, node)["subject"]
+
+
+def held_on_gpu(api, entry: dict, node: str, name: str) -> int:
+    """The bytes on gpu:0 of the loaded model named ``name``, in the models list of report ``node`` (0 when ComfyUI
+    holds no such model)."""
+    models = [m for m in api.report_json(entry, node)["models"] if m["name"] == name]
+    return sum(m["resident"].get("gpu:0", 0) for m in models)
+
+
+@pytest.mark.parametrize("kind", ["clip_vision", "model_patch", "gligen"])
+def test_a_model_of_each_kind_moves_to_the_gpu_whole_and_offload_gives_it_back(server, api, kind):
+    prompt = {
+        "1": loader(kind),
+        "2": moved(["1", 0]),
+        "3": report(["2", 0]),
+        "4": {
+            "class_type": "DeviceControl_OffloadToCPU",
+            "inputs": {"model": ["3", 0], "mode": "full", "free_amount": "2GB", "empty_cache": True},
+        },
+        "5": report(["4", 0]),
+    }
+    entry = server.run(prompt)
+    assert api.moves_hold(entry, prompt) == ["2"]
+    placed = subject(api, entry, "3")
+    assert placed["resident"] == {"gpu:0": placed["total_bytes"]} and placed["total_bytes"] > MiB
+    assert held_on_gpu(api, entry, "5", placed["name"]) == 0
+
+
+def test_a_clip_vision_model_under_a_budget_streams_and_its_encode_keeps_the_placement(server, api):
+    prompt = {
+        "1": loader("clip_vision"),
+        "2": moved(["1", 0], "100MB"),
+        "3": report(["2", 0]),
+        "4": {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 64, "batch_size": 1, "color": 8421504}},
+        "5": {
+            "class_type": "CLIPVisionEncode",
+            "inputs": {"clip_vision": ["3", 0], "image": ["4", 0], "crop": "none"},
+        },
+        "6": report(["5", 0]),
+    }
+    entry = server.run(prompt)
+    assert "streamed" in entry["outputs"]["2"]["text"][0]
+    assert api.moves_hold(entry, prompt) == ["2"]
+    placed = subject(api, entry, "3")["resident"]["gpu:0"]
+    assert 0 < placed <= 100 * MiB
+    assert held_on_gpu(api, entry, "6", subject(api, entry, "3")["name"]) == placed  # the encode kept it so
+
+
+def test_a_controlnet_moves_to_the_gpu_and_the_sampler_keeps_it_there(server, api):
+    prompt = {
+        "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": SD15_CHECKPOINT}},
+        "2": {"class_type": "CLIPTextEncode", "inputs": {"text": "a cat", "clip": ["1", 1]}},
+        "3": {"class_type": "CLIPTextEncode", "inputs": {"text": "", "clip": ["1", 1]}},
+        "10": loader("controlnet"),
+        "11": moved(["10", 0]),
+        "12": report(["11", 0]),
+        "13": {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 64, "batch_size": 1, "color": 0}},
+        "14": {
+            "class_type": "ControlNetApplyAdvanced",
+            "inputs": {
+                "positive": ["2", 0],
+                "negative": ["3", 0],
+                "control_net": ["12", 0],
+                "image": ["13", 0],
+                "strength": 1.0,
+                "start_percent": 0.0,
+                "end_percent": 1.0,
+            },
+        },
+        "20": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+        "21": {
+            "class_type": "KSampler",
+            "inputs": {
+                "model": ["1", 0],
+                "positive": ["14", 0],
+                "negative": ["14", 1],
+                "latent_image": ["20", 0],
+                "seed": 1,
+                "steps": 1,
+                "cfg": 1.0,
+                "sampler_name": "euler",
+                "scheduler": "normal",
+                "denoise": 1.0,
+            },
+        },
+        "22": report(["21", 0]),
+    }
+    entry = server.run(prompt)
+    assert api.moves_hold(entry, prompt) == ["11"]
+    placed = subject(api, entry, "12")
+    assert placed["resident"] == {"gpu:0": placed["total_bytes"]}
+    assert held_on_gpu(api, entry, "22", placed["name"]) == placed["total_bytes"]  # loaded with the UNet, kept
+
+
+def test_an_upscale_model_is_placed_where_comfyui_gives_it_a_patcher_and_refused_with_the_reason_elsewhere(server, api):
+    prompt = {
+        "1": loader("upscale_model"),
+        "2": moved(["1", 0]),
+        "3": report(["2", 0]),
+        "4": {"class_type": "EmptyImage", "inputs": {"width": 32, "height": 32, "batch_size": 1, "color": 0}},
+        "5": {"class_type": "ImageUpscaleWithModel", "inputs": {"upscale_model": ["3", 0], "image": ["4", 0]}},
+        "6": report(["5", 0]),
+    }
+    if not UPSCALE_PATCHER:
+        with pytest.raises(ComfyError, match="gives an upscale model no ModelPatcher"):
+            server.run(prompt)
+        return
+    entry = server.run(prompt)
+    assert api.moves_hold(entry, prompt) == ["2"]
+    placed = subject(api, entry, "3")
+    assert placed["resident"] == {"gpu:0": placed["total_bytes"]}
+    assert held_on_gpu(api, entry, "6", placed["name"]) == placed["total_bytes"]
+
+
+def test_split_model_refuses_a_controlnet_with_what_to_do(server, api):
+    # ComfyUI refuses the link by its type; through a VRAM Report's passthrough (any type) the node does.
+    prompt = {
+        "1": loader("controlnet"),
+        "2": report(["1", 0]),
+        "3": {
+            "class_type": "DeviceControl_SplitModel",
+            "inputs": {"model": ["2", 0], "allocation": "gpu:0=50%,cpu=*", "mode": "stream"},
+        },
+        "4": report(["3", 0]),
+    }
+    with pytest.raises(ComfyError, match="cannot be split: Split Model shares out a MODEL or a CLIP"):
+        server.run(prompt)
+
+
+def test_a_clip_vision_model_comfyui_loaded_and_kept_is_taken_over_by_the_move(server, api):
+    # The loader's output is ComfyUI's cached one in the second prompt, loaded by its own CLIP Vision Encode before.
+    image = {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 64, "batch_size": 1, "color": 255}}
+    stock = {
+        "1": loader("clip_vision"),
+        "4": image,
+        "5": {"class_type": "CLIPVisionEncode", "inputs": {"clip_vision": ["1", 0], "image": ["4", 0], "crop": "none"}},
+        "6": report(["5", 0]),
+    }
+    before = server.run(stock)
+    name = next(m["name"] for m in api.report_json(before, "6")["models"] if m["name"].startswith("CLIPVision"))
+    held = next(m for m in api.report_json(before, "6")["models"] if m["name"] == name)
+    assert held["managed_by"] != "Device Control" and held["resident"].get("gpu:0", 0) == 0, held
+    prompt = {"1": loader("clip_vision"), "2": moved(["1", 0], "200MB"), "3": report(["2", 0])}
+    entry = server.run(prompt)
+    assert "loaded by ComfyUI" in entry["outputs"]["2"]["text"][0]  # where it was before, in the summary
+    assert api.moves_hold(entry, prompt) == ["2"]
+    assert 0 < subject(api, entry, "3")["resident"]["gpu:0"] <= 200 * MiB
+    listed = [m for m in api.report_json(entry, "3")["models"] if m["name"] == name]
+    assert len(listed) == 1 and listed[0]["managed_by"] == "Device Control", listed  # one entry in ComfyUI's list

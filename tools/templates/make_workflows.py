@@ -1,0 +1,458 @@
+"""Write the example workflows of our nodes (UI format, as the frontend saves them).
+
+The graphs are described here in a few lines each and laid out as the frontend stores them (node inputs,
+outputs, links, widget values), against a running ComfyUI's ``/object_info``; the browser tests then check
+that the real frontend loads each file and turns it into the same prompt as ``tools.templates.workflow_api``.
+
+The files are for users: each names the released model files (``tools.templates.models``), carries the frontend's
+model metadata on its loaders (``properties.models``: name, url, directory, which the missing-model dialog offers to
+download) and samples at settings that give a real image. The graphs below are written on the test fixtures and
+released by ``tools.templates.release.release``; the four hand-made SD1.5 files (``02_``, ``03_``, ``05_`` and
+``06_``, not built here) are released and laid out the same way. Nodes are packed in columns from the sizes written,
+so none overlaps (``tests/browser/test_templates.py`` checks the frontend's own rectangles).
+
+Run ``python3 tools/templates/make_workflows.py`` after changing a graph or a node's inputs, and commit the files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tools.fixtures.make import SD15_CHECKPOINT, SD15_CHECKPOINT_B, SD15_CLIP_L, SD15_LORA, SD15_UNET, SD15_VAE
+from tools.runtime.server import ComfyServer
+from tools.templates.families import FAMILIES, FLUX_GGUF_EXAMPLE, NOTE_SIZE, Family
+from tools.templates.release import release
+
+log = logging.getLogger("device_control.tools")
+REPO = Path(__file__).resolve().parents[2]
+NODE_WIDTH, REPORT_SIZE, GAP, OUR_TEXT_BOX, TITLE_HEIGHT = 340, (520, 360), 50, 160, 30
+#: The view a template opens at: its start (top left), at a zoom where the frontend draws node text (it draws bare
+#: boxes below 8 px over its 14 px text, 0.57, on a screen of device pixel ratio 1). The frontends that fit a
+#: template to the window (1.45 on) would open a graph of a dozen nodes at about 30 %: the pack's extension
+#: (web/template_view.js) opens a graph marked with TEMPLATE_MARK at this view instead, where the fit draws no text.
+OPEN_SCALE, OPEN_MARGIN, TEMPLATE_MARK = 0.75, 30, "device_control_template"
+PROMPT = "a lighthouse on a cliff at sunset, oil painting"
+
+
+@dataclass
+class Node:
+    """One node: its type, widget values in the frontend's order, and links into its inputs."""
+
+    id: int
+    type: str
+    widgets: list[Any] = field(default_factory=list)
+    links: dict[str, tuple[int, int]] = field(default_factory=dict)  # input name -> (node id, output slot)
+    pos: tuple[int, int] = (0, 0)
+    title: str | None = None
+
+
+def report(node_id: int, label: str, value: tuple[int, int], pos: tuple[int, int]) -> Node:
+    """A VRAM Report on a wire."""
+    return Node(
+        node_id, "DeviceControl_VRAMReport", [label, "all", False], {"value": value}, pos, f"VRAM Report: {label}"
+    )
+
+
+def sampling(first: int, clip: tuple[int, int], model: tuple[int, int], x: int) -> list[Node]:
+    """Prompt, negative prompt, a 64x64 latent and a 1-step KSampler (ids first .. first+3)."""
+    return [
+        Node(first, "CLIPTextEncode", [PROMPT], {"clip": clip}, (x, 80)),
+        Node(first + 1, "CLIPTextEncode", ["blurry"], {"clip": clip}, (x, 300)),
+        Node(first + 2, "EmptyLatentImage", [64, 64, 1], {}, (x, 480)),
+        Node(
+            first + 3,
+            "KSampler",
+            [42, "fixed", 1, 1, "euler", "normal", 1],
+            {"model": model, "positive": (first, 0), "negative": (first + 1, 0), "latent_image": (first + 2, 0)},
+            (x + 360, 80),
+        ),
+    ]
+
+
+def loader(node_id: int, checkpoint: str, pos: tuple[int, int]) -> Node:
+    """Load Checkpoint With Device, everything in RAM (the moves come later in the graph)."""
+    return Node(
+        node_id, "DeviceControl_LoadCheckpoint", [checkpoint, "cpu", "cpu", "cpu", "auto", "auto", "auto"], {}, pos
+    )
+
+
+def move_and_offload() -> list[Node]:
+    """The basic scenario: load to RAM, Move To GPU, sample, Offload To CPU before decoding."""
+    return [
+        loader(1, SD15_CHECKPOINT, (20, 80)),
+        report(2, "after loading to RAM", (1, 0), (20, 640)),
+        Node(3, "DeviceControl_MoveToGPU", ["gpu:0", "all", False], {"model": (2, 0)}, (460, 80)),
+        report(4, "after Move To GPU", (3, 0), (460, 640)),
+        *sampling(5, (1, 1), (4, 0), 840),
+        Node(9, "DeviceControl_OffloadToCPU", ["full", "2GB", True], {"model": (3, 0), "trigger": (8, 0)}, (1580, 80)),
+        report(10, "after Offload To CPU", (9, 0), (1580, 640)),
+        Node(11, "VAEDecode", [], {"samples": (10, 0), "vae": (1, 2)}, (1960, 80)),
+        report(12, "after decoding", (11, 0), (1960, 640)),
+        Node(13, "SaveImage", ["01_start_here_sd15_move_to_gpu_and_offload"], {"images": (12, 0)}, (2300, 80)),
+    ]
+
+
+def low_vram_lora() -> list[Node]:
+    """A budget smaller than the UNet, with a LoRA: half streams, and the LoRA applies to both halves."""
+    return [
+        loader(1, SD15_CHECKPOINT, (20, 80)),
+        Node(2, "LoraLoader", [SD15_LORA, 1, 1], {"model": (1, 0), "clip": (1, 1)}, (460, 80)),
+        Node(3, "DeviceControl_MoveToGPU", ["gpu:0", "1.5GB", False], {"model": (2, 0)}, (840, 80)),
+        report(4, "UNet on a 1.5 GB budget", (3, 0), (840, 640)),
+        *sampling(5, (2, 1), (4, 0), 1220),
+        Node(9, "VAEDecode", [], {"samples": (8, 0), "vae": (1, 2)}, (1960, 80)),
+        report(10, "after decoding", (9, 0), (1960, 640)),
+        Node(11, "SaveImage", ["04_sd15_low_vram_lora_budget"], {"images": (10, 0)}, (2300, 80)),
+    ]
+
+
+def two_checkpoints() -> list[Node]:
+    """Two checkpoints in one graph: the first is offloaded before the second moves in and refines its image."""
+    return [
+        loader(1, SD15_CHECKPOINT, (20, 80)),
+        Node(2, "DeviceControl_MoveToGPU", ["gpu:0", "all", False], {"model": (1, 0)}, (460, 80)),
+        report(3, "first model on the GPU", (2, 0), (460, 640)),
+        *sampling(4, (1, 1), (3, 0), 840),
+        Node(8, "DeviceControl_OffloadToCPU", ["full", "2GB", True], {"model": (2, 0), "trigger": (7, 0)}, (1580, 80)),
+        loader(9, SD15_CHECKPOINT_B, (20, 1100)),
+        Node(10, "DeviceControl_MoveToGPU", ["gpu:0", "all", False], {"model": (9, 0), "trigger": (8, 0)}, (460, 1100)),
+        report(11, "second model on the GPU", (10, 0), (460, 1500)),
+        Node(12, "CLIPTextEncode", [PROMPT], {"clip": (9, 1)}, (840, 1100)),
+        Node(13, "CLIPTextEncode", ["blurry"], {"clip": (9, 1)}, (840, 1320)),
+        Node(
+            14,
+            "KSampler",
+            [7, "fixed", 1, 1, "euler", "normal", 0.6],
+            {"model": (11, 0), "positive": (12, 0), "negative": (13, 0), "latent_image": (10, 1)},
+            (1220, 1100),
+        ),
+        Node(15, "VAEDecode", [], {"samples": (14, 0), "vae": (9, 2)}, (1600, 1100)),
+        Node(16, "SaveImage", ["07_two_checkpoints_offload_between"], {"images": (15, 0)}, (1960, 1100)),
+    ]
+
+
+def split_across_gpus() -> list[Node]:
+    """Flux's diffusion model over two GPUs in pipeline mode (on a machine without them, it stays in RAM, warned);
+    its text encoder in RAM, the VAE on ``gpu:0``."""
+    flux = next(family for family in FAMILIES if "_flux_" in f"_{family.stem}")
+    files = flux.released
+    return [
+        Node(1, "DeviceControl_LoadDiffusionModel", [files.unet, "cpu", flux.dtype], {}, (20, 80)),
+        Node(2, "DeviceControl_SplitModel", ["gpu:0=50%, gpu:1=*", "pipeline"], {"model": (1, 0)}, (20, 420)),
+        report(3, "split over two GPUs", (2, 0), (20, 720)),
+        Node(
+            4,
+            "DeviceControl_LoadTextEncoders",
+            [*files.text_encoders, "none", "none", files.clip_type, "cpu", "auto"],
+            {},
+            (460, 80),
+        ),
+        Node(5, "CLIPTextEncode", [PROMPT], {"clip": (4, 0)}, (840, 80)),
+        Node(6, "CLIPTextEncode", ["blurry"], {"clip": (4, 0)}, (840, 300)),
+        Node(7, "FluxGuidance", [3.5], {"conditioning": (5, 0)}, (840, 720)),
+        Node(8, flux.latent[0], [*files.size, 1], {}, (840, 520)),
+        Node(
+            9,
+            "KSampler",
+            [42, "fixed", files.steps, files.cfg, *flux.sampler, 1],
+            {"model": (3, 0), "positive": (7, 0), "negative": (6, 0), "latent_image": (8, 0)},
+            (1220, 80),
+        ),
+        report(10, "after sampling", (9, 0), (1220, 720)),
+        Node(11, "DeviceControl_LoadVAE", [files.vae, "gpu:0", "auto"], {}, (1220, 520)),
+        Node(12, "VAEDecode", [], {"samples": (10, 0), "vae": (11, 0)}, (1600, 80)),
+        Node(13, "SaveImage", ["12_flux_split_across_two_gpus"], {"images": (12, 0)}, (1960, 80)),
+        Node(
+            14,
+            "Note",
+            [
+                "Flux.1 dev over two GPUs: flux1-dev (11.1 GiB in fp8) in models/diffusion_models is split half and "
+                "half over gpu:0 and gpu:1 (two 8 GB cards), each half computing where it lives; clip_l and t5xxl in "
+                "models/text_encoders (type flux), on the CPU; ae.safetensors in models/vae. On one GPU and RAM, "
+                "write 'gpu:0=6GB, cpu=*' and choose stream."
+            ],
+            {},
+            (460, 420),
+            title="About this workflow",
+        ),
+    ]
+
+
+def split_files() -> list[Node]:
+    """A model shipped as separate files: the diffusion model loaded straight onto the GPU by our loader, the
+    text encoder and the VAE by ComfyUI's own loaders, in RAM."""
+    return [
+        Node(1, "DeviceControl_LoadDiffusionModel", [SD15_UNET, "gpu:0", "auto"], {}, (20, 80)),
+        report(2, "diffusion model loaded on the GPU", (1, 0), (20, 640)),
+        Node(3, "CLIPLoader", [SD15_CLIP_L, "stable_diffusion", "default"], {}, (460, 80)),
+        *sampling(4, (3, 0), (2, 0), 840),
+        Node(8, "VAELoader", [SD15_VAE], {}, (1220, 480)),
+        Node(9, "VAEDecode", [], {"samples": (7, 0), "vae": (8, 0)}, (1580, 80)),
+        report(10, "after decoding", (9, 0), (1580, 640)),
+        Node(11, "SaveImage", ["08_sd15_split_files_diffusion_model_on_gpu"], {"images": (10, 0)}, (1960, 80)),
+    ]
+
+
+def family_split_files(family: Family) -> list[Node]:
+    """A family shipped as separate files, placed for a 12 GB card (see ``tools.templates.families``)."""
+    released = family.released
+    files = [*released.text_encoders, *["none"] * (4 - len(released.text_encoders))]
+    latent_type = family.latent[0]
+    positive = (7, 0) if family.guidance else (5, 0)
+    nodes = [
+        Node(1, "DeviceControl_LoadDiffusionModel", [released.unet, "cpu", family.dtype], {}, (20, 80)),
+        Node(2, "DeviceControl_MoveToGPU", ["gpu:0", family.budget, False], {"model": (1, 0)}, (20, 420)),
+        report(3, f"diffusion model on gpu:0, {family.budget} budget", (2, 0), (20, 720)),
+        Node(4, "DeviceControl_LoadTextEncoders", [*files, released.clip_type, "cpu", "auto"], {}, (460, 80)),
+        Node(5, "CLIPTextEncode", [PROMPT], {"clip": (4, 0)}, (840, 80)),
+        Node(6, "CLIPTextEncode", ["blurry"], {"clip": (4, 0)}, (840, 300)),
+        Node(8, latent_type, [*released.size, 1], {}, (840, 520)),
+        Node(
+            9,
+            "KSampler",
+            [42, "fixed", released.steps, released.cfg, *family.sampler, 1],
+            {"model": (3, 0), "positive": positive, "negative": (6, 0), "latent_image": (8, 0)},
+            (1220, 80),
+        ),
+        Node(10, "DeviceControl_LoadVAE", [released.vae, "gpu:0", "auto"], {}, (1220, 520)),
+        Node(11, "VAEDecode", [], {"samples": (9, 0), "vae": (10, 0)}, (1600, 80)),
+        report(12, "after decoding", (11, 0), (1600, 420)),
+        Node(13, "SaveImage", [family.stem], {"images": (12, 0)}, (1960, 80)),
+        Node(14, "Note", [family.note], {}, (460, 720), title="About this workflow"),
+    ]
+    if family.guidance:
+        nodes.append(Node(7, "FluxGuidance", [3.5], {"conditioning": (5, 0)}, (840, 720)))
+    return nodes
+
+
+WORKFLOWS = {
+    "01 Start here - SD1.5 moved to the GPU, then offloaded.json": move_and_offload,
+    "08 SD1.5 from separate files - diffusion model on the GPU.json": split_files,
+    "04 SD1.5 and a LoRA under a 1.5 GB VRAM budget.json": low_vram_lora,
+    "07 Two checkpoints - the first offloaded before the second.json": two_checkpoints,
+    "12 Flux dev split across two GPUs.json": split_across_gpus,
+    **{f"{family.title}.json": partial(family_split_files, family) for family in FAMILIES},
+    f"{FLUX_GGUF_EXAMPLE.title}.json": partial(family_split_files, FLUX_GGUF_EXAMPLE),
+}
+
+
+def _inputs(info: dict[str, Any]) -> list[tuple[str, list[Any], bool]]:
+    found = []
+    for section in ("required", "optional"):
+        specs = info["input"].get(section, {})
+        for name in info.get("input_order", {}).get(section, list(specs)):
+            found.append((name, specs[name], section == "optional"))
+    return found
+
+
+def _type_of(spec: list[Any]) -> str:
+    return "COMBO" if isinstance(spec[0], list) or spec[0] == "COMBO" else str(spec[0])
+
+
+def _is_widget(spec: list[Any]) -> bool:
+    options = (spec[1] if len(spec) > 1 else {}) or {}
+    return not options.get("forceInput") and _type_of(spec) in {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
+
+
+def _order(nodes: list[Node]) -> dict[int, int]:
+    done: dict[int, int] = {}
+    pending = {n.id: n for n in nodes}
+    while pending:
+        ready = sorted(i for i, n in pending.items() if all(src in done for src, _ in n.links.values()))
+        for node_id in ready:
+            done[node_id] = len(done)
+            del pending[node_id]
+    return done
+
+
+def build(nodes: list[Node], object_info: dict[str, Any]) -> dict[str, Any]:
+    """The UI-format workflow for ``nodes``."""
+    links: list[list[Any]] = []
+    incoming: dict[tuple[int, str], list[Any]] = {}  # (node id, input name) -> its link
+    outgoing: dict[tuple[int, int], list[int]] = {}
+    order = _order(nodes)
+    by_id = {n.id: n for n in nodes}
+    for node in nodes:
+        if node.type == "Note":
+            continue
+        for slot, (name, _spec, _optional) in enumerate(_inputs(object_info[node.type])):
+            if name in node.links:
+                source, source_slot = node.links[name]
+                kind = object_info[by_id[source].type]["output"][source_slot]
+                link = [len(links) + 1, source, source_slot, node.id, slot, kind]
+                links.append(link)
+                incoming[(node.id, name)] = link
+                outgoing.setdefault((source, source_slot), []).append(link[0])
+    out_nodes = []
+    for node in sorted(nodes, key=lambda n: n.id):
+        if node.type == "Note":  # the frontend's own note: no inputs, no outputs, never sent to the server
+            out_nodes.append(_note(node, order[node.id]))
+            continue
+        info = object_info[node.type]
+        inputs = []
+        for name, spec, optional in _inputs(info):
+            entry: dict[str, Any] = {"localized_name": name, "name": name}
+            if optional:
+                entry["shape"] = 7
+            entry["type"] = _type_of(spec)
+            if _is_widget(spec) and name not in node.links:
+                entry["widget"] = {"name": name}
+            link = incoming.get((node.id, name))
+            entry["link"] = link[0] if link else None
+            inputs.append(entry)
+        outputs = [
+            {
+                "localized_name": out_name,
+                "name": out_name,
+                "type": kind,
+                "slot_index": slot,
+                "links": outgoing.get((node.id, slot), []),
+            }
+            for slot, (kind, out_name) in enumerate(zip(info["output"], info["output_name"], strict=True))
+        ]
+        is_report = node.type == "DeviceControl_VRAMReport"
+        record: dict[str, Any] = {
+            "id": node.id,
+            "type": node.type,
+            "pos": list(node.pos),
+            "size": list(REPORT_SIZE) if is_report else [NODE_WIDTH, 260],
+            "flags": {},
+            "order": order[node.id],
+            "mode": 0,
+            "inputs": inputs,
+            "outputs": outputs,
+        }
+        if node.title:
+            record["title"] = node.title
+        record["properties"] = {"Node name for S&R": node.type}
+        record["widgets_values"] = node.widgets
+        out_nodes.append(record)
+    return {
+        "last_node_id": max(n.id for n in nodes),
+        "last_link_id": len(links),
+        "nodes": out_nodes,
+        "links": links,
+        "groups": [],
+        "config": {},
+        "extra": {},
+        "version": 0.4,
+    }
+
+
+def _note(node: Node, order: int) -> dict[str, Any]:
+    return {
+        "id": node.id,
+        "type": "Note",
+        "pos": list(node.pos),
+        "size": list(NOTE_SIZE),
+        "flags": {},
+        "order": order,
+        "mode": 0,
+        "inputs": [],
+        "outputs": [],
+        **({"title": node.title} if node.title else {}),
+        "properties": {},
+        "widgets_values": node.widgets,
+        "color": "#432",
+        "bgcolor": "#653",
+    }
+
+
+def _size(node: dict[str, Any], object_info: dict[str, Any]) -> list[int]:
+    """A size at least the frontend's own for this node (title, slot rows, widget rows, text boxes)."""
+    if node["type"] == "Note":
+        return list(NOTE_SIZE)
+    if node["type"] == "DeviceControl_VRAMReport":
+        return list(REPORT_SIZE)
+    linked = {i["name"] for i in node.get("inputs", []) if i.get("link") is not None}
+    slots, widgets, text = 0, 0, 0
+    for name, spec, _optional in _inputs(object_info[node["type"]]):
+        if not _is_widget(spec) or name in linked:
+            slots += 1
+        elif _type_of(spec) == "STRING" and ((spec[1] if len(spec) > 1 else {}) or {}).get("multiline"):
+            text += 1
+        else:
+            options = (spec[1] if len(spec) > 1 else {}) or {}
+            widgets += 2 if options.get("control_after_generate") else 1
+    rows = max(slots, len(node.get("outputs", [])))
+    report_box = OUR_TEXT_BOX if node["type"].startswith("DeviceControl_") else 0  # each node of ours reports in one
+    return [NODE_WIDTH, 46 + 24 * rows + 28 * widgets + 130 * text + report_box]
+
+
+def _reports(workflow: dict[str, Any]) -> dict[int, int]:
+    """Each VRAM Report on a wire from a node that is not a report: the id of that node, by the report's."""
+    source = {link[0]: link[1] for link in workflow["links"]}
+    kinds = {node["id"]: node["type"] for node in workflow["nodes"]}
+    found = {}
+    for node in workflow["nodes"]:
+        if node["type"] != "DeviceControl_VRAMReport":
+            continue
+        link = next((entry.get("link") for entry in node.get("inputs", []) if entry["name"] == "value"), None)
+        if link in source and kinds[source[link]] != "DeviceControl_VRAMReport":
+            found[node["id"]] = source[link]
+    return found
+
+
+def layout(workflow: dict[str, Any], object_info: dict[str, Any]) -> dict[str, Any]:
+    """Pack the nodes in columns: nodes sharing an x form a column, in the order of their y, each below the one
+    before; each column starts right of the widest node of the one before. No two nodes overlap, and a VRAM Report
+    shares the column of the node it follows, so the graph reads left to right. The workflow opens at its start
+    (``OPEN_SCALE``)."""
+    place = {node["id"]: (int(node["pos"][0]), float(node["pos"][1])) for node in workflow["nodes"]}
+    for report, source in _reports(workflow).items():  # right below the node it follows
+        place[report] = (place[source][0], place[source][1] + 0.5)
+    columns: dict[int, list[dict[str, Any]]] = {}
+    for node in workflow["nodes"]:
+        node["size"] = _size(node, object_info)
+        columns.setdefault(place[node["id"]][0], []).append(node)
+    x = 20
+    for _, column in sorted(columns.items()):
+        y = 80
+        for node in sorted(column, key=lambda n: place[n["id"]][1]):
+            node["pos"] = [x, y]
+            y += node["size"][1] + GAP
+        x += max(n["size"][0] for n in column) + GAP
+    left = min(n["pos"][0] for n in workflow["nodes"])
+    top = min(n["pos"][1] for n in workflow["nodes"]) - TITLE_HEIGHT
+    extra = workflow.setdefault("extra", {})
+    extra["ds"] = {"scale": OPEN_SCALE, "offset": [OPEN_MARGIN / OPEN_SCALE - left, OPEN_MARGIN / OPEN_SCALE - top]}
+    extra[TEMPLATE_MARK] = True
+    return workflow
+
+
+def _write(path: Path, workflow: dict[str, Any], object_info: dict[str, Any]) -> None:
+    path.write_text(json.dumps(layout(release(workflow), object_info), indent=2) + "\n")
+    log.info("[Device Control] wrote %s", path.relative_to(REPO))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    with tempfile.TemporaryDirectory() as base:
+        server = ComfyServer(Path(base), env={"DEVICE_CONTROL_SIMULATE_GPU": "8GiB"}).start()
+        try:
+            object_info = server.get("/object_info")
+        finally:
+            server.stop()
+    for name, graph in WORKFLOWS.items():
+        _write(REPO / "workflows" / name, build(graph(), object_info), object_info)
+    for path in sorted((REPO / "workflows").glob("*.json")):
+        if path.name not in WORKFLOWS:  # made by hand: released and laid out the same way
+            _write(path, json.loads(path.read_text()), object_info)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
