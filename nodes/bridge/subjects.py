@@ -118,8 +118,22 @@ def require_subject(value: Any) -> Subject:
     )
 
 
+#: Where the module of each other kind is defined (a part of its class's ``__module__``, first match wins).
+#: ComfyUI's list of loaded models holds the module, not the value a loader gave out, so a ControlNet the sampler
+#: loaded is told from a CLIP vision model by where its class lives: ComfyUI's own files, or spandrel's for upscale
+#: models. ComfyUI imports its ``comfy_extras`` files by their bare names (``nodes_model_patch``).
+_HOMES = (
+    ("spandrel.", "UPSCALE_MODEL"),
+    ("comfy.gligen", "GLIGEN"),
+    ("nodes_model_patch", "MODEL_PATCH"),
+    ("comfy.clip_model", "CLIP_VISION"),
+    ("comfy.cldm.", "CONTROL_NET"),
+)
+
+
 def component_of(model: Any) -> str:
-    """``MODEL``, ``CLIP``, ``VAE`` or ``other``, from what ComfyUI's module tree can do."""
+    """``MODEL``, ``CLIP`` or ``VAE`` from what ComfyUI's module tree can do; one of :data:`KIND_NOUNS` from where
+    its class is defined; else ``other``."""
     base = surface.base_model_class()
     if base is not None and isinstance(model, base):
         return "MODEL"
@@ -127,14 +141,18 @@ def component_of(model: Any) -> str:
         return "CLIP"
     if hasattr(model, "decode") and hasattr(model, "encode"):
         return "VAE"
-    return "other"
+    home = type(model).__module__ or ""
+    if home.startswith("comfy.ldm.") and "controlnet" in home:  # Flux's, SD3's, Qwen-Image's ControlNets
+        return "CONTROL_NET"
+    return next((kind for part, kind in _HOMES if part in home), "other")
 
 
-_NOUNS = {"MODEL": "diffusion model", "CLIP": "text encoder", "VAE": "VAE"}
+_NOUNS = {"MODEL": "diffusion model", "CLIP": "text encoder", "VAE": "VAE", **KIND_NOUNS}
 
 
 def model_label(patcher: Any, *, with_class: bool = True) -> str:
-    """What users call a patcher's model: ``SD15 diffusion model``, ``text encoder (SD1ClipModel)``.
+    """What users call a patcher's model: ``SD15 diffusion model``, ``text encoder (SD1ClipModel)``,
+    ``ControlNet (ControlNet)``.
 
     Args:
         patcher: a ModelPatcher.

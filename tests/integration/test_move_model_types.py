@@ -22,6 +22,14 @@ MiB = 1024**2
 #: ComfyUI gives an upscale model a ModelPatcher from 0.33 (0.3.75 is older than 0.28).
 UPSCALE_PATCHER = tuple(int(part) for part in DEFAULT_VERSION.split(".")[:2]) >= (0, 33)
 REPORT = {"label": "", "devices": "all"}
+#: Each fixture's type on a wire, and what reports call it.
+KINDS = {"controlnet": "CONTROL_NET", "clip_vision": "CLIP_VISION", "model_patch": "MODEL_PATCH", "gligen": "GLIGEN"}
+KIND_NOUNS = {
+    "CONTROL_NET": "ControlNet",
+    "CLIP_VISION": "CLIP vision model",
+    "MODEL_PATCH": "model patch",
+    "GLIGEN": "GLIGEN model",
+}
 NAMES = {kind: name for kind, (_folder, name) in FILES.items()}
 #: ComfyUI's loader of each kind: its class and the input naming the file.
 LOADERS = {
@@ -79,6 +87,7 @@ def test_a_model_of_each_kind_moves_to_the_gpu_whole_and_offload_gives_it_back(s
     assert api.moves_hold(entry, prompt) == ["2"]
     placed = subject(api, entry, "3")
     assert placed["resident"] == {"gpu:0": placed["total_bytes"]} and placed["total_bytes"] > MiB
+    assert (placed["component"], placed["name"]) == (KINDS[kind], KIND_NOUNS[KINDS[kind]])
     assert held_on_gpu(api, entry, "5", placed["name"]) == 0
 
 
@@ -165,6 +174,7 @@ def test_an_upscale_model_is_placed_where_comfyui_gives_it_a_patcher_and_refused
     assert api.moves_hold(entry, prompt) == ["2"]
     placed = subject(api, entry, "3")
     assert placed["resident"] == {"gpu:0": placed["total_bytes"]}
+    assert (placed["component"], placed["name"]) == ("UPSCALE_MODEL", "upscale model")
     assert held_on_gpu(api, entry, "6", placed["name"]) == placed["total_bytes"]
 
 
@@ -193,7 +203,7 @@ def test_a_clip_vision_model_comfyui_loaded_and_kept_is_taken_over_by_the_move(s
         "6": report(["5", 0]),
     }
     before = server.run(stock)
-    name = next(m["name"] for m in api.report_json(before, "6")["models"] if m["name"].startswith("CLIPVision"))
+    name = next(m["name"] for m in api.report_json(before, "6")["models"] if m["component"] == "CLIP_VISION")
     held = next(m for m in api.report_json(before, "6")["models"] if m["name"] == name)
     assert held["managed_by"] != "Device Control" and held["resident"].get("gpu:0", 0) == 0, held
     prompt = {"1": loader("clip_vision"), "2": moved(["1", 0], "200MB"), "3": report(["2", 0])}
@@ -203,3 +213,19 @@ def test_a_clip_vision_model_comfyui_loaded_and_kept_is_taken_over_by_the_move(s
     assert 0 < subject(api, entry, "3")["resident"]["gpu:0"] <= 200 * MiB
     listed = [m for m in api.report_json(entry, "3")["models"] if m["name"] == name]
     assert len(listed) == 1 and listed[0]["managed_by"] == "Device Control", listed  # one entry in ComfyUI's list
+
+
+def test_the_panel_and_the_run_profile_name_a_moved_controlnet_and_its_offload_button_frees_it(server, api):
+    prompt = {"1": loader("controlnet"), "2": moved(["1", 0]), "3": report(["2", 0])}
+    server.forget_outputs()  # answered from the cache, the move would not run: nothing to profile or offload
+    prompt_id = server.queue(prompt)
+    entry = server.wait(prompt_id)
+    placed = subject(api, entry, "3")
+    rows = [m for m in server.get("/device_control/snapshot")["report"]["models"] if m["component"] == "CONTROL_NET"]
+    assert [(m["name"], m["resident"]) for m in rows] == [("ControlNet", {"gpu:0": placed["total_bytes"]})]
+    move = next(n for n in server.get(f"/device_control/profile?prompt_id={prompt_id}")["nodes"] if n["node"] == "2")
+    events = [(e["kind"], e["model"], e["after"].get("gpu:0")) for e in move["events"]]
+    assert events == [("loaded", "ControlNet", placed["total_bytes"])]
+    answer = server.post("/device_control/offload", {"model": rows[0]["key"]})  # the row's Offload button
+    assert answer == {"offloaded": 1, "freed": {"gpu:0": placed["total_bytes"]}}
+    assert all(m["component"] != "CONTROL_NET" for m in server.get("/device_control/snapshot")["report"]["models"])
