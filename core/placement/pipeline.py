@@ -56,13 +56,13 @@ def hop_beside(tensor: torch.Tensor, beside: torch.Tensor) -> torch.Tensor:
     return hop(tensor, target_of(beside))
 
 
-def _hopped(value: Any, target: Target) -> Any:
+def hopped(value: Any, target: Target) -> Any:
     """``value`` with the tensors in it (directly, or in a list or tuple) on ``target``; dictionaries are left as
     they are (a host application's options travel in them and are changed in place by its blocks)."""
     if isinstance(value, torch.Tensor):
         return hop(value, target)
     if isinstance(value, (list, tuple)) and any(isinstance(item, torch.Tensor) for item in value):
-        items = [_hopped(item, target) for item in value]
+        items = [hopped(item, target) for item in value]
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     return value
 
@@ -119,12 +119,12 @@ def return_to_caller(module: torch.nn.Module) -> list[torch.utils.hooks.Removabl
     origins: list[Target | None] = []
 
     def remember(_module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        origins.append(next((target_of(t) for t in _tensors(args, kwargs)), None))
+        origins.append(next((target_of(t) for t in call_tensors(args, kwargs)), None))
 
     def back(_module: torch.nn.Module, _args: tuple, output: Any) -> Any:
         # Last in, first out: a call that raised leaves its origin behind, and the next call still finds its own.
         origin = origins.pop() if origins else None
-        return output if origin is None else _hopped(output, origin)
+        return output if origin is None else hopped(output, origin)
 
     return [
         module.register_forward_pre_hook(remember, with_kwargs=True, prepend=True),
@@ -132,7 +132,7 @@ def return_to_caller(module: torch.nn.Module) -> list[torch.utils.hooks.Removabl
     ]
 
 
-def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+def call_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensors a call is given directly or in lists and tuples, in order."""
     found: list[torch.Tensor] = []
     for value in (*args, *kwargs.values()):
@@ -145,14 +145,14 @@ def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
 
 def _back(home: Target) -> Callable[..., Any]:
     def back_home(_module: torch.nn.Module, _args: tuple, output: Any) -> Any:
-        return _hopped(output, home)
+        return hopped(output, home)
 
     return back_home
 
 
 def hop_inputs(args: tuple, kwargs: dict, target: Target) -> tuple[tuple, dict]:
     """A call's tensors (directly, or in lists and tuples) on ``target``."""
-    return _hopped(args, target), {key: _hopped(value, target) for key, value in kwargs.items()}
+    return hopped(args, target), {key: hopped(value, target) for key, value in kwargs.items()}
 
 
 def send_home(home: Target) -> Callable[..., Any]:

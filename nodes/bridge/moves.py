@@ -19,6 +19,7 @@ from ...core.devices.inventory import DeviceInventory, InventorySnapshot
 from ...core.devices.tensors import Target, label_of
 from ...core.errors import DeviceControlError
 from ...core.placement.budget import Budget, Placement
+from ...core.placement.crossing import cross_to_placement
 from ...core.placement.engine import partial_model_of
 from ...core.placement.eviction import Eviction
 from ...core.units import format_bytes
@@ -142,7 +143,8 @@ def move(value: Any, device: str, vram_budget: str, keep_resident: bool, invento
 
 
 def placed_clone(subject: Subject, placement: Placement) -> Subject:
-    """A clone of ``subject`` that carries ``placement`` (its patcher loads there; a VAE sends its inputs there)."""
+    """A clone of ``subject`` that carries ``placement`` (its patcher loads there; a VAE sends its inputs there; a
+    ControlNet's calls cross to it from its diffusion model's device)."""
     moved = clone_subject(subject)
     patcher = moved.patcher
     patcher.device_control_placement = placement
@@ -153,6 +155,8 @@ def placed_clone(subject: Subject, placement: Placement) -> Subject:
         moved.value.device = patcher.load_device
     elif moved.kind == "CLIP_VISION":  # its encode sends the image to its own load device, not its patcher's
         moved.value.load_device = patcher.load_device
+    elif moved.kind == "CONTROL_NET":  # called with its diffusion model's tensors, on that model's device
+        cross_to_placement(patcher.model)
     return moved
 
 

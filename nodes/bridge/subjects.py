@@ -141,8 +141,12 @@ def component_of(model: Any) -> str:
         return "CLIP"
     if hasattr(model, "decode") and hasattr(model, "encode"):
         return "VAE"
-    home = type(model).__module__ or ""
-    if home.startswith("comfy.ldm.") and "controlnet" in home:  # Flux's, SD3's, Qwen-Image's ControlNets
+    return _kind_by_home(type(model).__module__ or "")
+
+
+def _kind_by_home(home: str) -> str:
+    """One of :data:`KIND_NOUNS` from the module a class is defined in (:data:`_HOMES`), else ``other``."""
+    if home.startswith("comfy.ldm.") and "controlnet" in home:  # Flux's, HunYuan-DiT's, Cascade's ControlNets
         return "CONTROL_NET"
     return next((kind for part, kind in _HOMES if part in home), "other")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 
 from tools.fixtures.make import SD15_CHECKPOINT
@@ -43,7 +44,7 @@ LOADERS = {
 
 @pytest.fixture(scope="module")
 def server(servers):
-    return servers("model-types-8g", SIMULATE_GPU="8GiB")
+    return servers("model-types-2x8g", SIMULATE_GPU="8GiB,8GiB")
 
 
 def loader(kind: str) -> dict[str, Any]:
@@ -51,8 +52,8 @@ def loader(kind: str) -> dict[str, Any]:
     return {"class_type": node, "inputs": {name_input: NAMES[kind]}}
 
 
-def moved(source: list[Any], budget: str = "all") -> dict[str, Any]:
-    inputs = {"model": source, "device": "gpu:0", "vram_budget": budget, "keep_resident": False}
+def moved(source: list[Any], budget: str = "all", device: str = "gpu:0") -> dict[str, Any]:
+    inputs = {"model": source, "device": device, "vram_budget": budget, "keep_resident": False}
     return {"class_type": "DeviceControl_MoveToGPU", "inputs": inputs}
 
 
@@ -111,21 +112,20 @@ def test_a_clip_vision_model_under_a_budget_streams_and_its_encode_keeps_the_pla
     assert held_on_gpu(api, entry, "6", subject(api, entry, "3")["name"]) == placed  # the encode kept it so
 
 
-def test_a_controlnet_moves_to_the_gpu_and_the_sampler_keeps_it_there(server, api):
-    prompt = {
+def sampled_with_controlnet(control: list[Any], model: list[Any]) -> dict[str, Any]:
+    """SD1.5 sampling one step with the ControlNet at ``control`` applied, the diffusion model taken from ``model``,
+    the latent reported (node 22), decoded and saved."""
+    return {
         "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": SD15_CHECKPOINT}},
         "2": {"class_type": "CLIPTextEncode", "inputs": {"text": "a cat", "clip": ["1", 1]}},
         "3": {"class_type": "CLIPTextEncode", "inputs": {"text": "", "clip": ["1", 1]}},
-        "10": loader("controlnet"),
-        "11": moved(["10", 0]),
-        "12": report(["11", 0]),
-        "13": {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 64, "batch_size": 1, "color": 0}},
+        "13": {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 64, "batch_size": 1, "color": 8421504}},
         "14": {
             "class_type": "ControlNetApplyAdvanced",
             "inputs": {
                 "positive": ["2", 0],
                 "negative": ["3", 0],
-                "control_net": ["12", 0],
+                "control_net": control,
                 "image": ["13", 0],
                 "strength": 1.0,
                 "start_percent": 0.0,
@@ -136,7 +136,7 @@ def test_a_controlnet_moves_to_the_gpu_and_the_sampler_keeps_it_there(server, ap
         "21": {
             "class_type": "KSampler",
             "inputs": {
-                "model": ["1", 0],
+                "model": model,
                 "positive": ["14", 0],
                 "negative": ["14", 1],
                 "latent_image": ["20", 0],
@@ -149,12 +149,45 @@ def test_a_controlnet_moves_to_the_gpu_and_the_sampler_keeps_it_there(server, ap
             },
         },
         "22": report(["21", 0]),
+        "23": {"class_type": "VAEDecode", "inputs": {"samples": ["22", 0], "vae": ["1", 2]}},
+        "24": {"class_type": "SaveImage", "inputs": {"images": ["23", 0], "filename_prefix": "controlnet"}},
+    }
+
+
+def test_a_controlnet_moves_to_the_gpu_and_the_sampler_keeps_it_there(server, api):
+    prompt = {
+        **sampled_with_controlnet(["12", 0], ["1", 0]),
+        "10": loader("controlnet"),
+        "11": moved(["10", 0]),
+        "12": report(["11", 0]),
     }
     entry = server.run(prompt)
     assert api.moves_hold(entry, prompt) == ["11"]
     placed = subject(api, entry, "12")
     assert placed["resident"] == {"gpu:0": placed["total_bytes"]}
     assert held_on_gpu(api, entry, "22", placed["name"]) == placed["total_bytes"]  # loaded with the UNet, kept
+
+
+def test_a_controlnet_on_the_second_gpu_serves_its_diffusion_model_on_the_first_with_the_stock_image(server, api):
+    # ComfyUI calls the ControlNet with the UNet's tensors: they cross to gpu:1 and its residuals come back.
+    prompt = {
+        **sampled_with_controlnet(["12", 0], ["31", 0]),
+        "10": loader("controlnet"),
+        "11": moved(["10", 0], device="gpu:1"),
+        "12": report(["11", 0]),
+        "30": moved(["1", 0]),
+        "31": report(["30", 0]),
+    }
+    server.forget_outputs()
+    stock = server.run(api.stock_equivalent(prompt))  # first: ComfyUI's own load of the same modules, on its device
+    entry = server.run(prompt)
+    assert sorted(api.moves_hold(entry, prompt)) == ["11", "30"]
+    control, unet = subject(api, entry, "12"), subject(api, entry, "31")
+    assert control["resident"] == {"gpu:1": control["total_bytes"]}
+    after = {m["name"]: m["resident"] for m in api.report_json(entry, "22")["models"]}
+    assert after["ControlNet"] == {"gpu:1": control["total_bytes"]}  # the sampler kept each where it was placed
+    assert after[unet["name"]] == {"gpu:0": unet["total_bytes"]}
+    assert np.array_equal(api.image_of(server, entry, "24"), api.image_of(server, stock, "24"))
 
 
 def test_an_upscale_model_is_placed_where_comfyui_gives_it_a_patcher_and_refused_with_the_reason_elsewhere(server, api):
