@@ -168,12 +168,15 @@ def test_a_controlnet_moves_to_the_gpu_and_the_sampler_keeps_it_there(server, ap
     assert held_on_gpu(api, entry, "22", placed["name"]) == placed["total_bytes"]  # loaded with the UNet, kept
 
 
-def test_a_controlnet_on_the_second_gpu_serves_its_diffusion_model_on_the_first_with_the_stock_image(server, api):
+@pytest.mark.parametrize("budget", ["all", "400MB"], ids=["whole", "under a budget"])
+def test_a_controlnet_on_the_second_gpu_serves_its_diffusion_model_on_the_first_with_the_stock_image(
+    server, api, budget
+):
     # ComfyUI calls the ControlNet with the UNet's tensors: they cross to gpu:1 and its residuals come back.
     prompt = {
         **sampled_with_controlnet(["12", 0], ["31", 0]),
         "10": loader("controlnet"),
-        "11": moved(["10", 0], device="gpu:1"),
+        "11": moved(["10", 0], budget, device="gpu:1"),
         "12": report(["11", 0]),
         "30": moved(["1", 0]),
         "31": report(["30", 0]),
@@ -181,11 +184,21 @@ def test_a_controlnet_on_the_second_gpu_serves_its_diffusion_model_on_the_first_
     server.forget_outputs()
     stock = server.run(api.stock_equivalent(prompt))  # first: ComfyUI's own load of the same modules, on its device
     entry = server.run(prompt)
+    summary = entry["outputs"]["11"]["text"][0]
+    assert "before: " in summary and "loaded by ComfyUI" in summary, summary  # taken over from the stock run
     assert sorted(api.moves_hold(entry, prompt)) == ["11", "30"]
     control, unet = subject(api, entry, "12"), subject(api, entry, "31")
-    assert control["resident"] == {"gpu:1": control["total_bytes"]}
+    placed = control["resident"]["gpu:1"]
+    if budget == "all":
+        assert control["resident"] == {"gpu:1": control["total_bytes"]}
+    else:  # the rest streams from RAM to gpu:1 at each call, through the same engine as a UNet's
+        assert 0 < placed <= 400 * MiB and control["resident"] == {
+            "gpu:1": placed,
+            "cpu": control["total_bytes"] - placed,
+        }
+        assert "streamed" in summary, summary
     after = {m["name"]: m["resident"] for m in api.report_json(entry, "22")["models"]}
-    assert after["ControlNet"] == {"gpu:1": control["total_bytes"]}  # the sampler kept each where it was placed
+    assert after["ControlNet"] == control["resident"]  # the sampler kept each where it was placed
     assert after[unet["name"]] == {"gpu:0": unet["total_bytes"]}
     assert np.array_equal(api.image_of(server, entry, "24"), api.image_of(server, stock, "24"))
 
@@ -195,20 +208,25 @@ def test_an_upscale_model_is_placed_where_comfyui_gives_it_a_patcher_and_refused
         "1": loader("upscale_model"),
         "2": moved(["1", 0]),
         "3": report(["2", 0]),
-        "4": {"class_type": "EmptyImage", "inputs": {"width": 32, "height": 32, "batch_size": 1, "color": 0}},
+        "4": {"class_type": "EmptyImage", "inputs": {"width": 32, "height": 32, "batch_size": 1, "color": 8421504}},
         "5": {"class_type": "ImageUpscaleWithModel", "inputs": {"upscale_model": ["3", 0], "image": ["4", 0]}},
         "6": report(["5", 0]),
+        "7": {"class_type": "SaveImage", "inputs": {"images": ["6", 0], "filename_prefix": "upscaled"}},
     }
     if not UPSCALE_PATCHER:
         with pytest.raises(ComfyError, match="gives an upscale model no ModelPatcher"):
             server.run(prompt)
         return
+    server.forget_outputs()
+    stock = server.run(api.stock_equivalent(prompt))  # ComfyUI's own upscale of the same image, the oracle
     entry = server.run(prompt)
     assert api.moves_hold(entry, prompt) == ["2"]
     placed = subject(api, entry, "3")
     assert placed["resident"] == {"gpu:0": placed["total_bytes"]}
     assert (placed["component"], placed["name"]) == ("UPSCALE_MODEL", "upscale model")
     assert held_on_gpu(api, entry, "6", placed["name"]) == placed["total_bytes"]
+    ours, theirs = api.image_of(server, entry, "7"), api.image_of(server, stock, "7")
+    assert ours.shape == (64, 64, 3) and np.array_equal(ours, theirs)
 
 
 def test_split_model_refuses_a_controlnet_with_what_to_do(server, api):
