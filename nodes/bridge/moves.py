@@ -36,7 +36,7 @@ from .fallback import resolve_or_fallback
 from .foreign import placeable
 from .patcher import DeviceControlPatcher, adopt, last_load
 from .reading import residency_of
-from .subjects import Subject, require_subject
+from .subjects import KIND_NOUNS, Subject, require_subject
 
 log = logging.getLogger("device_control")
 
@@ -48,16 +48,33 @@ DYNAMIC_NOTE = (
 )
 
 
-def _classic_clone(patcher: Any) -> Any:
-    """A clone of ``patcher`` that ComfyUI loads the classic way (our engine), even under Dynamic VRAM."""
+#: What to do when ComfyUI cannot rebuild a Dynamic VRAM model the classic way, by kind: a MODEL, CLIP or VAE has
+#: loaders of ours; ComfyUI's loaders of the other kinds record no way to rebuild theirs (``cached_patcher_init``).
+_INSTEAD = {
+    "MODEL": "load it with Load Checkpoint With Device or Load Diffusion Model With Device",
+    "CLIP": "load it with Load Checkpoint With Device or Load Text Encoders With Device",
+    "VAE": "load it with Load Checkpoint With Device or Load VAE With Device",
+}
+
+
+def _classic_clone(subject: Subject) -> Any:
+    """A clone of ``subject``'s patcher that ComfyUI loads the classic way (our engine), even under Dynamic VRAM."""
+    patcher = subject.patcher
     if not is_dynamic(patcher):
         return patcher.clone()
     try:
         return classic_clone(patcher)
     except (TypeError, RuntimeError) as exc:
+        restart = "start ComfyUI with --disable-dynamic-vram (every model then loads the classic way)"
+        instead = _INSTEAD.get(subject.kind)
+        fix = (
+            f"{instead}, or {restart}"
+            if instead
+            else f"ComfyUI's loader of a {KIND_NOUNS[subject.kind]} records no way to rebuild it: {restart}"
+        )
         raise DeviceControlError(
-            "this model is managed by ComfyUI's Dynamic VRAM and cannot be rebuilt for explicit placement "
-            f"({exc}); load it with Load Checkpoint With Device, or start ComfyUI with --disable-dynamic-vram."
+            f"{subject.name} is managed by ComfyUI's Dynamic VRAM and cannot be rebuilt for explicit placement "
+            f"({exc}); {fix}."
         ) from exc
 
 
@@ -65,18 +82,18 @@ def clone_subject(subject: Subject) -> Subject:
     """A clone sharing the weights, whose patcher is a :class:`DeviceControlPatcher`: ComfyUI's value (a cached
     loader's output, another branch's input) is never changed."""
     if subject.kind in ("MODEL", "MODEL_PATCH", "GLIGEN"):  # the value is its patcher
-        value = patcher = _classic_clone(subject.patcher)
+        value = patcher = _classic_clone(subject)
     elif subject.kind == "CLIP":
         value = subject.value.clone()
         if is_dynamic(value.patcher):
-            value.patcher = _classic_clone(subject.patcher)
+            value.patcher = _classic_clone(subject)
         patcher = value.patcher
     elif subject.kind == "CONTROL_NET":
         value = subject.value.copy()  # ComfyUI's copy shares the patcher: the clone gets its own
-        value.control_model_wrapped = patcher = _classic_clone(subject.patcher)
+        value.control_model_wrapped = patcher = _classic_clone(subject)
     else:  # a VAE, a CLIP vision model, an upscale model: no clone() of their own; their patchers have one
         value = copy.copy(subject.value)
-        value.patcher = patcher = _classic_clone(subject.patcher)
+        value.patcher = patcher = _classic_clone(subject)
     if not isinstance(patcher, DeviceControlPatcher):
         adopt(patcher, None)
     return Subject(subject.kind, value, patcher)

@@ -51,7 +51,15 @@ def dynamic_model(patchers, path: str):
     import comfy.sd
 
     classic = comfy.sd.load_diffusion_model(path)
-    model = classic.model
+    patcher = dynamic_over(patchers, classic.model, classic.model_size())
+    patcher.cached_patcher_init = (comfy.sd.load_diffusion_model, (path, {}))
+    return patcher
+
+
+def dynamic_over(patchers, model: torch.nn.Module, size: int):
+    """A real ``ModelPatcherDynamic`` for ``cuda:0`` over ``model``, with empty pin books instead of aimdo's, and no
+    way to rebuild it recorded (as ComfyUI's loaders other than the checkpoint's, the diffusion model's and the
+    text encoders' leave it)."""
     cls = patchers.ModelPatcherDynamic
     patcher = cls.__new__(cls, model, GPU, CPU)
     assert type(patcher) is cls  # for a GPU, ComfyUI's constructor keeps the dynamic class
@@ -60,9 +68,9 @@ def dynamic_model(patchers, path: str):
     model.dynamic_pins = {
         GPU: {"weights": empty, "patches": empty, "hostbufs_initialized": False, "failed": False, "active": False}
     }
-    patchers.ModelPatcher.__init__(patcher, model, GPU, CPU, classic.model_size())
+    patchers.ModelPatcher.__init__(patcher, model, GPU, CPU, size)
     patcher.non_dynamic_delegate_model = None
-    patcher.cached_patcher_init = (comfy.sd.load_diffusion_model, (path, {}))
+    patcher.cached_patcher_init = None
     return patcher
 
 
@@ -118,3 +126,19 @@ def test_a_dynamic_model_is_placed_through_its_classic_copy(comfy):
 
 def moves_note(modules) -> str:
     return modules["nodes.bridge.moves"].DYNAMIC_NOTE
+
+
+def test_a_dynamic_controlnet_is_refused_with_the_fix_comfyui_leaves_before_anything_moves(comfy):
+    # Under Dynamic VRAM ComfyUI builds a ControlNet's patcher dynamic too, and records no way to rebuild it.
+    mm, patchers, modules, files = comfy
+    control = importlib.import_module("comfy.controlnet").load_controlnet(str(files["controlnet"]))
+    classic = control.control_model_wrapped
+    control.control_model_wrapped = dynamic_over(patchers, classic.model, classic.model_size())
+    sim = modules["simulated"].SimulatedDevice(8 * GiB)
+    inventory = modules["inventory"].DeviceInventory(extra=modules["backends"].simulated_backends([sim]))
+    with pytest.raises(Exception, match="ComfyUI's loader of a ControlNet records no way to rebuild it") as refused:
+        modules["nodes.bridge.moves"].move(control, "gpu:0", "all", False, inventory)
+    assert type(refused.value).__name__ == "DeviceControlError"
+    assert "--disable-dynamic-vram" in str(refused.value) and "Load Checkpoint" not in str(refused.value)
+    assert sim.allocated() == 0  # nothing moved
+    mm.unload_all_models()

@@ -252,6 +252,32 @@ def test_an_upscale_model_is_placed_where_comfyui_gives_it_a_patcher_and_refused
     assert ours.shape == (64, 64, 3) and np.array_equal(ours, theirs)
 
 
+def test_a_controlnet_moves_from_each_state_a_placement_leaves_it_in(server, api):
+    # Partly on gpu:1, then whole on gpu:0, then offloaded, then on gpu:0 again: each time only where it was put.
+    offload = {"mode": "full", "free_amount": "2GB", "empty_cache": True}
+    prompt = {
+        "1": loader("controlnet"),
+        "2": moved(["1", 0], "400MB", device="gpu:1"),
+        "3": report(["2", 0]),
+        "4": moved(["3", 0]),
+        "5": report(["4", 0]),
+        "6": {"class_type": "DeviceControl_OffloadToCPU", "inputs": {"model": ["5", 0], **offload}},
+        "7": report(["6", 0]),
+        "8": {**moved(["5", 0]), "inputs": {**moved(["5", 0])["inputs"], "trigger": ["7", 0]}},
+        "9": report(["8", 0]),
+    }
+    server.forget_outputs()
+    entry = server.run(prompt)
+    assert sorted(api.moves_hold(entry, prompt)) == ["2", "4", "8"]
+    total = subject(api, entry, "3")["total_bytes"]
+    assert 0 < subject(api, entry, "3")["resident"]["gpu:1"] <= 400 * MiB
+    listed = {
+        node: [m["resident"] for m in api.report_json(entry, node)["models"] if m["name"] == "ControlNet"]
+        for node in ("5", "7", "9")
+    }
+    assert listed == {"5": [{"gpu:0": total}], "7": [], "9": [{"gpu:0": total}]}, listed
+
+
 def test_split_model_refuses_a_controlnet_with_what_to_do(server, api):
     # ComfyUI refuses the link by its type; through a VRAM Report's passthrough (any type) the node does.
     prompt = {
