@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import time
@@ -39,6 +40,8 @@ POLL_S = 0.05
 PORT_ATTEMPTS = 3
 #: What ComfyUI's log says when its port is taken (aiohttp's OSError, errno 98).
 ADDRESS_IN_USE = "address already in use"
+#: The image ComfyUI ships in its input folder (Load Image's default).
+EXAMPLE_IMAGE = "example.png"
 
 
 class ComfyError(RuntimeError):
@@ -174,6 +177,7 @@ class ComfyServer:
         return cmd
 
     def _start_once(self, timeout: float) -> ComfyServer:
+        self._example_image()
         cmd = self.command()
         env = server_environment(self.version, self.env)
         forker = FORK_SERVERS.get(self.version)
@@ -203,6 +207,14 @@ class ComfyServer:
                 time.sleep(POLL_S)
         self.stop()
         raise RuntimeError(f"ComfyUI did not answer within {timeout:.0f} s:\n{self.log_tail()}")
+
+    def _example_image(self) -> None:
+        """ComfyUI's ``input/example.png`` in this server's input folder, as a user's ComfyUI has it: the templates
+        that load an image name it."""
+        shipped, given = comfyui_dir(self.version) / "input" / EXAMPLE_IMAGE, self.base / "input" / EXAMPLE_IMAGE
+        if shipped.is_file() and not given.exists():
+            given.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(shipped, given)
 
     def _directories(self) -> list[str]:
         if RELEASES[self.version].modern:

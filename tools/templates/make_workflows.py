@@ -30,8 +30,9 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tools.fixtures.make import SD15_CHECKPOINT, SD15_CHECKPOINT_B, SD15_CLIP_L, SD15_LORA, SD15_UNET, SD15_VAE
-from tools.runtime.server import ComfyServer
+from tools.runtime.server import EXAMPLE_IMAGE, ComfyServer
 from tools.templates.families import FAMILIES, FLUX_GGUF_EXAMPLE, NOTE_SIZE, Family
+from tools.templates.models import SD15_CONTROLNET
 from tools.templates.release import release
 
 log = logging.getLogger("device_control.tools")
@@ -114,6 +115,39 @@ def low_vram_lora() -> list[Node]:
         Node(9, "VAEDecode", [], {"samples": (8, 0), "vae": (1, 2)}, (1960, 80)),
         report(10, "after decoding", (9, 0), (1960, 640)),
         Node(11, "SaveImage", ["04_sd15_low_vram_lora_budget"], {"images": (10, 0)}, (2300, 80)),
+    ]
+
+
+def controlnet_under_budget() -> list[Node]:
+    """SD1.5 with a canny ControlNet, for a 6 GB card: the UNet on the GPU whole, the ControlNet beside it under a
+    budget (the rest of it streams at each step), the edges of ComfyUI's example image guiding the picture."""
+    return [
+        loader(1, SD15_CHECKPOINT, (20, 80)),
+        Node(2, "DeviceControl_MoveToGPU", ["gpu:0", "all", False], {"model": (1, 0)}, (460, 80)),
+        report(3, "UNet on the GPU", (2, 0), (460, 420)),
+        Node(4, "ControlNetLoader", [SD15_CONTROLNET], {}, (20, 900)),
+        Node(5, "DeviceControl_MoveToGPU", ["gpu:0", "400MB", False], {"model": (4, 0)}, (460, 900)),
+        report(6, "ControlNet on a 400 MB budget", (5, 0), (460, 1240)),
+        Node(7, "LoadImage", [EXAMPLE_IMAGE, "image"], {}, (20, 1200)),
+        Node(8, "Canny", [0.4, 0.8], {"image": (7, 0)}, (460, 1700)),
+        *sampling(9, (1, 1), (3, 0), 1000)[:3],
+        Node(
+            12,
+            "ControlNetApplyAdvanced",
+            [1.0, 0.0, 1.0],
+            {"positive": (9, 0), "negative": (10, 0), "control_net": (6, 0), "image": (8, 0)},
+            (1000, 900),
+        ),
+        Node(
+            13,
+            "KSampler",
+            [42, "fixed", 1, 1, "euler", "normal", 1],
+            {"model": (3, 0), "positive": (12, 0), "negative": (12, 1), "latent_image": (11, 0)},
+            (1400, 80),
+        ),
+        report(14, "after sampling", (13, 0), (1400, 640)),
+        Node(15, "VAEDecode", [], {"samples": (14, 0), "vae": (1, 2)}, (1960, 80)),
+        Node(16, "SaveImage", ["16_sd15_canny_controlnet_under_a_budget"], {"images": (15, 0)}, (2300, 80)),
     ]
 
 
@@ -241,6 +275,7 @@ WORKFLOWS = {
     "08 SD1.5 from separate files - diffusion model on the GPU.json": split_files,
     "04 SD1.5 and a LoRA under a 1.5 GB VRAM budget.json": low_vram_lora,
     "07 Two checkpoints - the first offloaded before the second.json": two_checkpoints,
+    "16 SD1.5 with a canny ControlNet under a VRAM budget.json": controlnet_under_budget,
     "12 Flux dev split across two GPUs.json": split_across_gpus,
     **{f"{family.title}.json": partial(family_split_files, family) for family in FAMILIES},
     f"{FLUX_GGUF_EXAMPLE.title}.json": partial(family_split_files, FLUX_GGUF_EXAMPLE),

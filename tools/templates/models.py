@@ -24,6 +24,7 @@ SD15_VAE = "device_control_sd15_vae.safetensors"
 CLIP_G = "device_control_clip_g.safetensors"
 VAE_16CH = "device_control_vae_16ch.safetensors"
 WAN21_VAE = "device_control_wan21_vae.safetensors"
+SD15_CONTROLNET = "device_control_controlnet_sd15.safetensors"
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,12 @@ MODELS = {
             SD15_CHECKPOINT_B,
         ),
         # Released as pytorch_lora_weights.safetensors; saved under the name ComfyUI users give it.
+        _model(
+            "control_v11p_sd15_canny_fp16.safetensors",
+            "comfyanonymous/ControlNet-v1-1_fp16_safetensors/resolve/main/control_v11p_sd15_canny_fp16.safetensors",
+            "controlnet",
+            SD15_CONTROLNET,
+        ),
         _model(
             "lcm-lora-sdv1-5.safetensors",
             "latent-consistency/lcm-lora-sdv1-5/resolve/main/pytorch_lora_weights.safetensors",
