@@ -203,29 +203,6 @@ def test_a_controlnet_on_the_second_gpu_serves_its_diffusion_model_on_the_first_
     assert np.array_equal(api.image_of(server, entry, "24"), api.image_of(server, stock, "24"))
 
 
-@pytest.fixture(scope="module")
-def small_server(servers):
-    return servers("model-types-4g", SIMULATE_GPU="4GiB")
-
-
-def test_a_controlnet_and_its_unet_under_budgets_on_a_4gb_gpu_both_hold_through_sampling(small_server, api):
-    # 2.5 GB of a 3.2 GB UNet and 800 MB of a 1.35 GB ControlNet: ComfyUI loads both at each step, each in its budget.
-    prompt = {
-        **sampled_with_controlnet(["12", 0], ["31", 0]),
-        "10": loader("controlnet"),
-        "11": moved(["10", 0], "800MB"),
-        "12": report(["11", 0]),
-        "30": moved(["1", 0], "2.5GB"),
-        "31": report(["30", 0]),
-    }
-    entry = small_server.run(prompt)
-    assert sorted(api.moves_hold(entry, prompt)) == ["11", "30"]
-    after = {m["name"]: m["resident"] for m in api.report_json(entry, "22")["models"]}
-    for node, budget in (("12", 800 * MiB), ("31", 2.5 * 1024 * MiB)):
-        placed = subject(api, entry, node)
-        assert 0 < after[placed["name"]]["gpu:0"] == placed["resident"]["gpu:0"] <= budget, (placed, after)
-
-
 def test_an_upscale_model_is_placed_where_comfyui_gives_it_a_patcher_and_refused_with_the_reason_elsewhere(server, api):
     prompt = {
         "1": loader("upscale_model"),
@@ -329,3 +306,27 @@ def test_the_panel_and_the_run_profile_name_a_moved_controlnet_and_its_offload_b
     answer = server.post("/device_control/offload", {"model": rows[0]["key"]})  # the row's Offload button
     assert answer == {"offloaded": 1, "freed": {"gpu:0": placed["total_bytes"]}}
     assert all(m["component"] != "CONTROL_NET" for m in server.get("/device_control/snapshot")["report"]["models"])
+
+
+@pytest.fixture(scope="module")
+def small_server(servers):
+    # Last in the module: taking it gives the module's first server back to the pool.
+    return servers("model-types-4g", SIMULATE_GPU="4GiB")
+
+
+def test_a_controlnet_and_its_unet_under_budgets_on_a_4gb_gpu_both_hold_through_sampling(small_server, api):
+    # 2.5 GB of a 3.2 GB UNet and 800 MB of a 1.35 GB ControlNet: ComfyUI loads both at each step, each in its budget.
+    prompt = {
+        **sampled_with_controlnet(["12", 0], ["31", 0]),
+        "10": loader("controlnet"),
+        "11": moved(["10", 0], "800MB"),
+        "12": report(["11", 0]),
+        "30": moved(["1", 0], "2.5GB"),
+        "31": report(["30", 0]),
+    }
+    entry = small_server.run(prompt)
+    assert sorted(api.moves_hold(entry, prompt)) == ["11", "30"]
+    after = {m["name"]: m["resident"] for m in api.report_json(entry, "22")["models"]}
+    for node, budget in (("12", 800 * MiB), ("31", 2.5 * 1024 * MiB)):
+        placed = subject(api, entry, node)
+        assert 0 < after[placed["name"]]["gpu:0"] == placed["resident"]["gpu:0"] <= budget, (placed, after)
