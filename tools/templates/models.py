@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 HF = "https://huggingface.co"
-#: The fixture files (the names ``tools/fixtures/make.py`` and ``tools/make_family_*.py`` write).
+#: The fixture files (the names ``tools/fixtures/make.py`` and ``tools/fixtures/families.py`` write).
 SD15_CHECKPOINT = "device_control_sd15_synthetic.safetensors"
 SD15_CHECKPOINT_B = "device_control_sd15_synthetic_b.safetensors"
 SD15_LORA = "device_control_sd15_lora_r4.safetensors"
