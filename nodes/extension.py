@@ -5,6 +5,7 @@ from __future__ import annotations
 from .bridge import count_comfyuis_registrations
 from .load_checkpoint import LoadCheckpointWithDevice
 from .load_diffusion_model import LoadDiffusionModelWithDevice
+from .load_model_types import LoadCLIPVisionWithDevice, LoadControlNetWithDevice, LoadModelPatchWithDevice
 from .load_text_encoders import LoadTextEncodersWithDevice
 from .load_vae import LoadVAEWithDevice
 from .move_to_gpu import MoveToGPU
@@ -40,6 +41,9 @@ NODES: tuple[type[io.ComfyNode], ...] = (
     LoadDiffusionModelWithDevice,
     LoadTextEncodersWithDevice,
     LoadVAEWithDevice,
+    LoadControlNetWithDevice,
+    LoadCLIPVisionWithDevice,
+    LoadModelPatchWithDevice,
     MoveToGPU,
     OffloadToCPU,
     VRAMReport,

@@ -37,6 +37,7 @@ MODULE_ACCESSORS = {
     "comfy_utils": "comfy.utils",
     "comfy_lora": "comfy.lora",
     "comfy_memory_management": "comfy.memory_management",
+    "model_patcher_module": "comfy.model_patcher",
     "folder_paths": "folder_paths",
     "prompt_server": "server.PromptServer.instance",
 }
@@ -61,6 +62,8 @@ COMFY_SYMBOLS: dict[str, tuple[str, ...]] = {
         "String",
         "Vae",
     ),
+    "comfy.clip_vision": ("load",),
+    "comfy.controlnet": ("load_controlnet",),
     "comfy.float": ("_CK_STOCHASTIC_ROUNDING_AVAILABLE",),
     "comfy.lora": ("model_lora_keys_clip", "model_lora_keys_unet"),
     "comfy.memory_management": ("aimdo_enabled",),
@@ -89,7 +92,7 @@ COMFY_SYMBOLS: dict[str, tuple[str, ...]] = {
         "vae_dtype",
         "vram_state",
     ),
-    "comfy.model_patcher": ("LowVramPatch", "ModelPatcher", "get_key_weight"),
+    "comfy.model_patcher": ("CoreModelPatcher", "LowVramPatch", "ModelPatcher", "get_key_weight"),
     "comfy.ops": ("disable_weight_init", "manual_cast"),
     "comfy.patcher_extension": ("CallbacksMP",),
     "comfy.sd": ("CLIP", "CLIPType", "VAE", "detect_te_model", "load_text_encoder_state_dicts"),
@@ -193,6 +196,7 @@ OPTIONAL: frozenset[str] = frozenset(
         "comfy.float._CK_STOCHASTIC_ROUNDING_AVAILABLE",
         "comfy_api.latest.io.MatchType",
         "comfy.memory_management.aimdo_enabled",
+        "comfy.model_patcher.CoreModelPatcher",
         "comfy.model_management.MAX_PINNED_MEMORY",
         "comfy.model_management.PINNED_MEMORY",
         "comfy.model_management.TOTAL_PINNED_MEMORY",
@@ -268,6 +272,23 @@ def load_text_encoders(state_dicts: list[dict], kind: Any, options: dict[str, An
     return load(state_dicts=state_dicts, embedding_directory=embeddings, clip_type=kind, model_options=options, **extra)
 
 
+def load_controlnet(path: str, model: Any, options: dict[str, Any]) -> Any:
+    """``comfy.controlnet.load_controlnet``: a ControlNet (a difference ControlNet added to ``model``), with its
+    ``model_options`` (``dtype``); ``None`` for a file it does not read."""
+    return importlib.import_module("comfy.controlnet").load_controlnet(path, model=model, model_options=options)
+
+
+def load_clip_vision(path: str) -> Any:
+    """``comfy.clip_vision.load``: a CLIP vision model; ``None`` for a file it does not read."""
+    return importlib.import_module("comfy.clip_vision").load(path)
+
+
+def stock_node(node_id: str) -> Any:
+    """ComfyUI's node class ``node_id`` (``nodes.NODE_CLASS_MAPPINGS``): its upscale model and model patch loaders
+    are the only way to build those; ``None`` where this ComfyUI has no such node."""
+    return importlib.import_module("nodes").NODE_CLASS_MAPPINGS.get(node_id)
+
+
 def old_quants_converter() -> Any:
     """``comfy.utils.convert_old_quants`` (scaled fp8 to quantized layers, ComfyUI 0.2x), or ``None``."""
     return getattr(comfy_utils(), "convert_old_quants", None)
@@ -275,7 +296,12 @@ def old_quants_converter() -> Any:
 
 def model_patcher_class() -> type:
     """``comfy.model_patcher.ModelPatcher``."""
-    return importlib.import_module("comfy.model_patcher").ModelPatcher
+    return model_patcher_module().ModelPatcher
+
+
+def model_patcher_module() -> ModuleType:
+    """``comfy.model_patcher``: ``CoreModelPatcher`` is the class ComfyUI's loaders build (Dynamic VRAM's where on)."""
+    return importlib.import_module("comfy.model_patcher")
 
 
 def key_weight(model: Any, key: str) -> tuple[Any, Any, Any]:

@@ -53,3 +53,27 @@ def layers_with_weights() -> Iterator[None]:
     finally:
         if flag:
             module.aimdo_enabled = flag
+
+
+@contextmanager
+def classic_builds() -> Iterator[None]:
+    """ComfyUI's loaders build the classic way while the pack calls them: their layers with weights
+    (:func:`layers_with_weights`) and their patcher ComfyUI's classic ``ModelPatcher``.
+
+    Under Dynamic VRAM ComfyUI's ``main.py`` makes ``comfy.model_patcher.CoreModelPatcher`` its dynamic class, and
+    its loaders of a ControlNet, a CLIP vision model or a model patch record no way to rebuild theirs classic, so
+    Move To GPU has to refuse what they give (``moves._classic_clone``). The pack's loaders of those kinds build
+    them here instead, and place them as any model, without a restart. The name is set back at once; nothing else
+    builds a model while a node runs on the prompt thread. A ComfyUI without ``CoreModelPatcher`` (0.3.75) builds
+    classic anyway.
+    """
+    patchers = surface.model_patcher_module()
+    core = getattr(patchers, "CoreModelPatcher", None)
+    if core is not None:
+        patchers.CoreModelPatcher = patchers.ModelPatcher
+    try:
+        with layers_with_weights():
+            yield
+    finally:
+        if core is not None:
+            patchers.CoreModelPatcher = core

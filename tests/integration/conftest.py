@@ -121,9 +121,18 @@ def stock_clip_loader(inputs: dict[str, Any]) -> dict[str, Any]:
     return {"class_type": STOCK_CLIP_LOADERS[len(files)], "inputs": stock}
 
 
+#: Our loaders of the other model types, and ComfyUI's loader of each with the input naming the file.
+STOCK_TYPE_LOADERS = {
+    "DeviceControl_LoadControlNet": ("ControlNetLoader", "control_net_name"),
+    "DeviceControl_LoadCLIPVision": ("CLIPVisionLoader", "clip_name"),
+    "DeviceControl_LoadModelPatch": ("ModelPatchLoader", "name"),
+}
+
+
 def stock_equivalent(prompt: dict[str, Any]) -> dict[str, Any]:
     """The same graph with ComfyUI's own nodes only: our loaders become CheckpointLoaderSimple, UNETLoader, the CLIP
-    loaders and VAELoader, and our pass-through nodes disappear (their outputs are wired to what they received)."""
+    loaders, VAELoader and ComfyUI's ControlNet (a difference one's where a model is connected), CLIP vision and model
+    patch loaders, and our pass-through nodes disappear (their outputs are wired to what they received)."""
     stock = json.loads(json.dumps(prompt))
 
     def resolve(link: list[Any]) -> list[Any]:
@@ -147,6 +156,14 @@ def stock_equivalent(prompt: dict[str, Any]) -> dict[str, Any]:
         elif node["class_type"] == "DeviceControl_LoadVAE":
             node["class_type"] = "VAELoader"
             node["inputs"] = {"vae_name": node["inputs"]["vae_name"]}
+        elif node["class_type"] in STOCK_TYPE_LOADERS:
+            stock_type, name = STOCK_TYPE_LOADERS[node["class_type"]]
+            inputs = {
+                name: node["inputs"][name],
+                **({"model": node["inputs"]["model"]} if "model" in node["inputs"] else {}),
+            }
+            node["class_type"] = "DiffControlNetLoader" if "model" in inputs else stock_type
+            node["inputs"] = inputs
     for node in stock.values():
         for name, value in list(node["inputs"].items()):
             if isinstance(value, list) and len(value) == 2 and value[0] in stock:
@@ -207,6 +224,9 @@ def api() -> SimpleNamespace:
             "DeviceControl_LoadDiffusionModel": "Load Diffusion Model With Device",
             "DeviceControl_LoadTextEncoders": "Load Text Encoders With Device",
             "DeviceControl_LoadVAE": "Load VAE With Device",
+            "DeviceControl_LoadControlNet": "Load ControlNet With Device",
+            "DeviceControl_LoadCLIPVision": "Load CLIP Vision With Device",
+            "DeviceControl_LoadModelPatch": "Load Model Patch With Device",
             "DeviceControl_MoveToGPU": "Move To GPU",
             "DeviceControl_OffloadToCPU": "Offload To CPU",
             "DeviceControl_SplitModel": "Split Model Across Devices",

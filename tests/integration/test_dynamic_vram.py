@@ -142,3 +142,25 @@ def test_a_dynamic_controlnet_is_refused_with_the_fix_comfyui_leaves_before_anyt
     assert "--disable-dynamic-vram" in str(refused.value) and "Load Checkpoint" not in str(refused.value)
     assert sim.allocated() == 0  # nothing moved
     mm.unload_all_models()
+
+
+def test_a_controlnet_our_loader_builds_under_dynamic_vram_is_classic_and_placed(comfy):
+    # Load ControlNet With Device calls ComfyUI's loader inside classic_builds: where ComfyUI's main.py made its
+    # core patcher the dynamic one, the ControlNet still comes out classic, and Move To GPU's engine places it.
+    mm, patchers, modules, files = comfy
+    dynamic_vram = modules["nodes.bridge.dynamic_vram"]
+    original = patchers.CoreModelPatcher
+    patchers.CoreModelPatcher = patchers.ModelPatcherDynamic  # what main.py sets under Dynamic VRAM
+    try:
+        with dynamic_vram.classic_builds():
+            control = importlib.import_module("comfy.controlnet").load_controlnet(str(files["controlnet"]))
+        assert patchers.CoreModelPatcher is patchers.ModelPatcherDynamic  # set back at once
+    finally:
+        patchers.CoreModelPatcher = original
+    assert type(control.control_model_wrapped) is patchers.ModelPatcher
+    sim = modules["simulated"].SimulatedDevice(8 * GiB)
+    inventory = modules["inventory"].DeviceInventory(extra=modules["backends"].simulated_backends([sim]))
+    moved = modules["nodes.bridge.moves"].move(control, "gpu:0", "all", False, inventory).value
+    size = moved.control_model_wrapped.model_size()
+    assert size > 100 * 1024**2 and sim.allocated() >= size  # the whole ControlNet on the simulated GPU
+    mm.unload_all_models()

@@ -9,13 +9,14 @@ must keep the placement rather than load the model its own way.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
 import pytest
 
 from tools.fixtures.make import SD15_CHECKPOINT
-from tools.fixtures.model_types import FILES
+from tools.fixtures.model_types import FILES, MISPLACED
 from tools.runtime.provision import DEFAULT_VERSION
 from tools.runtime.server import ComfyError
 
@@ -306,6 +307,74 @@ def test_the_panel_and_the_run_profile_name_a_moved_controlnet_and_its_offload_b
     answer = server.post("/device_control/offload", {"model": rows[0]["key"]})  # the row's Offload button
     assert answer == {"offloaded": 1, "freed": {"gpu:0": placed["total_bytes"]}}
     assert all(m["component"] != "CONTROL_NET" for m in server.get("/device_control/snapshot")["report"]["models"])
+
+
+def loaded_with_device(kind: str, device: str, budget: str = "all", dtype: str = "auto") -> dict[str, Any]:
+    """Our loader of ``kind`` (``Load ControlNet / CLIP Vision / Model Patch With Device``) on its fixture."""
+    node, name_input = {
+        "controlnet": ("DeviceControl_LoadControlNet", "control_net_name"),
+        "clip_vision": ("DeviceControl_LoadCLIPVision", "clip_name"),
+        "model_patch": ("DeviceControl_LoadModelPatch", "name"),
+    }[kind]
+    inputs = {name_input: NAMES[kind], "device": device, "vram_budget": budget, "dtype": dtype}
+    return {"class_type": node, "inputs": inputs}
+
+
+def test_load_controlnet_with_device_on_the_second_gpu_under_a_budget_gives_the_stock_image(server, api):
+    prompt = {
+        **sampled_with_controlnet(["12", 0], ["31", 0]),
+        "11": loaded_with_device("controlnet", "gpu:1", "400MB"),
+        "12": report(["11", 0]),
+        "30": moved(["1", 0]),
+        "31": report(["30", 0]),
+    }
+    server.forget_outputs()
+    stock = server.run(api.stock_equivalent(prompt))  # ComfyUI's Load ControlNet Model: the oracle
+    entry = server.run(prompt)
+    summary = entry["outputs"]["11"]["text"][0]
+    assert summary.startswith(f"ControlNet, SD1.x from {NAMES['controlnet']}: "), summary
+    control = subject(api, entry, "12")
+    placed = control["resident"]["gpu:1"]
+    assert 0 < placed <= 400 * MiB and control["resident"] == {"gpu:1": placed, "cpu": control["total_bytes"] - placed}
+    after = {m["name"]: m["resident"] for m in api.report_json(entry, "22")["models"]}
+    assert after["ControlNet"] == control["resident"]  # the sampler kept it where the loader put it
+    assert np.array_equal(api.image_of(server, entry, "24"), api.image_of(server, stock, "24"))
+
+
+@pytest.mark.parametrize("kind", ["clip_vision", "model_patch"])
+def test_load_clip_vision_and_model_patch_with_device_place_their_model_in_the_dtype_chosen(server, api, kind):
+    # The same file in fp32 and in fp16: twice the bytes, each whole on gpu:0 (their layers cast their weights to
+    # the input's dtype, as ComfyUI builds them, whatever dtype ComfyUI's own loader gives them here).
+    prompt = {
+        "1": loaded_with_device(kind, "gpu:0", dtype="fp32"),
+        "2": report(["1", 0]),
+        "3": {
+            "class_type": "DeviceControl_OffloadToCPU",
+            "inputs": {"model": ["2", 0], "mode": "full", "free_amount": "2GB", "empty_cache": True},
+        },
+        "4": loaded_with_device(kind, "gpu:0", dtype="fp16"),
+        "5": report(["4", 0]),
+    }
+    entry = server.run(prompt)
+    wide, narrow = subject(api, entry, "2"), subject(api, entry, "5")
+    for placed, dtype, node in ((wide, "float32", "1"), (narrow, "float16", "4")):
+        assert placed["resident"] == {"gpu:0": placed["total_bytes"]}
+        assert (placed["component"], placed["name"]) == (KINDS[kind], KIND_NOUNS[KINDS[kind]])
+        assert f"stored as {dtype}" in entry["outputs"][node]["text"][0]
+    assert wide["total_bytes"] == 2 * narrow["total_bytes"] > MiB
+
+
+def test_a_file_of_another_kind_is_refused_by_the_loader_before_anything_loads(server, api):
+    """A CLIP vision file in the controlnet folder (the name the loader is given): named, with the node that
+    takes it; nothing loaded."""
+    before = server.get("/device_control/snapshot")["report"]["models"]
+    prompt = {"1": loaded_with_device("controlnet", "gpu:0"), "2": report(["1", 0])}
+    prompt["1"]["inputs"]["control_net_name"] = MISPLACED
+    refusal = "is a CLIP vision model (CLIP vision ViT-L), not a ControlNet; load it with Load CLIP Vision With Device"
+    with pytest.raises(ComfyError, match=re.escape(refusal)):
+        server.run(prompt)
+    after = server.get("/device_control/snapshot")["report"]["models"]
+    assert all(model in before for model in after)  # none loaded (the run may have let an earlier one go)
 
 
 @pytest.fixture(scope="module")

@@ -45,6 +45,9 @@ const PLACING = new Set([
   "DeviceControl_LoadDiffusionModel",
   "DeviceControl_LoadTextEncoders",
   "DeviceControl_LoadVAE",
+  "DeviceControl_LoadControlNet",
+  "DeviceControl_LoadCLIPVision",
+  "DeviceControl_LoadModelPatch",
   "DeviceControl_MoveToGPU",
   "DeviceControl_SplitModel",
 ]);
