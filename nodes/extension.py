@@ -16,6 +16,7 @@ from .queue_check import install as install_queue_check
 from .split_model import SplitModel
 from .surface import ComfyExtension, io
 from .template_list import install as install_template_order
+from .upscale_image import UpscaleImageWithDevice
 from .vram_report import VRAMReport
 
 
@@ -48,6 +49,7 @@ NODES: tuple[type[io.ComfyNode], ...] = (
     OffloadToCPU,
     VRAMReport,
     SplitModel,
+    UpscaleImageWithDevice,
 )
 
 

@@ -79,6 +79,7 @@ COMFY_SYMBOLS: dict[str, tuple[str, ...]] = {
         "cpu_state",
         "current_loaded_models",
         "get_torch_device",
+        "intermediate_device",
         "load_models_gpu",
         "minimum_inference_memory",
         "soft_empty_cache",
@@ -101,7 +102,9 @@ COMFY_SYMBOLS: dict[str, tuple[str, ...]] = {
         "ProgressBar",
         "calculate_parameters",
         "convert_old_quants",
+        "get_tiled_scale_steps",
         "state_dict_prefix_replace",
+        "tiled_scale",
         "weight_dtype",
     ),
     "comfyui_version": ("__version__",),
@@ -281,6 +284,27 @@ def load_controlnet(path: str, model: Any, options: dict[str, Any]) -> Any:
 def load_clip_vision(path: str) -> Any:
     """``comfy.clip_vision.load``: a CLIP vision model; ``None`` for a file it does not read."""
     return importlib.import_module("comfy.clip_vision").load(path)
+
+
+def tiled_upscale(pixels: Any, function: Any, tile: int, overlap: int, scale: float) -> Any:
+    """``comfy.utils.tiled_scale`` as ComfyUI's upscale node calls it, with its progress bar (one step a tile)."""
+    utils = comfy_utils()
+    steps = pixels.shape[0] * utils.get_tiled_scale_steps(pixels.shape[3], pixels.shape[2], tile, tile, overlap)
+    return utils.tiled_scale(
+        pixels,
+        function,
+        tile_x=tile,
+        tile_y=tile,
+        overlap=overlap,
+        upscale_amount=scale,
+        pbar=utils.ProgressBar(steps),
+        output_device=intermediate_device(),
+    )
+
+
+def intermediate_device() -> Any:
+    """``comfy.model_management.intermediate_device()``: where ComfyUI keeps images between nodes."""
+    return model_management().intermediate_device()
 
 
 def stock_node(node_id: str) -> Any:

@@ -105,7 +105,8 @@ def require_subject(value: Any) -> Subject:
         raise DeviceControlError(
             f"this ComfyUI ({surface.comfyui_version()}) gives an upscale model no ModelPatcher: its Upscale Image "
             "(using Model) node moves the model to its own device at each use and back to the CPU after, so a "
-            "placement would not hold. ComfyUI 0.33 and later give it one; there, Move To GPU places it."
+            "placement would not hold. Use Upscale Image With Device instead, which places it where it computes "
+            "(from ComfyUI 0.33 on, Move To GPU places it too)."
         )
     if hasattr(value, "get_control") and hasattr(value, "set_cond_hint"):
         raise DeviceControlError(

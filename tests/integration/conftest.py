@@ -132,7 +132,8 @@ STOCK_TYPE_LOADERS = {
 def stock_equivalent(prompt: dict[str, Any]) -> dict[str, Any]:
     """The same graph with ComfyUI's own nodes only: our loaders become CheckpointLoaderSimple, UNETLoader, the CLIP
     loaders, VAELoader and ComfyUI's ControlNet (a difference one's where a model is connected), CLIP vision and model
-    patch loaders, and our pass-through nodes disappear (their outputs are wired to what they received)."""
+    patch loaders, Upscale Image With Device its Upscale Image (using Model), and our pass-through nodes disappear
+    (their outputs are wired to what they received)."""
     stock = json.loads(json.dumps(prompt))
 
     def resolve(link: list[Any]) -> list[Any]:
@@ -156,6 +157,9 @@ def stock_equivalent(prompt: dict[str, Any]) -> dict[str, Any]:
         elif node["class_type"] == "DeviceControl_LoadVAE":
             node["class_type"] = "VAELoader"
             node["inputs"] = {"vae_name": node["inputs"]["vae_name"]}
+        elif node["class_type"] == "DeviceControl_UpscaleImage":
+            node["class_type"] = "ImageUpscaleWithModel"
+            node["inputs"] = {"upscale_model": node["inputs"]["upscale_model"], "image": node["inputs"]["image"]}
         elif node["class_type"] in STOCK_TYPE_LOADERS:
             stock_type, name = STOCK_TYPE_LOADERS[node["class_type"]]
             inputs = {
@@ -227,6 +231,7 @@ def api() -> SimpleNamespace:
             "DeviceControl_LoadControlNet": "Load ControlNet With Device",
             "DeviceControl_LoadCLIPVision": "Load CLIP Vision With Device",
             "DeviceControl_LoadModelPatch": "Load Model Patch With Device",
+            "DeviceControl_UpscaleImage": "Upscale Image With Device",
             "DeviceControl_MoveToGPU": "Move To GPU",
             "DeviceControl_OffloadToCPU": "Offload To CPU",
             "DeviceControl_SplitModel": "Split Model Across Devices",

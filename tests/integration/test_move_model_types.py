@@ -364,6 +364,34 @@ def test_load_clip_vision_and_model_patch_with_device_place_their_model_in_the_d
     assert wide["total_bytes"] == 2 * narrow["total_bytes"] > MiB
 
 
+def test_upscale_image_with_device_keeps_the_model_on_the_second_gpu_and_gives_the_stock_image(server, api):
+    # On every ComfyUI: before 0.33 ComfyUI's own upscale node moves the model to its device and back at each use.
+    prompt = {
+        "1": loader("upscale_model"),
+        "2": {"class_type": "LoadImage", "inputs": {"image": "example.png"}},
+        "3": {
+            "class_type": "ImageScale",
+            "inputs": {"image": ["2", 0], "upscale_method": "area", "width": 96, "height": 80, "crop": "disabled"},
+        },
+        "4": {
+            "class_type": "DeviceControl_UpscaleImage",
+            "inputs": {"upscale_model": ["1", 0], "image": ["3", 0], "device": "gpu:1"},
+        },
+        "5": report(["4", 0]),
+        "6": {"class_type": "SaveImage", "inputs": {"images": ["5", 0], "filename_prefix": "upscaled"}},
+    }
+    server.forget_outputs()
+    stock = server.run(api.stock_equivalent(prompt))  # ComfyUI's Upscale Image (using Model): the oracle
+    entry = server.run(prompt)
+    summary = entry["outputs"]["4"]["text"][0]
+    assert summary.startswith("upscaled 96x80 to 192x160 (x2)"), summary
+    models = [m for m in api.report_json(entry, "5")["models"] if m["name"] == "upscale model"]
+    assert len(models) == 1, api.report_json(entry, "5")["models"]  # kept where it was placed after the upscale
+    assert models[0]["resident"] == {"gpu:1": models[0]["total_bytes"]} and "resident on gpu:1" in summary
+    ours, theirs = api.image_of(server, entry, "6"), api.image_of(server, stock, "6")
+    assert ours.shape == (160, 192, 3) and np.array_equal(ours, theirs)
+
+
 def test_a_file_of_another_kind_is_refused_by_the_loader_before_anything_loads(server, api):
     """A CLIP vision file in the controlnet folder (the name the loader is given): named, with the node that
     takes it; nothing loaded."""
