@@ -54,6 +54,7 @@ COMFY_SYMBOLS: dict[str, tuple[str, ...]] = {
         "ComfyNode",
         "Custom",
         "Hidden",
+        "Image",
         "MatchType",
         "Model",
         "MultiType",

@@ -295,12 +295,9 @@ def order(jobs: list[Job]) -> list[Job]:
 
 
 def runnable(job: Job, done: set[str], running: list[Job], ram_gib: float) -> bool:
-    """Whether ``job`` may start now: the jobs it follows are done, a lane is free (for a job at a lower priority:
-    no other such job runs), and the RAM the running jobs hold leaves room for it (a job alone always starts)."""
-    # A job at a lower priority only fills what the others leave of the cores (the browser tiers wait on pages
-    # and servers half the time): one such job runs beside the lanes, in no lane of its own.
-    lanes = sum(1 for j in running if bool(j.nice) == bool(job.nice))
-    if not set(job.after) <= done or lanes >= (1 if job.nice else LANES):
+    """Whether ``job`` may start now: the jobs it follows are done, a lane is free, and the RAM the running jobs hold
+    leaves room for it (a job alone always starts)."""
+    if not set(job.after) <= done or len(running) >= LANES:
         return False
     return not running or sum(j.ram_gib for j in running) + job.ram_gib <= ram_gib
 

@@ -61,6 +61,8 @@ def steps(workflow: dict[str, Any]) -> list[str]:
             said.append(f"Move To GPU: {values[0]}" + (f", {values[1]} budget" if values[1] != "all" else ", all"))
         elif kind == "DeviceControl_OffloadToCPU":
             said.append("Offload To CPU")
+        elif kind == "DeviceControl_UpscaleImage":
+            said.append(f"Upscale on {where(values[0])}")
         elif kind == "DeviceControl_SplitModel":
             said.append(f"Split: {values[0]}")
         elif kind == "CheckpointLoaderSimple":

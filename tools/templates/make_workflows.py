@@ -32,7 +32,7 @@ if __package__ in (None, ""):
 from tools.fixtures.make import SD15_CHECKPOINT, SD15_CHECKPOINT_B, SD15_CLIP_L, SD15_LORA, SD15_UNET, SD15_VAE
 from tools.runtime.server import EXAMPLE_IMAGE, ComfyServer
 from tools.templates.families import FAMILIES, FLUX_GGUF_EXAMPLE, NOTE_SIZE, Family
-from tools.templates.models import SD15_CONTROLNET
+from tools.templates.models import SD15_CONTROLNET, UPSCALER
 from tools.templates.release import release
 
 log = logging.getLogger("device_control.tools")
@@ -148,6 +148,24 @@ def controlnet_under_budget() -> list[Node]:
         report(14, "after sampling", (13, 0), (1400, 640)),
         Node(15, "VAEDecode", [], {"samples": (14, 0), "vae": (1, 2)}, (1960, 80)),
         Node(16, "SaveImage", ["16_sd15_canny_controlnet_under_a_budget"], {"images": (15, 0)}, (2300, 80)),
+    ]
+
+
+def upscale_after_offload() -> list[Node]:
+    """SD1.5 sampled on the GPU, its UNet offloaded once the latent is made, the image decoded and then upscaled 4x
+    with the upscale model on the GPU the UNet left."""
+    return [
+        loader(1, SD15_CHECKPOINT, (20, 80)),
+        Node(2, "DeviceControl_MoveToGPU", ["gpu:0", "all", False], {"model": (1, 0)}, (460, 80)),
+        report(3, "UNet on the GPU", (2, 0), (460, 420)),
+        *sampling(4, (1, 1), (3, 0), 840),
+        Node(8, "DeviceControl_OffloadToCPU", ["full", "2GB", True], {"model": (2, 0), "trigger": (7, 0)}, (1580, 80)),
+        report(9, "after Offload To CPU", (8, 0), (1580, 420)),
+        Node(10, "VAEDecode", [], {"samples": (9, 0), "vae": (1, 2)}, (1960, 80)),
+        Node(11, "UpscaleModelLoader", [UPSCALER], {}, (1960, 300)),
+        Node(12, "DeviceControl_UpscaleImage", ["gpu:0"], {"upscale_model": (11, 0), "image": (10, 0)}, (2300, 80)),
+        report(13, "after upscaling", (12, 0), (2300, 420)),
+        Node(14, "SaveImage", ["17_sd15_upscaled_on_the_gpu_after_offload"], {"images": (13, 0)}, (2700, 80)),
     ]
 
 
@@ -276,6 +294,7 @@ WORKFLOWS = {
     "04 SD1.5 and a LoRA under a 1.5 GB VRAM budget.json": low_vram_lora,
     "07 Two checkpoints - the first offloaded before the second.json": two_checkpoints,
     "16 SD1.5 with a canny ControlNet under a VRAM budget.json": controlnet_under_budget,
+    "17 SD1.5 upscaled on the GPU after the UNet was offloaded.json": upscale_after_offload,
     "12 Flux dev split across two GPUs.json": split_across_gpus,
     **{f"{family.title}.json": partial(family_split_files, family) for family in FAMILIES},
     f"{FLUX_GGUF_EXAMPLE.title}.json": partial(family_split_files, FLUX_GGUF_EXAMPLE),

@@ -25,6 +25,7 @@ CLIP_G = "device_control_clip_g.safetensors"
 VAE_16CH = "device_control_vae_16ch.safetensors"
 WAN21_VAE = "device_control_wan21_vae.safetensors"
 SD15_CONTROLNET = "device_control_controlnet_sd15.safetensors"
+UPSCALER = "device_control_esrgan_tiny_x2.safetensors"
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,12 @@ MODELS = {
             "comfyanonymous/ControlNet-v1-1_fp16_safetensors/resolve/main/control_v11p_sd15_canny_fp16.safetensors",
             "controlnet",
             SD15_CONTROLNET,
+        ),
+        _model(
+            "RealESRGAN_x4plus.safetensors",
+            "Comfy-Org/Real-ESRGAN_repackaged/resolve/main/RealESRGAN_x4plus.safetensors",
+            "upscale_models",
+            UPSCALER,
         ),
         _model(
             "lcm-lora-sdv1-5.safetensors",
