@@ -8,9 +8,10 @@ queue and fails when the loader runs). So the pack looks at ``POST /prompt`` fir
 ComfyUI's server): for each of our nodes the prompt runs, a value not in its list and whatever its own
 ``validate_inputs`` refuses become one error on that input, the frontend gets ComfyUI's answer for a prompt that
 failed validation (400, the node's outline on the input), the editor a toast in the pack's words naming the node,
-and nothing is queued. A prompt we find nothing wrong with goes on to ComfyUI untouched; so does one this check
-cannot read (it must never stop a prompt ComfyUI would take). A prompt taken that will run many minutes on the
-CPU says so (``nodes.cpu_notice``).
+and nothing is queued. A model patch or GLIGEN placed on another device than the diffusion model it computes
+inside is refused the same way (``nodes.patch_devices``). A prompt we find nothing wrong with goes on to ComfyUI
+untouched; so does one this check cannot read (it must never stop a prompt ComfyUI would take). A prompt taken that
+will run many minutes on the CPU says so (``nodes.cpu_notice``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from aiohttp import web
 
 from . import cpu_notice, surface
 from .device_warnings import quiet, refuse_text
+from .patch_devices import patch_device_problems
 
 log = logging.getLogger("device_control")
 
@@ -102,12 +104,21 @@ def _needed(prompt: dict[str, Any], targets: list[str] | None) -> set[str]:
     return needed
 
 
+def _custom(problem: tuple[str, str] | None) -> list[dict[str, Any]]:
+    """ComfyUI's error for a refusal of ours (the input at fault, the sentence); none for ``None``."""
+    if problem is None:
+        return []
+    name, text = problem
+    return [{**CUSTOM, "details": text, "extra_info": {"input_name": name}}]
+
+
 def node_errors(body: dict[str, Any], ours: dict[str, type]) -> dict[str, dict[str, Any]]:
     """ComfyUI's ``node_errors`` for the values our nodes in the prompt ``body`` refuse (empty: none)."""
     prompt = body.get("prompt")
     if not isinstance(prompt, dict):
         return {}
     errors: dict[str, dict[str, Any]] = {}
+    placed_apart = {node_id: ("device", text) for node_id, text in patch_device_problems(prompt).items()}
     for node_id in sorted(_needed(prompt, body.get("partial_execution_targets")), key=str):
         entry = prompt[node_id]
         node = ours.get(entry.get("class_type")) if isinstance(entry, dict) else None
@@ -119,10 +130,7 @@ def node_errors(body: dict[str, Any], ours: dict[str, type]) -> dict[str, dict[s
             {**NOT_IN_LIST, "details": text, "extra_info": extra}
             for text, extra in _list_problems(node, inputs, checked)
         ]
-        own = _own_problem(node, inputs, checked)
-        if own is not None:
-            name, text = own
-            found.append({**CUSTOM, "details": text, "extra_info": {"input_name": name}})
+        found += _custom(_own_problem(node, inputs, checked) or placed_apart.get(str(node_id)))
         if found:
             errors[str(node_id)] = {"errors": found, "dependent_outputs": [], "class_type": entry["class_type"]}
     return errors

@@ -142,6 +142,7 @@ LIGHT_MODULES = frozenset(
         "test_manager_install",
         "test_model_type_oracle",
         "test_object_info",
+        "test_patch_devices",
         "test_ops_oracle",
         "test_patch_oracle",
         "test_vram_report",

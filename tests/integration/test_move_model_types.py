@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.integration.executions import watch
 from tools.fixtures.make import SD15_CHECKPOINT
 from tools.fixtures.model_types import FILES, MISPLACED
 from tools.runtime.provision import DEFAULT_VERSION
@@ -390,6 +391,36 @@ def test_upscale_image_with_device_keeps_the_model_on_the_second_gpu_and_gives_t
     assert models[0]["resident"] == {"gpu:1": models[0]["total_bytes"]} and "resident on gpu:1" in summary
     ours, theirs = api.image_of(server, entry, "6"), api.image_of(server, stock, "6")
     assert ours.shape == (160, 192, 3) and np.array_equal(ours, theirs) and ours.std() > 1  # the image, not flat
+
+
+@pytest.mark.parametrize("kind", ["gligen", "model_patch"])
+def test_a_patch_placed_apart_from_the_diffusion_model_it_computes_inside_is_refused_when_queued(server, api, kind):
+    """GLIGEN on gpu:1 reaches the sampler of a UNet on gpu:0 through its conditioning; a model patch on gpu:1 is
+    applied to it: ComfyUI would call either from inside the UNet's steps with the UNet's tensors."""
+    prompt = sampled_with_controlnet(["13", 0], ["31", 0])  # the ControlNet's place taken by an image below
+    prompt.pop("14")
+    prompt["21"]["inputs"].update(positive=["2", 0], negative=["3", 0])
+    prompt.update({"10": loader(kind), "11": moved(["10", 0], device="gpu:1"), "30": moved(["1", 0])})
+    prompt["31"] = report(["30", 0])
+    if kind == "gligen":
+        box = {"text": "a cat", "width": 64, "height": 64, "x": 0, "y": 0}
+        inputs = {"conditioning_to": ["2", 0], "clip": ["1", 1], "gligen_textbox_model": ["11", 0], **box}
+        prompt["15"] = {"class_type": "GLIGENTextBoxApply", "inputs": inputs}
+        prompt["21"]["inputs"]["positive"] = ["15", 0]
+    else:
+        prompt["16"] = {"class_type": "CLIPVisionLoader", "inputs": {"clip_name": NAMES["clip_vision"]}}
+        encode = {"clip_vision": ["16", 0], "image": ["13", 0], "crop": "none"}
+        prompt["17"] = {"class_type": "CLIPVisionEncode", "inputs": encode}
+        uso = {"model": ["31", 0], "model_patch": ["11", 0], "clip_vision_output": ["17", 0]}
+        prompt["15"] = {"class_type": "USOStyleReference", "inputs": uso}
+        prompt["21"]["inputs"]["model"] = ["15", 0]
+    watched = watch(server, prompt)
+    assert not watched.prompt_id and not watched.executed, "the prompt ran"
+    [error] = watched.node_errors["11"]["errors"]
+    noun = KIND_NOUNS[KINDS[kind]]
+    said = f"this {noun} is placed on gpu:1, but the diffusion model it computes inside (from node 1) is on gpu:0"
+    assert error["extra_info"]["input_name"] == "device" and said in error["details"], error
+    assert error["details"].endswith("Place it on gpu:0 too.")
 
 
 def test_a_file_of_another_kind_is_refused_by_the_loader_before_anything_loads(server, api):
