@@ -65,11 +65,13 @@ def steps(workflow: dict[str, Any]) -> list[str]:
             said.append(f"Upscale on {where(values[0])}")
         elif kind == "DeviceControl_SplitModel":
             said.append(f"Split: {values[0]}")
+        elif kind == "UNETLoader":
+            said.append("ComfyUI's Load Diffusion Model")
         elif kind == "CheckpointLoaderSimple":
             said.append("ComfyUI's Load Checkpoint")
         elif kind == "LoraLoader":
             said.append("LoRA")
-        elif kind == "KSampler":
+        elif kind in ("KSampler", "KSamplerAdvanced"):
             said.append("Sample")
         elif kind == "VAEDecode":
             said.append("Decode")

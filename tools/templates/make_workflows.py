@@ -169,6 +169,61 @@ def upscale_after_offload() -> list[Node]:
     ]
 
 
+#: Wan 2.2's two experts as released (ComfyUI's own loader reads their scaled fp8), and its note.
+WAN22_EXPERTS = tuple(f"wan2.2_t2v_{noise}_noise_14B_fp8_scaled.safetensors" for noise in ("high", "low"))
+WAN22_NOTE = (
+    "Wan 2.2 text-to-video (A14B) in separate files, 33 frames at 832x480 saved as images, no login needed: "
+    "wan2.2_t2v_high_noise_14B_fp8_scaled and wan2.2_t2v_low_noise_14B_fp8_scaled (about 14.3 GB each to download; "
+    "13.3 GiB each in memory) in models/diffusion_models, read by ComfyUI's Load Diffusion Model; umt5_xxl in "
+    "models/text_encoders (type wan), on the CPU; wan_2.1_vae (0.25 GB to download) in models/vae. The high-noise "
+    "expert computes the first 10 of 20 steps on gpu:0 under a 9 GB budget, Offload To CPU gives its VRAM back, and "
+    "the low-noise expert moves in for the other 10: one card holds one expert at a time."
+)
+
+
+def wan22_two_experts() -> list[Node]:
+    """Wan 2.2's two diffusion models on one card in turn: the high-noise expert samples the first half of the
+    steps, is offloaded, and the low-noise expert moves in for the second half."""
+    high, low = WAN22_EXPERTS
+    return [
+        Node(1, "UNETLoader", [high, "default"], {}, (20, 80)),
+        Node(2, "DeviceControl_MoveToGPU", ["gpu:0", "9GB", False], {"model": (1, 0)}, (460, 80)),
+        report(3, "high-noise expert on the GPU", (2, 0), (460, 420)),
+        Node(
+            4,
+            "DeviceControl_LoadTextEncoders",
+            ["umt5_xxl_fp8_e4m3fn_scaled.safetensors", "none", "none", "none", "wan", "cpu", "auto"],
+            {},
+            (20, 420),
+        ),
+        Node(5, "CLIPTextEncode", [PROMPT], {"clip": (4, 0)}, (840, 80)),
+        Node(6, "CLIPTextEncode", ["blurry"], {"clip": (4, 0)}, (840, 300)),
+        Node(7, "EmptyHunyuanLatentVideo", [832, 480, 33, 1], {}, (840, 520)),
+        Node(
+            8,
+            "KSamplerAdvanced",
+            ["enable", 42, "fixed", 20, 3.5, "euler", "simple", 0, 10, "enable"],
+            {"model": (3, 0), "positive": (5, 0), "negative": (6, 0), "latent_image": (7, 0)},
+            (1220, 80),
+        ),
+        Node(9, "DeviceControl_OffloadToCPU", ["full", "2GB", True], {"model": (2, 0), "trigger": (8, 0)}, (1600, 80)),
+        Node(10, "UNETLoader", [low, "default"], {}, (1600, 420)),
+        Node(11, "DeviceControl_MoveToGPU", ["gpu:0", "9GB", False], {"model": (10, 0), "trigger": (9, 0)}, (1980, 80)),
+        report(12, "low-noise expert on the GPU", (11, 0), (1980, 420)),
+        Node(
+            13,
+            "KSamplerAdvanced",
+            ["disable", 42, "fixed", 20, 3.5, "euler", "simple", 10, 10000, "disable"],
+            {"model": (12, 0), "positive": (5, 0), "negative": (6, 0), "latent_image": (11, 1)},
+            (2360, 80),
+        ),
+        Node(14, "DeviceControl_LoadVAE", ["wan_2.1_vae.safetensors", "gpu:0", "auto"], {}, (2360, 520)),
+        Node(15, "VAEDecode", [], {"samples": (13, 0), "vae": (14, 0)}, (2740, 80)),
+        Node(16, "SaveImage", ["18_wan22_two_experts_offload_between"], {"images": (15, 0)}, (3080, 80)),
+        Node(17, "Note", [WAN22_NOTE], {}, (460, 760), title="About this workflow"),
+    ]
+
+
 def two_checkpoints() -> list[Node]:
     """Two checkpoints in one graph: the first is offloaded before the second moves in and refines its image."""
     return [
@@ -295,6 +350,7 @@ WORKFLOWS = {
     "07 Two checkpoints - the first offloaded before the second.json": two_checkpoints,
     "16 SD1.5 with a canny ControlNet under a VRAM budget.json": controlnet_under_budget,
     "17 SD1.5 upscaled on the GPU after the UNet was offloaded.json": upscale_after_offload,
+    "18 Wan 2.2 - two experts on one card, offloaded in turn.json": wan22_two_experts,
     "12 Flux dev split across two GPUs.json": split_across_gpus,
     **{f"{family.title}.json": partial(family_split_files, family) for family in FAMILIES},
     f"{FLUX_GGUF_EXAMPLE.title}.json": partial(family_split_files, FLUX_GGUF_EXAMPLE),

@@ -49,6 +49,7 @@ def _model(name: str, path: str, directory: str, fixture: str) -> Model:
 _FLUX_TE = "comfyanonymous/flux_text_encoders/resolve/main"
 _SD35 = "Comfy-Org/stable-diffusion-3.5-fp8/resolve/main"
 _WAN = "Comfy-Org/Wan_2.1_ComfyUI_repackaged/resolve/main/split_files"
+_WAN22 = "Comfy-Org/Wan_2.2_ComfyUI_Repackaged/resolve/main/split_files"
 MODELS = {
     model.name: model
     for model in (
@@ -157,6 +158,16 @@ MODELS = {
             "none",
         ),
         _model("wan_2.1_vae.safetensors", f"{_WAN}/vae/wan_2.1_vae.safetensors", "vae", WAN21_VAE),
+        # Wan 2.2's two experts: the small Wan 2.1 fixture stands in for each (the same architecture).
+        *(
+            _model(
+                f"wan2.2_t2v_{noise}_noise_14B_fp8_scaled.safetensors",
+                f"{_WAN22}/diffusion_models/wan2.2_t2v_{noise}_noise_14B_fp8_scaled.safetensors",
+                "diffusion_models",
+                "device_control_wan21_t2v_small.safetensors",
+            )
+            for noise in ("high", "low")
+        ),
     )
 }
 

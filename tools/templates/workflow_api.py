@@ -124,6 +124,10 @@ def _fixture_widgets(kind: str, values: list[Any]) -> list[Any]:
             values[2] = FIXTURE_FRAMES
     elif kind in SAMPLER_TYPES:
         values[2:4] = [FIXTURE_STEPS, FIXTURE_CFG]
+    elif kind == "KSamplerAdvanced":  # a share of the steps: two in all, each sampler of a pair taking one
+        steps, values[3:5] = values[3], [2 * FIXTURE_STEPS, FIXTURE_CFG]
+        values[7] = 0 if values[7] == 0 else FIXTURE_STEPS
+        values[8] = values[8] if values[8] >= steps else FIXTURE_STEPS
     return values
 
 
@@ -132,7 +136,8 @@ def for_fixtures(workflow: dict[str, Any]) -> dict[str, Any]:
 
     The example workflows name the released files and sample at their real sizes and steps; this swaps each
     file for its fixture (``tools.templates.models``), the text encoders for the fixtures' CLIP-L (and CLIP-G for
-    SDXL), latents for 64x64 (five frames), and samplers for one step at cfg 1. The download metadata is dropped,
+    SDXL), latents for 64x64 (five frames), and samplers for one step at cfg 1 (a pair of advanced samplers that
+    share the steps, for one each). The download metadata is dropped,
     so the frontend finds nothing missing.
     """
     copied = copy.deepcopy(workflow)
