@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from tools.fixtures.make import SD15_CHECKPOINT, SD15_CHECKPOINT_B, SD15_CLIP_L, SD15_LORA, SD15_UNET, SD15_VAE
-from tools.templates.models import MODELS, SD15_CONTROLNET
+from tools.templates.models import MODELS, SD15_CONTROLNET, UPSCALER
 
 #: The fixture files of the SD1.5 graphs below -> the released files their workflow names.
 RELEASED_SD15 = {
@@ -22,6 +22,7 @@ RELEASED_SD15 = {
     SD15_CLIP_L: "clip_l.safetensors",
     SD15_VAE: "vae-ft-mse-840000-ema-pruned.safetensors",
     SD15_CONTROLNET: "control_v11p_sd15_canny_fp16.safetensors",
+    UPSCALER: "RealESRGAN_x4plus.safetensors",
 }
 #: SD1.5 sampling that gives a real image: 512x512, 20 steps at cfg 7 (with the LCM LoRA: 6 steps at cfg 1.5).
 SD15_SIZE, SD15_STEPS, SD15_CFG = 512, 20, 7.0
