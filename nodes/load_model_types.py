@@ -16,13 +16,14 @@ from typing import Any
 import torch
 
 from ..core.detection.headers import read_header
-from ..core.detection.model_types import ModelType, detect_model_type
+from ..core.detection.model_types import MODEL_TYPE_NOUNS, ModelType, detect_model_type
 from ..core.errors import DeviceControlError, InvalidSizeError, ModelFileError
 from ..core.placement.budget import Budget
 from ..core.units import format_bytes
 from . import surface
 from .bridge.dynamic_vram import classic_builds
 from .bridge.moves import move
+from .bridge.subjects import KIND_NOUNS
 from .model_files import LOADER_FOR, model_path
 from .placing import DTYPES, VAE_DTYPES, check_devices, device_input, dtype_input, loaded, summary_output
 from .state import inventory
@@ -66,7 +67,7 @@ def check_inputs(title: str, node: type, device: str | None, vram_budget: str | 
 def read_type(folder: str, name: str, wanted: str, option: str) -> tuple[str, ModelType]:
     """The path of file ``name`` of ComfyUI's ``folder`` and what its header says it is; a file of another kind
     is refused here, before any weight is read, naming what it is and the node that takes it."""
-    noun = {"controlnet": "ControlNet", "clip_vision": "CLIP vision model", "model_patch": "model patch"}[wanted]
+    noun = MODEL_TYPE_NOUNS[wanted]
     path = model_path(folder, name, noun, option)
     found = detect_model_type(read_header(path), wanted)
     if found.kind == "unknown":
@@ -126,7 +127,7 @@ def loader_schema(
     file), the device, the budget and the dtype of a ``kind`` (``CONTROL_NET``), and ``extra`` inputs."""
     io = surface.io
     name, folder, what = file
-    noun = {"CONTROL_NET": "ControlNet", "CLIP_VISION": "CLIP vision model", "MODEL_PATCH": "model patch"}[kind]
+    noun = KIND_NOUNS[kind]
     return io.Schema(
         node_id=node_id,
         display_name=title,
