@@ -62,8 +62,9 @@ def record_panel(page: Any) -> None:
         """() => {
             window.__dcSeen = [];
             window.__dcDone = false;
+            window.__dcError = null;
             for (const type of ["execution_success", "execution_error"]) {
-                window.app.api.addEventListener(type, () => { window.__dcDone = type; });
+                window.app.api.addEventListener(type, (e) => { window.__dcDone = type; window.__dcError = e.detail; });
             }
             const read = () => {
                 const row = document.querySelector('.device-control-panel .dc-device[data-device="gpu:0"]');
@@ -91,7 +92,7 @@ def run_workflow(frontend: FrontendPage, workflow: Path | None) -> list[dict[str
     frontend.click_run()
     page.wait_for_function("window.__dcDone", timeout=300_000)
     page.wait_for_timeout(1500)  # one more push after the end
-    assert page.evaluate("window.__dcDone") == "execution_success"
+    assert page.evaluate("window.__dcDone") == "execution_success", page.evaluate("window.__dcError")
     return page.evaluate("clearInterval(window.__dcTimer), window.__dcSeen")
 
 
