@@ -13,6 +13,9 @@ For each family:
   image is the stock graph's (no node of ours, everything resident in RAM); Offload To CPU then gives the simulated
   GPU's books back to what they were before the move, and the VRAM Report names the family and where its bytes are.
 
+And Flux Redux's example (a CLIP vision model, SigLIP, loaded onto ``gpu:0`` by our loader, encoding the example
+image there, offloaded before Flux moves in) gives the image of the stock graph, which Redux's tokens change.
+
 The diffusion models are ComfyUI's own classes at reduced depth (``tools/fixtures/families.py``); SDXL's UNet is
 SDXL 1.0 base's layout at Segmind Vega's depth (ComfyUI builds it as one of its SDXL classes). The text conditioning
 comes from CLIP-L (and CLIP-G for SDXL) as ComfyUI's ``sd3`` type (for SDXL, ``sdxl``): the files these families
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import struct
 import time
 import uuid
@@ -124,6 +128,27 @@ def test_the_example_workflow_gives_the_stock_loaders_image(server, api, family:
     _same_images(server, ours, stock, family.stem)
     summary = ours["outputs"]["4"]["text"][0]  # Load Text Encoders With Device's summary
     assert f"{family.clip_type} text encoders: CLIP-L" in summary and "text encoder CLIP-L: cpu" in summary
+
+
+#: The CLIP vision example: Flux Redux, its image encoder on gpu:0 and offloaded before Flux moves in.
+REDUX = REPO / "workflows" / "19 Flux Redux - the image encoded on the GPU, then offloaded.json"
+
+
+@EVERY_VERSION  # each ComfyUI builds its CLIP vision model and applies Redux its own way
+def test_the_redux_example_gives_the_stock_image_with_its_image_encoder_on_the_gpu_then_offloaded(server, api):
+    prompt = api.load_prompt(server, REDUX)
+    ours = _run_alone(server, prompt)
+    loaded, offloaded = ours["outputs"]["1"]["text"][0], ours["outputs"]["4"]["text"][0]
+    assert loaded.startswith("SigLIP 384 from "), loaded  # what the loader read the file as
+    placed = re.search(r"CLIP vision model \((\w+)\) ([\d.]+ [KMG]iB): \2 resident on gpu:0\n", loaded)
+    assert placed, loaded  # whole on gpu:0, where it encodes; then every byte of it leaves
+    assert f"CLIP vision model ({placed[1]}): {placed[2]} freed on gpu:0" in offloaded, offloaded
+    assert api.moves_hold(ours, prompt), "the move was not checked against the books"
+    stock = _run_alone(server, api.stock_equivalent(prompt))
+    _same_images(server, ours, stock, "19_flux_redux")
+    # Redux's tokens reach the sampler: without them, another image.
+    plain = {**prompt, "15": {**prompt["15"], "inputs": {**prompt["15"]["inputs"], "positive": ["11", 0]}}}
+    assert not np.array_equal(images_of(server, _run_alone(server, plain))[0], images_of(server, ours)[0])
 
 
 def lora_prompt(family: Family, lora: str, budget: str) -> dict[str, Any]:

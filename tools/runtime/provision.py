@@ -364,6 +364,7 @@ MODEL_FOLDERS = (
     "model_patches",
     "gligen",
     "upscale_models",
+    "style_models",
 )
 
 

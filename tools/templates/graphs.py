@@ -196,6 +196,65 @@ def wan22_two_experts() -> list[Node]:
     ]
 
 
+#: Flux Redux's two files as released, and the example's note.
+SIGLIP = "sigclip_vision_patch14_384.safetensors"
+REDUX = "flux1-redux-dev.safetensors"
+REDUX_NOTE = (
+    "Flux Redux: the picture follows the image loaded (here ComfyUI's example), steered by the prompt. "
+    "sigclip_vision_patch14_384 (0.86 GB to download, no login needed) in models/clip_vision, read by Load CLIP "
+    "Vision With Device onto gpu:0, where it encodes the image; Offload To CPU then gives its VRAM back before Flux "
+    "moves in. flux1-redux-dev (0.13 GB to download; log in to Hugging Face and accept the licence on its page "
+    "first) in models/style_models. Flux.1 dev as in the Flux example: flux1-dev in models/diffusion_models (fp8 in "
+    "RAM, moved to gpu:0 under a 9 GB budget), clip_l and t5xxl_fp8_e4m3fn in models/text_encoders (type flux), on "
+    "the CPU, ae in models/vae. Lower the Redux strength for more of the prompt."
+)
+
+
+def flux_redux() -> list[Node]:
+    """Flux Redux on a 12 GB card: SigLIP encodes the image on the GPU and is offloaded before Flux moves in under
+    a budget; Redux turns the encoding into tokens beside the prompt's."""
+    flux = next(family for family in FAMILIES if family.stem.startswith("10_flux")).released
+    return [
+        Node(1, "DeviceControl_LoadCLIPVision", [SIGLIP, "gpu:0", "all", "auto"], {}, (20, 80)),
+        Node(2, "LoadImage", [EXAMPLE_IMAGE, "image"], {}, (20, 760)),
+        Node(3, "CLIPVisionEncode", ["center"], {"clip_vision": (1, 0), "image": (2, 0)}, (460, 80)),
+        Node(4, "DeviceControl_OffloadToCPU", ["full", "2GB", True], {"model": (1, 0), "trigger": (3, 0)}, (460, 300)),
+        Node(5, "DeviceControl_LoadDiffusionModel", [flux.unet, "cpu", "fp8_e4m3fn"], {}, (20, 420)),
+        Node(6, "DeviceControl_MoveToGPU", ["gpu:0", "9GB", False], {"model": (5, 0), "trigger": (4, 0)}, (840, 80)),
+        report(7, "Flux on gpu:0, 9GB budget", (6, 0), (840, 420)),
+        Node(
+            8,
+            "DeviceControl_LoadTextEncoders",
+            [*flux.text_encoders, "none", "none", "flux", "cpu", "auto"],
+            {},
+            (460, 900),
+        ),
+        Node(9, "CLIPTextEncode", [PROMPT], {"clip": (8, 0)}, (1220, 80)),
+        Node(10, "CLIPTextEncode", ["blurry"], {"clip": (8, 0)}, (1220, 300)),
+        Node(11, "FluxGuidance", [3.5], {"conditioning": (9, 0)}, (1220, 520)),
+        Node(12, "StyleModelLoader", [REDUX], {}, (1220, 720)),
+        Node(
+            13,
+            "StyleModelApply",
+            [1.0, "multiply"],
+            {"conditioning": (11, 0), "style_model": (12, 0), "clip_vision_output": (3, 0)},
+            (1600, 520),
+        ),
+        Node(14, "EmptySD3LatentImage", [*flux.size, 1], {}, (1600, 780)),
+        Node(
+            15,
+            "KSampler",
+            [42, "fixed", flux.steps, flux.cfg, "euler", "simple", 1],
+            {"model": (7, 0), "positive": (13, 0), "negative": (10, 0), "latent_image": (14, 0)},
+            (1980, 80),
+        ),
+        Node(16, "DeviceControl_LoadVAE", [flux.vae, "gpu:0", "auto"], {}, (1980, 620)),
+        Node(17, "VAEDecode", [], {"samples": (15, 0), "vae": (16, 0)}, (2360, 80)),
+        Node(18, "SaveImage", ["19_flux_redux_image_encoded_then_offloaded"], {"images": (17, 0)}, (2700, 80)),
+        Node(19, "Note", [REDUX_NOTE], {}, (840, 760), title="About this workflow"),
+    ]
+
+
 def two_checkpoints() -> list[Node]:
     """Two checkpoints in one graph: the first is offloaded before the second moves in and refines its image."""
     return [
@@ -323,6 +382,7 @@ WORKFLOWS = {
     "16 SD1.5 with a canny ControlNet under a VRAM budget.json": controlnet_under_budget,
     "17 SD1.5 upscaled on the GPU after the UNet was offloaded.json": upscale_after_offload,
     "18 Wan 2.2 - two experts on one card, offloaded in turn.json": wan22_two_experts,
+    "19 Flux Redux - the image encoded on the GPU, then offloaded.json": flux_redux,
     "12 Flux dev split across two GPUs.json": split_across_gpus,
     **{f"{family.title}.json": partial(family_split_files, family) for family in FAMILIES},
     f"{FLUX_GGUF_EXAMPLE.title}.json": partial(family_split_files, FLUX_GGUF_EXAMPLE),

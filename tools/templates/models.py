@@ -26,6 +26,8 @@ VAE_16CH = "device_control_vae_16ch.safetensors"
 WAN21_VAE = "device_control_wan21_vae.safetensors"
 SD15_CONTROLNET = "device_control_controlnet_sd15.safetensors"
 UPSCALER = "device_control_esrgan_tiny_x2.safetensors"
+SIGLIP_VISION = "device_control_siglip_vision_384.safetensors"
+FLUX_REDUX = "device_control_flux_redux.safetensors"
 
 
 @dataclass(frozen=True)
@@ -158,6 +160,18 @@ MODELS = {
             "none",
         ),
         _model("wan_2.1_vae.safetensors", f"{_WAN}/vae/wan_2.1_vae.safetensors", "vae", WAN21_VAE),
+        _model(
+            "sigclip_vision_patch14_384.safetensors",
+            "Comfy-Org/sigclip_vision_384/resolve/main/sigclip_vision_patch14_384.safetensors",
+            "clip_vision",
+            SIGLIP_VISION,
+        ),
+        _model(
+            "flux1-redux-dev.safetensors",
+            "black-forest-labs/FLUX.1-Redux-dev/resolve/main/flux1-redux-dev.safetensors",
+            "style_models",
+            FLUX_REDUX,
+        ),
         # Wan 2.2's two experts: the small Wan 2.1 fixture stands in for each (the same architecture).
         *(
             _model(
@@ -183,7 +197,7 @@ FIXTURE_SIZE, FIXTURE_FRAMES, FIXTURE_STEPS, FIXTURE_CFG = 64, 5, 1, 1.0
 
 
 #: Released files behind a login: a gated repository, whose licence is accepted on its page first.
-GATED = frozenset({"flux1-dev.safetensors", "sd3.5_large.safetensors"})
+GATED = frozenset({"flux1-dev.safetensors", "sd3.5_large.safetensors", "flux1-redux-dev.safetensors"})
 #: What a released file's download size is computed from (``tests/core/test_template_downloads.py``): the layout
 #: of the model it holds (``tests/data/model_layouts.json.gz``) and the bytes a parameter takes in the published
 #: file, where that is not the layout's own dtype (``None``: as the layout).
