@@ -46,6 +46,7 @@ from tests.integration.executions import watch
 from tests.passes import EVERY_VERSION, ONCE
 from tools.bench.stress import run_coroutine
 from tools.fixtures.families import DIFFUSION_FIXTURES
+from tools.fixtures.model_types import FILES
 from tools.templates.families import FAMILIES, FLUX_GGUF_EXAMPLE, Family
 
 REPO = Path(__file__).resolve().parents[2]
@@ -132,6 +133,8 @@ def test_the_example_workflow_gives_the_stock_loaders_image(server, api, family:
 
 #: The CLIP vision example: Flux Redux, its image encoder on gpu:0 and offloaded before Flux moves in.
 REDUX = REPO / "workflows" / "19 Flux Redux - the image encoded on the GPU, then offloaded.json"
+#: USO's style projector (a model patch for Flux).
+MODEL_PATCH = FILES["model_patch"][1]
 
 
 @EVERY_VERSION  # each ComfyUI builds its CLIP vision model and applies Redux its own way
@@ -148,6 +151,28 @@ def test_the_redux_example_gives_the_stock_image_with_its_image_encoder_on_the_g
     _same_images(server, ours, stock, "19_flux_redux")
     # Redux's tokens reach the sampler: without them, another image.
     plain = {**prompt, "15": {**prompt["15"], "inputs": {**prompt["15"]["inputs"], "positive": ["11", 0]}}}
+    assert not np.array_equal(images_of(server, _run_alone(server, plain))[0], images_of(server, ours)[0])
+
+
+@EVERY_VERSION  # each ComfyUI applies a model patch its own way
+def test_usos_style_patch_loaded_onto_fluxs_gpu_gives_the_stock_image_which_it_changes(server, api):
+    """ComfyUI's ModelPatchLoader and USO Style Reference as the oracle: USO's style projector loaded onto gpu:0 by
+    Load Model Patch With Device, applied to Flux moved there, gives the image of the same graph loaded by ComfyUI's
+    loader; without the patch, another image (it reached Flux's steps)."""
+    prompt = api.load_prompt(server, REDUX)  # its SigLIP encoding feeds USO instead of Redux
+    for node in ("12", "13"):
+        prompt.pop(node)
+    patch = {"name": MODEL_PATCH, "device": "gpu:0", "vram_budget": "all", "dtype": "auto"}
+    prompt["20"] = {"class_type": "DeviceControl_LoadModelPatch", "inputs": patch}
+    uso = {"model": ["7", 0], "model_patch": ["20", 0], "clip_vision_output": ["3", 0]}
+    prompt["21"] = {"class_type": "USOStyleReference", "inputs": uso}
+    prompt["15"]["inputs"].update(model=["21", 0], positive=["11", 0])
+    ours = _run_alone(server, prompt)
+    loaded = ours["outputs"]["20"]["text"][0]
+    placed = re.search(r"model patch \((\w+)\) ([\d.]+ [KMG]iB): \2 resident on gpu:0\n", loaded)
+    assert placed, loaded  # whole on gpu:0, beside Flux
+    _same_images(server, ours, _run_alone(server, api.stock_equivalent(prompt)), "USO style patch")
+    plain = {**prompt, "15": {**prompt["15"], "inputs": {**prompt["15"]["inputs"], "model": ["7", 0]}}}
     assert not np.array_equal(images_of(server, _run_alone(server, plain))[0], images_of(server, ours)[0])
 
 

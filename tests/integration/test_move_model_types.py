@@ -423,6 +423,31 @@ def test_a_patch_placed_apart_from_the_diffusion_model_it_computes_inside_is_ref
     assert error["details"].endswith("Place it on gpu:0 too.")
 
 
+def test_gligen_placed_beside_its_unet_gives_the_stock_image_which_its_box_changes(server, api):
+    """ComfyUI's GLIGENLoader and GLIGEN Textbox Apply as the oracle: SD1.5's GLIGEN moved to gpu:0 beside the
+    UNet moved there gives the image of the same graph without a node of ours, and the sampler keeps it there;
+    without the box, another image (the box reached the UNet's steps)."""
+    prompt = sampled_with_controlnet(["13", 0], ["31", 0])  # the ControlNet's place taken by GLIGEN's box
+    prompt.pop("14")
+    box = {"text": "a cat", "width": 32, "height": 32, "x": 16, "y": 16}
+    inputs = {"conditioning_to": ["2", 0], "clip": ["1", 1], "gligen_textbox_model": ["12", 0], **box}
+    prompt.update({"10": loader("gligen"), "11": moved(["10", 0]), "12": report(["11", 0]), "30": moved(["1", 0])})
+    prompt.update({"15": {"class_type": "GLIGENTextBoxApply", "inputs": inputs}, "31": report(["30", 0])})
+    prompt["21"]["inputs"].update(positive=["15", 0], negative=["3", 0])
+    server.forget_outputs()
+    stock = server.run(api.stock_equivalent(prompt))
+    entry = server.run(prompt)
+    assert sorted(api.moves_hold(entry, prompt)) == ["11", "30"]
+    placed = subject(api, entry, "12")
+    assert placed["resident"] == {"gpu:0": placed["total_bytes"]} and placed["total_bytes"] > 400 * MiB
+    assert held_on_gpu(api, entry, "22", placed["name"]) == placed["total_bytes"]  # the sampler kept it there
+    ours = api.image_of(server, entry, "24")
+    assert np.array_equal(ours, api.image_of(server, stock, "24")) and ours.std() > 1
+    plain = {key: node for key, node in prompt.items() if key not in ("10", "11", "12", "15")}
+    plain["21"] = {**prompt["21"], "inputs": {**prompt["21"]["inputs"], "positive": ["2", 0]}}
+    assert not np.array_equal(ours, api.image_of(server, server.run(plain), "24"))
+
+
 def test_a_file_of_another_kind_is_refused_by_the_loader_before_anything_loads(server, api):
     """A CLIP vision file in the controlnet folder (the name the loader is given): named, with the node that
     takes it; nothing loaded."""
