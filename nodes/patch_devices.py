@@ -75,28 +75,30 @@ def _written(value: Any) -> str | None:
 
 
 def _users(prompt: Prompt, node_id: str) -> Iterator[str]:
-    """The nodes that read any output of ``node_id``."""
+    """The nodes that read an output of ``node_id`` as a value: a ``trigger`` input only orders two nodes."""
     for other, entry in prompt.items():
-        if any((_link(value) or ("",))[0] == node_id for value in (entry.get("inputs") or {}).values()):
+        inputs = (entry.get("inputs") or {}).items()
+        if any((_link(value) or ("",))[0] == node_id for name, value in inputs if name != "trigger"):
             yield str(other)
 
 
-def _models_it_reaches(prompt: Prompt, node_id: str) -> Iterator[tuple[str, int]]:
+def _models_it_reaches(prompt: Prompt, node_id: str, patch: str) -> Iterator[tuple[str, int]]:
     """The MODEL inputs of the nodes the value at ``node_id`` reaches (downstream, stopping at the first node that
-    also takes a MODEL on each way)."""
+    also takes a MODEL on each way). A node whose ``model`` is the patch from ``patch`` itself is no diffusion
+    model: Offload To CPU is passed through (the placement holds for the next use), and a move of it again ends
+    the way (that placement is checked on its own)."""
     seen, todo = set(), list(_users(prompt, node_id))
     while todo:
         user = todo.pop()
         if user in seen:
             continue
         seen.add(user)
-        entry = prompt[user]
-        model = _link((entry.get("inputs") or {}).get("model"))
-        if entry.get("class_type") in PLACERS:
-            todo += _users(prompt, user)  # the patch moved again: its placement is checked on its own
-        elif model is not None:
+        model = _link((prompt[user].get("inputs") or {}).get("model"))
+        if model is None:
+            todo += _users(prompt, user)
+        elif _origin(prompt, model[0])[0] != patch:
             yield model
-        else:
+        elif prompt[user].get("class_type") not in PLACERS:
             todo += _users(prompt, user)
 
 
@@ -111,7 +113,7 @@ def patch_device_problems(prompt: Prompt) -> dict[str, str]:
         noun = PATCH_SOURCES.get(prompt.get(origin, {}).get("class_type"))
         if noun is None or device is None:
             continue
-        for model_node, _slot in _models_it_reaches(prompt, str(node_id)):
+        for model_node, _slot in _models_it_reaches(prompt, str(node_id), origin):
             model_origin, model_device = _origin(prompt, model_node)
             if model_device is not None and model_device != device:
                 problems[str(node_id)] = (

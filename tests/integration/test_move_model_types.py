@@ -231,11 +231,13 @@ def test_an_upscale_model_is_placed_where_comfyui_gives_it_a_patcher_and_refused
     assert ours.shape == (64, 64, 3) and np.array_equal(ours, theirs) and ours.std() > 1  # the image, not flat
 
 
-def test_a_controlnet_moves_from_each_state_a_placement_leaves_it_in(server, api):
-    # Partly on gpu:1, then whole on gpu:0, then offloaded, then on gpu:0 again: each time only where it was put.
+@pytest.mark.parametrize("kind", ["controlnet", "clip_vision", "model_patch", "gligen"])
+def test_a_model_of_each_kind_moves_from_each_state_a_placement_leaves_it_in(server, api, kind):
+    # Partly on gpu:1 (whole where it fits 400 MB), then whole on gpu:0, then offloaded, then on gpu:0 again: each
+    # time only where it was put; queued again unchanged, nothing runs and it stays there (ComfyUI's cache).
     offload = {"mode": "full", "free_amount": "2GB", "empty_cache": True}
     prompt = {
-        "1": loader("controlnet"),
+        "1": loader(kind),
         "2": moved(["1", 0], "400MB", device="gpu:1"),
         "3": report(["2", 0]),
         "4": moved(["3", 0]),
@@ -248,13 +250,17 @@ def test_a_controlnet_moves_from_each_state_a_placement_leaves_it_in(server, api
     server.forget_outputs()
     entry = server.run(prompt)
     assert sorted(api.moves_hold(entry, prompt)) == ["2", "4", "8"]
-    total = subject(api, entry, "3")["total_bytes"]
+    total, noun = subject(api, entry, "3")["total_bytes"], KIND_NOUNS[KINDS[kind]]
     assert 0 < subject(api, entry, "3")["resident"]["gpu:1"] <= 400 * MiB
     listed = {
-        node: [m["resident"] for m in api.report_json(entry, node)["models"] if m["name"] == "ControlNet"]
+        node: [m["resident"] for m in api.report_json(entry, node)["models"] if m["name"] == noun]
         for node in ("5", "7", "9")
     }
     assert listed == {"5": [{"gpu:0": total}], "7": [], "9": [{"gpu:0": total}]}, listed
+    again = watch(server, prompt)
+    assert again.prompt_id and again.executed == [], again.executed
+    rows = [m["resident"] for m in server.get("/device_control/snapshot")["report"]["models"] if m["name"] == noun]
+    assert rows == [{"gpu:0": total}], rows
 
 
 def test_split_model_refuses_a_controlnet_with_what_to_do(server, api):

@@ -65,3 +65,16 @@ def test_the_loaders_device_counts_where_no_move_follows(problems):
     assert list(problems(prompt)) == ["4"]
     prompt["1"]["inputs"]["model_device"] = "gpu:1"
     assert problems(prompt) == {}
+
+
+def test_a_patch_moved_again_offloaded_and_followed_by_a_models_move_is_checked_where_it_computes(problems):
+    """GLIGEN on gpu:1, then moved to gpu:0 and offloaded, the diffusion model's move ordered after the offload (its
+    trigger): neither the second move nor Offload To CPU is a diffusion model, and a trigger carries no patch."""
+    prompt = graph("gpu:1", "gpu:0")
+    prompt["9"] = node("DeviceControl_MoveToGPU", model=["4", 0], device="gpu:0", vram_budget="all")
+    prompt["5"]["inputs"]["value"] = ["9", 0]
+    prompt["10"] = node("DeviceControl_OffloadToCPU", model=["5", 0], mode="full")
+    prompt["2"]["inputs"]["trigger"] = ["10", 0]
+    assert problems(prompt) == {}  # it computes on gpu:0, where the sampler's model is
+    prompt["9"]["inputs"]["device"] = "gpu:1"
+    assert list(problems(prompt)) == ["9"]
