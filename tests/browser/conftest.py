@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 
-from tests.server_pool import machine_ram
 from tools.runtime.provision import CHROMIUM, frontend_root
 from tools.templates.workflow_api import load_workflow
 
@@ -99,19 +98,7 @@ def frontend_version(request) -> str:
 
 
 @pytest.fixture(scope="module")
-def browser_ram() -> Iterator[None]:
-    """A module's turn of the machine's RAM (:func:`tests.server_pool.machine_ram`), shared, taken before its server
-    starts and given back after it stops: its ComfyUI holds the workflows' models (8.8 GB seen), so the other tier's
-    modules that hold several full-size models at once wait for it to end, and it for them. Without a turn, the
-    0.33.0 browser tier beside the 0.3.75 integration tier left 7 GiB where a Flux text-encoder test needed 9.1."""
-    with machine_ram(alone=False):
-        yield
-
-
-@pytest.fixture(scope="module")
-def browser_server(
-    request, browser_ram, synthetic_models, comfy_factory, tmp_path_factory, frontend_version
-) -> Iterator[Any]:
+def browser_server(request, synthetic_models, comfy_factory, tmp_path_factory, frontend_version) -> Iterator[Any]:
     """A ComfyUI with a simulated 8 GiB GPU, so the page shows a GPU placement on any machine (a module's
     ``SIMULATE_GPU`` asks for other simulated GPUs)."""
     extra: tuple[str, ...] = ()
