@@ -137,7 +137,7 @@ REDUX = REPO / "workflows" / "19 Flux Redux - the image encoded on the GPU, then
 MODEL_PATCH = FILES["model_patch"][1]
 
 
-@EVERY_VERSION  # each ComfyUI builds its CLIP vision model and applies Redux its own way
+@ONCE  # test_workflows runs it on every ComfyUI, test_model_type_outputs compares a placed encoder's output on each
 def test_the_redux_example_gives_the_stock_image_with_its_image_encoder_on_the_gpu_then_offloaded(server, api):
     prompt = api.load_prompt(server, REDUX)
     ours = _run_alone(server, prompt)
