@@ -175,6 +175,18 @@ def stock_equivalent(prompt: dict[str, Any]) -> dict[str, Any]:
     return {key: node for key, node in stock.items() if node["class_type"] not in PASSTHROUGH}
 
 
+@pytest.fixture(autouse=True)
+def without_autograd() -> Iterator[None]:
+    """Each test computes without autograd, as ComfyUI runs every node (in inference mode). A model that ComfyUI's
+    own API runs in this process otherwise keeps, through its autograd graph, its weights and activations after the
+    test: 3.5 GB for each CLIP vision encode of ``test_model_type_outputs.py``, 8.9 GB held by the heavy modules'
+    pytest for the rest of its run, which OOM-killed a server of the job beside it."""
+    import torch
+
+    with torch.no_grad():
+        yield
+
+
 @pytest.fixture(scope="module", autouse=True)
 def machine_ram(request: pytest.FixtureRequest) -> Iterator[None]:
     """Each module shares the machine's RAM with the other tier's (:func:`tests.server_pool.machine_ram`); one that
