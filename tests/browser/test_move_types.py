@@ -86,46 +86,46 @@ def editor(frontend):
     return frontend
 
 
-def test_a_moved_clip_is_a_clip_and_cannot_feed_a_sampler(editor):
-    wired = _wire(editor, "CLIPLoader", "CLIP")
+def test_a_moved_clip_is_a_clip_and_cannot_feed_a_sampler(graph_page):
+    wired = _wire(graph_page, "CLIPLoader", "CLIP")
     assert wired["typeBefore"] == wired["inputType"] == TAKES, str(wired)  # readable, as the Info shows it
     assert wired["fed"] and wired["typeAfter"] == "CLIP", str(wired)
     assert wired["valid"] is False and wired["toSampler"] is False and not wired["samplerLinked"], str(wired)
     assert wired["toEncoder"] and wired["encoderLinked"], str(wired)
-    assert editor.our_errors() == []
+    assert graph_page.our_errors() == []
 
 
-def test_a_moved_controlnet_is_a_controlnet_and_feeds_neither_a_sampler_nor_an_encoder(editor):
-    wired = _wire(editor, "ControlNetLoader", "CONTROL_NET")
+def test_a_moved_controlnet_is_a_controlnet_and_feeds_neither_a_sampler_nor_an_encoder(graph_page):
+    wired = _wire(graph_page, "ControlNetLoader", "CONTROL_NET")
     assert wired["fed"] and wired["typeAfter"] == "CONTROL_NET", str(wired)
     assert wired["toSampler"] is False and wired["toEncoder"] is False, str(wired)
-    assert editor.our_errors() == []
+    assert graph_page.our_errors() == []
 
 
-def test_a_link_to_a_sampler_made_before_a_clip_is_connected_is_dropped(editor):
-    wired = _wire(editor, "CLIPLoader", "CLIP", link_first=True)
+def test_a_link_to_a_sampler_made_before_a_clip_is_connected_is_dropped(graph_page):
+    wired = _wire(graph_page, "CLIPLoader", "CLIP", link_first=True)
     assert wired["early"] is True, str(wired)  # nothing connected yet: the output takes any of the three
     assert wired["typeAfter"] == "CLIP" and wired["keptEarly"] is False, str(wired)
 
 
-def test_a_moved_model_still_feeds_a_sampler(editor):
-    wired = _wire(editor, "CheckpointLoaderSimple", "MODEL")
+def test_a_moved_model_still_feeds_a_sampler(graph_page):
+    wired = _wire(graph_page, "CheckpointLoaderSimple", "MODEL")
     assert wired["fed"] and wired["typeAfter"] == "MODEL", str(wired)
     assert wired["valid"] and wired["toSampler"] and wired["samplerLinked"], str(wired)
     assert wired["toEncoder"] is False and not wired["encoderLinked"], str(wired)
 
 
 @pytest.mark.parametrize("saved_as", ["MODEL,CLIP,VAE", "COMFY_MATCHTYPE_V3"])
-def test_a_saved_workflow_loads_with_its_links_and_a_typed_output(editor, tmp_path, saved_as):
+def test_a_saved_workflow_loads_with_its_links_and_a_typed_output(graph_page, tmp_path, saved_as):
     # Saved by this version (the three types) or by one that used ComfyUI's MatchType (its template type).
     workflow = json.loads(MOVE.read_text())
     move = next(n for n in workflow["nodes"] if n["type"] == "DeviceControl_MoveToGPU")
     move["outputs"][0]["type"] = saved_as
     saved = tmp_path / "saved.json"
     saved.write_text(json.dumps(workflow))
-    editor.load_workflow(saved)
-    assert editor.page.evaluate(MOVED_OUTPUT) == {"type": "MODEL", "links": len(move["outputs"][0]["links"])}
-    assert editor.our_errors() == []
+    graph_page.load_workflow(saved)
+    assert graph_page.page.evaluate(MOVED_OUTPUT) == {"type": "MODEL", "links": len(move["outputs"][0]["links"])}
+    assert graph_page.our_errors() == []
 
 
 #: How many links the loaded graph has.
@@ -133,12 +133,12 @@ LINKS = """() => { const links = window.app.graph.links; return links instanceof
     : Object.values(links).filter(Boolean).length; }"""
 
 
-def test_every_example_workflow_keeps_every_link(editor):
+def test_every_example_workflow_keeps_every_link(graph_page):
     # The outputs that follow their input are typed when a workflow loads: none of the examples' links may drop.
     for workflow in sorted((REPO / "workflows").glob("*.json")):
-        editor.load_workflow(workflow)
-        assert editor.page.evaluate(LINKS) == len(json.loads(workflow.read_text())["links"]), workflow.name
-    assert editor.our_errors() == []
+        graph_page.load_workflow(workflow)
+        assert graph_page.page.evaluate(LINKS) == len(json.loads(workflow.read_text())["links"]), workflow.name
+    assert graph_page.our_errors() == []
 
 
 #: Set the device of the loader and of Move To GPU to one this machine lacks (a workflow from another machine).
