@@ -149,6 +149,11 @@ PASS_PLATFORMS = {NEWEST_TESTED: "windows"}
 #: Settings of torch's OpenMP threads for a job that runs beside another: wait without spinning, or compute on one.
 PASSIVE = {"OMP_WAIT_POLICY": "PASSIVE"}
 ONE = {"OMP_NUM_THREADS": "1"}
+#: Every job's torch puts its large host tensors on transparent huge pages (a Linux setting of torch's allocator,
+#: ignored elsewhere; nothing of ours reads it). The tests load and drop models of gigabytes over and over, and on
+#: 4 KiB pages a heavy module spent a quarter of its CPU faulting pages in: test_split_model took 25 M page faults
+#: and 186 s of CPU (45 in the kernel), with huge pages 3 M and 155 s (23) (``docs/bench/ci_cpu_where.txt``).
+HUGE_PAGES = {"THP_MEM_ALLOC_ENABLE": "1"}
 #: The priority of a job that fills what the others leave of the cores (a niceness: higher is lower).
 NICE = 10
 #: The start of the name of each pytest's folder (``--basetemp``) in a whole run: one folder per tier and pass.
@@ -306,7 +311,7 @@ def run_jobs(jobs: list[Job], started: float, ram_gib: float | None = None) -> i
     """Run the jobs, at most :data:`LANES` at once, each as soon as it may (:func:`runnable`), in the order of their
     critical paths; after a job fails, none starts. Each job's output is printed whole when it ends."""
     ram_gib = machine_ram_gib() if ram_gib is None else ram_gib
-    env = {**os.environ, "DEVICE_CONTROL_REQUIRE_ALL_TIERS": "1"}
+    env = {**os.environ, **HUGE_PAGES, "DEVICE_CONTROL_REQUIRE_ALL_TIERS": "1"}
     pending, running, done, failed = order(jobs), [], set(), []
     index = {job.label: number for number, job in enumerate(pending)}
     ended: queue.Queue[tuple[Job, int, Path | None, str]] = queue.Queue()
