@@ -151,11 +151,14 @@ PASSIVE = {"OMP_WAIT_POLICY": "PASSIVE"}
 ONE = {"OMP_NUM_THREADS": "1"}
 #: Every job's torch puts its large host tensors on transparent huge pages (a Linux setting of torch's allocator,
 #: ignored elsewhere; nothing of ours reads it). The tests load and drop models of gigabytes over and over, and on
-#: 4 KiB pages a heavy module spent a quarter of its CPU faulting pages in: test_split_model took 25 M page faults
-#: and 186 s of CPU (45 in the kernel), with huge pages 3 M and 155 s (23) (``docs/bench/ci_cpu_where.txt``).
+#: 4 KiB pages test_split_model took 25-27 M page faults and 41-45 s of kernel time, with huge pages 3 M and 21-23 s:
+#: about an eighth of its CPU (``docs/bench/ci_cpu_where.txt``).
 HUGE_PAGES = {"THP_MEM_ALLOC_ENABLE": "1"}
 #: The priority of a job that fills what the others leave of the cores (a niceness: higher is lower).
 NICE = 10
+#: The script each job runs under: the processes a job leaves behind (a browser's) are waited for, and their CPU
+#: time counted in the job's figure.
+REAP = REPO / "tools" / "runtime" / "reap.py"
 #: The start of the name of each pytest's folder (``--basetemp``) in a whole run: one folder per tier and pass.
 SCRATCH = Path(tempfile.gettempdir()) / f"device-control-{os.getpid()}"
 #: How many jobs run at once: the CI machine's two cores (each job's ComfyUI servers and browser use more than one
@@ -348,15 +351,14 @@ def run_jobs(jobs: list[Job], started: float, ram_gib: float | None = None) -> i
 
 def _run_job(job: Job, env: dict[str, str], output: Path | None, ended: queue.Queue) -> None:
     """Run ``job``'s command, its output to ``output`` (``None``: straight through), at its priority where the OS
-    has priorities; report its exit status."""
+    has priorities; report its exit status and CPU time."""
     with contextlib.ExitStack() as stack:
         sink = stack.enter_context(open(output, "wb")) if output is not None else None
+        # Through REAP: what the command leaves behind is waited for, so the CPU figure is the job's.
+        command = [sys.executable, str(REAP), *(["--nice", str(job.nice)] if job.nice else [])]
         process = subprocess.Popen(
-            list(job.command), cwd=REPO, env={**env, **job.settings}, stdout=sink, stderr=subprocess.STDOUT
+            [*command, *job.command], cwd=REPO, env={**env, **job.settings}, stdout=sink, stderr=subprocess.STDOUT
         )
-        if job.nice and hasattr(os, "setpriority"):
-            with contextlib.suppress(OSError):  # a process that already ended
-                os.setpriority(os.PRIO_PROCESS, process.pid, job.nice)
         code, cpu = _wait(process)
     ended.put((job, code, output, cpu))
 

@@ -278,3 +278,45 @@ def test_the_runtime_installs_every_pin_once_and_leaves_torchs_compiler_backend_
     pins = pinned_packages(PINS / "requirements.txt", PINS / "constraints.txt", REPO / "requirements.txt")
     assert {"triton"} == LEFT_OUT and all("==" in pin for pin in pins)  # the pack's own ranges are pinned too
     assert {"torch==2.14.1", "safetensors==0.8.0", "psutil==7.2.2"} <= set(pins)
+
+
+#: A command that ends at once and leaves a process of its own behind, which goes on: as a browser's helpers
+#: outlive the process that started them.
+LEAVES_A_PROCESS = "import subprocess, sys; subprocess.Popen([sys.executable, '-c', {child!r}])"
+#: Left behind, it works for two seconds of CPU, or sleeps after writing its pid where ``LEFT_PID`` says.
+WORKS = "import time\nend = time.process_time() + 2.0\nwhile time.process_time() < end: pass"
+SLEEPS = "import os, pathlib, time; pathlib.Path(os.environ['LEFT_PID']).write_text(str(os.getpid())); time.sleep(600)"
+
+
+def _cpu_seconds(figure: str) -> float:
+    """The seconds of a job's CPU figure ("; CPU 1 s user, 1 s kernel"), user and kernel together."""
+    user, kernel = figure.split("CPU ")[1].split(", ")
+    return float(user.split()[0]) + float(kernel.split()[0])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="subreapers are Linux's")
+def test_a_jobs_cpu_counts_the_processes_it_left_behind():
+    """A job's CPU figure (``wait4``) counts what its command left behind, which ran on when its parent ended:
+    through ``tools/runtime/reap.py``, not without it."""
+    import queue as queues
+
+    from tools import run_tests
+
+    command = (sys.executable, "-c", LEAVES_A_PROCESS.format(child=WORKS))
+    assert _cpu_seconds(run_tests._wait(subprocess.Popen(command))[1]) < 0.5  # alone: the process left is not counted
+    ended: queues.Queue = queues.Queue()
+    run_tests._run_job(run_tests.Job("leaves", {}, command), dict(os.environ), None, ended)
+    _job, code, _output, cpu = ended.get(timeout=60)
+    assert code == 0 and _cpu_seconds(cpu) >= 1.5, cpu
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="subreapers are Linux's")
+def test_a_process_a_job_left_running_is_killed_when_the_job_ends(tmp_path):
+    """What a job leaves running (a server or browser it failed to stop) is killed once the job has ended and given
+    it time: the run neither waits for it nor leaves it on the machine."""
+    left = tmp_path / "left.pid"
+    command = [sys.executable, "-c", LEAVES_A_PROCESS.format(child=SLEEPS)]
+    reap = [sys.executable, str(REPO / "tools" / "runtime" / "reap.py"), "--leftover-seconds", "1", *command]
+    assert subprocess.run(reap, timeout=60, env={**os.environ, "LEFT_PID": str(left)}).returncode == 0
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(left.read_text()), 0)

@@ -7,4 +7,5 @@ the test suites, never a user's ComfyUI.
 * :mod:`~tools.runtime.inprocess`: ComfyUI imported into this Python (fixture makers, oracle tests).
 * :mod:`~tools.runtime.manager`: the pack installed by the real ComfyUI-Manager.
 * :mod:`~tools.runtime.surface_check`: a ComfyUI source tree checked for every symbol the pack uses.
+* :mod:`~tools.runtime.reap`: one job of ``tools/run_tests.py``, whose CPU figure then counts all it started.
 """
