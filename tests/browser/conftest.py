@@ -137,12 +137,19 @@ def frontend(browser_context, browser_server) -> Iterator[FrontendPage]:
 
 
 @pytest.fixture(scope="module")
-def graph_page(browser_context, browser_server) -> Iterator[FrontendPage]:
-    """One opened page of the editor for a module's tests that only build or load a graph through the frontend's
-    graph API, each from a cleared or newly loaded graph: a page load of the frontend takes about 7 s of CPU
-    (``docs/bench/ci_cpu_where.txt``), most of a browser tier's cost. A test of what a page does as it loads, or of
-    what the page shows (toasts, dialogs, badges, the panel), takes a page of its own (:func:`frontend`)."""
+def _opened_page(browser_context, browser_server) -> Iterator[FrontendPage]:
     page = FrontendPage(browser_context.new_page(), browser_server)
     page.open()
     yield page
     page.page.close()
+
+
+@pytest.fixture
+def graph_page(_opened_page) -> FrontendPage:
+    """One opened page of the editor for a module's tests that only build or load a graph through the frontend's
+    graph API, each from a cleared or newly loaded graph: a page load of the frontend takes about 7 s of CPU
+    (``docs/bench/ci_cpu_where.txt``), most of a browser tier's cost. Its console is emptied for each test, so an
+    error is reported by the test that made it. A test of what a page does as it loads, or of what the page shows
+    as it runs (toasts, dialogs, badges, the panel), takes a page of its own (:func:`frontend`)."""
+    _opened_page.console.clear()
+    return _opened_page

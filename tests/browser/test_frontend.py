@@ -21,10 +21,10 @@ def test_extension_loads_without_errors_of_ours(frontend):
     assert frontend.our_errors() == []
 
 
-def test_frontend_converts_each_workflow_as_our_converter_does(frontend):
+def test_frontend_converts_each_workflow_as_our_converter_does(graph_page):
     """Every example workflow, loaded in turn into one page as the frontend's Load does, converts to the prompt our
     converter makes from the file (a new graph replaces the one before, so each workflow is converted alone)."""
-    frontend.open()
+    frontend = graph_page
     object_info = frontend.server.get("/object_info")
     simplify = lambda prompt: {k: (v["class_type"], v["inputs"]) for k, v in prompt.items()}  # noqa: E731
     differ = []

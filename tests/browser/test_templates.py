@@ -71,10 +71,10 @@ def _backwards(nodes: list[dict], links: list[list]) -> list[tuple[str, str]]:
     return found
 
 
-def test_no_two_nodes_of_a_template_overlap_and_each_reads_left_to_right(frontend):
-    """One page load per frontend; each template loaded in turn, measured after the frontend sized its nodes. The
-    starter's report "after Offload To CPU" sat left of KSampler, before it: the graph read backwards."""
-    frontend.open()
+def test_no_two_nodes_of_a_template_overlap_and_each_reads_left_to_right(graph_page):
+    """Each template loaded in turn, measured after the frontend sized its nodes. The starter's report "after
+    Offload To CPU" sat left of KSampler, before it: the graph read backwards."""
+    frontend = graph_page
     overlapping, backwards = {}, {}
     for workflow in WORKFLOWS:
         frontend.load_workflow(workflow)
@@ -88,10 +88,10 @@ def test_no_two_nodes_of_a_template_overlap_and_each_reads_left_to_right(fronten
 
 
 @EVERY_VERSION  # in ComfyUI 0.33.0's pass, on the frontend it pins (1.48.7), where a user saw it
-def test_the_starter_opens_at_its_start_where_node_text_shows(frontend):
-    """It opened at 29 % on 1.48.7 (a fit of one row 4,200 px long), where the frontend draws boxes without text."""
-    frontend.open()
-    view = frontend.page.evaluate(OPEN_AS_TEMPLATE, [load_workflow(STARTER), STARTER.stem])
+def test_the_starter_opens_at_its_start_where_node_text_shows(graph_page):
+    """It opened at 29 % on 1.48.7 (a fit of one row 4,200 px long), where the frontend draws boxes without text.
+    Opened in a page that showed other graphs before, as a user opens it from the template browser."""
+    view = graph_page.page.evaluate(OPEN_AS_TEMPLATE, [load_workflow(STARTER), STARTER.stem])
     assert view["textPx"] >= view["least"], view
     assert 0 <= view["first"][0] < 120 and 0 <= view["first"][1] < 160, view  # the loader, at the top left
 
@@ -110,11 +110,10 @@ LISTED = """async () => {
 }"""
 
 
-def test_the_template_browser_lists_ours_in_their_numbers_order_with_readable_titles(frontend):
+def test_the_template_browser_lists_ours_in_their_numbers_order_with_readable_titles(graph_page):
     """The browser's default sort keeps this order; the title it shows is the file name ("01 Start here - ...",
     not "01_start_here_sd15_..."), listed last on a Linux disk before the pack sorted it."""
-    frontend.open()
-    listed = frontend.page.evaluate(LISTED)
+    listed = graph_page.page.evaluate(LISTED)
     assert listed["names"] == sorted(workflow.stem for workflow in WORKFLOWS), listed["names"]
     assert listed["names"][0] == STARTER.stem and STARTER.stem.startswith("01 Start here - ")
     assert all("_" not in name for name in listed["names"]), listed["names"]  # words, not a file's snake case
