@@ -317,6 +317,7 @@ def test_a_process_a_job_left_running_is_killed_when_the_job_ends(tmp_path):
     left = tmp_path / "left.pid"
     command = [sys.executable, "-c", LEAVES_A_PROCESS.format(child=SLEEPS)]
     reap = [sys.executable, str(REPO / "tools" / "runtime" / "reap.py"), "--leftover-seconds", "1", *command]
-    assert subprocess.run(reap, timeout=60, env={**os.environ, "LEFT_PID": str(left)}).returncode == 0
+    done = subprocess.run(reap, timeout=60, env={**os.environ, "LEFT_PID": str(left)}, capture_output=True, text=True)
+    assert done.returncode == 0 and "killed a process the job left running" in done.stderr, done.stderr
     with pytest.raises(ProcessLookupError):
         os.kill(int(left.read_text()), 0)

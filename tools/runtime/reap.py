@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -24,6 +26,8 @@ PR_SET_CHILD_SUBREAPER = 36
 #: How long the processes a command left behind get to end on their own before they are killed (a browser's helpers
 #: end within a second of it; a process still there after this is a leak the job must not keep running).
 LEFTOVER_SECONDS = 20.0
+
+log = logging.getLogger("device_control.tools")
 
 
 def become_subreaper() -> bool:
@@ -36,7 +40,8 @@ def become_subreaper() -> bool:
 
 
 def reap_leftovers(deadline: float) -> None:
-    """Wait for every child still here (the ones given to this process); after ``deadline`` kill those left."""
+    """Wait for every child still here (the ones given to this process); after ``deadline`` kill those left, and
+    then what they leave in turn, each named in the log: a job must stop what it starts."""
     while True:
         try:
             pid, _status = os.waitpid(-1, os.WNOHANG)
@@ -45,14 +50,16 @@ def reap_leftovers(deadline: float) -> None:
         if pid:
             continue
         if time.monotonic() > deadline:
-            _kill_children()
-            deadline = float("inf")
+            for child, command in _children():
+                log.warning("[Device Control] killed a process the job left running: %s %s", child, command)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child, signal.SIGKILL)
         time.sleep(0.1)
 
 
-def _kill_children() -> None:
-    """Kill this process's remaining children (read from ``/proc``, where a subreaper's OS keeps them)."""
-    own = str(os.getpid())
+def _children() -> list[tuple[int, str]]:
+    """This process's children and their command lines, read from ``/proc`` (a subreaper's OS keeps them there)."""
+    own, found = str(os.getpid()), []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -60,7 +67,9 @@ def _kill_children() -> None:
             with open(f"/proc/{entry}/stat") as stat:
                 parent = stat.read().rsplit(")", 1)[1].split()[1]
             if parent == own:
-                os.kill(int(entry), 9)
+                with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                    found.append((int(entry), cmdline.read().replace(b"\0", b" ").decode(errors="replace")[:200]))
+    return found
 
 
 def main(argv: list[str]) -> int:
@@ -69,6 +78,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--leftover-seconds", type=float, default=LEFTOVER_SECONDS)
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.nice and hasattr(os, "nice"):  # an OS with priorities: the command and all it starts run at this one
         os.nice(args.nice)
     subreaper = become_subreaper()
