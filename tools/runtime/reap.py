@@ -42,6 +42,7 @@ def become_subreaper() -> bool:
 def reap_leftovers(deadline: float) -> None:
     """Wait for every child still here (the ones given to this process); after ``deadline`` kill those left, and
     then what they leave in turn, each named in the log: a job must stop what it starts."""
+    killed: set[int] = set()
     while True:
         try:
             pid, _status = os.waitpid(-1, os.WNOHANG)
@@ -51,7 +52,9 @@ def reap_leftovers(deadline: float) -> None:
             continue
         if time.monotonic() > deadline:
             for child, command in _children():
-                log.warning("[Device Control] killed a process the job left running: %s %s", child, command)
+                if child not in killed:  # one line each, however long the kernel takes to end it
+                    log.warning("[Device Control] killed a process the job left running: %s %s", child, command)
+                    killed.add(child)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(child, signal.SIGKILL)
         time.sleep(0.1)
